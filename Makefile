@@ -1,0 +1,47 @@
+# DeepInfer: `make test` and `make serve` are all a fresh clone needs.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+MODEL := models/tiny-llama
+INSTALLED := $(VENV)/.deepinfer-installed
+TORCH_CPU := torch==2.13.0+cpu
+PYTEST_ARGS ?=
+
+.PHONY: install test lint serve bench-worker bench-engine clean
+
+install: $(INSTALLED) $(MODEL)/deepinfer_tiny.json
+
+# On a CUDA machine the venv sees the system's CUDA torch; elsewhere a CPU
+# build is pinned so installing never pulls a multi-GB CUDA wheel.
+$(INSTALLED): setup.cfg pyproject.toml
+	@if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
+		echo "CUDA torch found: the venv uses it"; python3 -m venv --system-site-packages $(VENV); \
+	else \
+		python3 -m venv $(VENV) && $(PIP) install -q --upgrade pip && \
+		($(PIP) install -q "$(TORCH_CPU)" || \
+		 $(PIP) install -q torch --index-url https://download.pytorch.org/whl/cpu); \
+	fi
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+$(MODEL)/deepinfer_tiny.json: $(INSTALLED) tools/make_tiny_model.py
+	$(PY) -m tools.make_tiny_model --out $(MODEL)
+
+lint: $(INSTALLED)
+	$(VENV)/bin/ruff check .
+
+test: install lint
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+serve: install
+	$(VENV)/bin/deepinfer-run serve --model $(MODEL)
+
+bench-worker: install
+	$(PY) -m tools.bench_worker --model $(MODEL)
+
+bench-engine: install
+	$(PY) -m tools.bench_engine --model $(MODEL)
+
+clean:
+	rm -rf $(VENV) models *.egg-info .pytest_cache .ruff_cache .hypothesis

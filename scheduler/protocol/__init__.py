@@ -1,0 +1,306 @@
+"""Every message that crosses a process boundary, as plain dataclasses.
+
+One module so that the wire format can be read in one place. Messages are
+encoded by the generic msgpack codec in `scheduler/codec.py`; nothing here is
+ever pickled. Workers import this module and nothing else from the scheduler.
+
+Vocabulary (see shared/DESIGN.md): a *sequence* owns a *block table* (device
+block ids, `block_size` tokens each). A *step plan* carries, in the order the
+ranks apply them: cache ops (swap_out, swap_in, close), block-table deltas
+(new sequences, appended blocks), then the chunks of tokens to run forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The one frozen configuration built from the command line.
+
+    Handed to every process as plain data (msgpack), so it holds only
+    primitives. Derived values are properties.
+    """
+
+    model: str
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    world_size: int = 1
+    block_size: int = 16
+    kv_cache_memory: int = 256 * 1024 * 1024  # bytes per rank for the device tier
+    gpu_memory_utilization: float = 0.0  # CUDA only; > 0 sizes the device tier by profiling
+    host_cache_memory: int = 0  # bytes per rank for the host tier; 0 disables it
+    max_model_len: int = 0  # 0: take the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_queued_requests: int = 256
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    torch_threads: int = 0  # 0: cores / local ranks
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"unknown device {self.device!r}")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise ValueError(f"unknown attention backend {self.attention_backend!r}")
+        if self.world_size < 1:
+            raise ValueError("world_size must be >= 1")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k
+    seed: int | None = None  # per-request seed; None: derived from the engine seed and seq id
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+
+
+# --- step plan: scheduler -> every rank -----------------------------------------
+
+
+@dataclass
+class NewSequence:
+    """A sequence's block table, sent in full exactly once."""
+
+    seq_id: int
+    block_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class AppendBlocks:
+    """Blocks appended to a live sequence's table (a delta, never the whole table)."""
+
+    seq_id: int
+    block_ids: list[int]
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens of one sequence to run this step, at positions [start_pos, start_pos + len).
+
+    Their KV is written into the sequence's blocks; attention sees every earlier
+    position (the cached prefix included). `sample` asks rank 0 for a token at
+    the chunk's last position.
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    sample: bool
+
+
+@dataclass
+class StepPlan:
+    step: int
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+    close: list[int] = field(default_factory=list)  # seq ids whose block tables are dropped
+    new_seqs: list[NewSequence] = field(default_factory=list)
+    append: list[AppendBlocks] = field(default_factory=list)
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+
+
+# --- step result: every rank -> scheduler ---------------------------------------
+
+
+@dataclass
+class StepResult:
+    step: int
+    rank: int
+    digest: int  # StateDigest.value after the step
+    sampled: list[tuple[int, int]] = field(default_factory=list)  # (seq_id, token); rank 0 only
+    forward_s: float = 0.0
+    error: str | None = None
+
+
+# --- control --------------------------------------------------------------------
+
+
+@dataclass
+class WorkerConnect:
+    """A rank's first message; the scheduler answers with the EngineConfig."""
+
+    rank: int
+    world_size: int
+    pid: int
+
+
+@dataclass
+class WorkerReady:
+    """A rank has loaded its shard and allocated its KV tiers (counts agreed across ranks)."""
+
+    rank: int
+    device: str
+    num_device_blocks: int
+    num_host_blocks: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+
+
+# --- requests: shim <-> scheduler ---------------------------------------------
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    cache_salt: str | None = None
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+    reason: str = "abort"  # "abort" (client gone) or "stop" (the shim matched a stop string)
+
+
+@dataclass
+class RequestOutput:
+    """New tokens of one request since its last output; the last one has finished=True."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    num_prompt_tokens: int = 0
+    num_device_cached_tokens: int = 0  # prompt tokens served from the device tier
+    num_host_cached_tokens: int = 0  # prompt tokens served from the host tier
+    error: str | None = None
+    error_type: str | None = None  # invalid_request | overloaded | internal
+
+
+@dataclass
+class ClientHello:
+    """The shim's first message; the scheduler answers with EngineInfo."""
+
+    pid: int
+
+
+@dataclass
+class EngineInfo:
+    model: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    block_size: int
+    num_device_blocks: int
+    num_host_blocks: int
+    world_size: int
+
+
+@dataclass
+class Shutdown:
+    reason: str = ""
+
+
+# --- shared state digest --------------------------------------------------------
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64 finaliser: a fixed, seedless integer hash (same in every process)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _entry(kind: int, a: int, b: int, c: int) -> int:
+    return _mix64(_mix64(_mix64(kind ^ (a << 8)) ^ b) ^ c)
+
+
+class StateDigest:
+    """Order-independent digest of the cache state a rank mirrors.
+
+    The scheduler keeps one for what it told the ranks, each rank one for what it
+    applied; equal values mean equal state. It is a sum of per-entry hashes, so a
+    step costs O(delta), not O(state): 450K-token block tables are never rehashed.
+    Entries: (sequence, index in table) -> block; host slot -> device block it holds.
+    """
+
+    SEQ_BLOCK = 1
+    HOST_SLOT = 2
+
+    def __init__(self) -> None:
+        self.value = 0
+        self._seq_sums: dict[int, int] = {}
+        self._seq_lens: dict[int, int] = {}
+        self._slots: dict[int, int] = {}
+
+    def add_blocks(self, seq_id: int, block_ids: list[int]) -> None:
+        n = self._seq_lens.get(seq_id, 0)
+        s = 0
+        for i, b in enumerate(block_ids, start=n):
+            s = (s + _entry(self.SEQ_BLOCK, seq_id, i, b)) & _MASK64
+        self._seq_lens[seq_id] = n + len(block_ids)
+        self._seq_sums[seq_id] = (self._seq_sums.get(seq_id, 0) + s) & _MASK64
+        self.value = (self.value + s) & _MASK64
+
+    def close(self, seq_id: int) -> None:
+        s = self._seq_sums.pop(seq_id)
+        del self._seq_lens[seq_id]
+        self.value = (self.value - s) & _MASK64
+
+    def set_slot(self, slot: int, block_id: int) -> None:
+        old = self._slots.get(slot)
+        if old is not None:
+            self.value = (self.value - _entry(self.HOST_SLOT, slot, old, 0)) & _MASK64
+        self._slots[slot] = block_id
+        self.value = (self.value + _entry(self.HOST_SLOT, slot, block_id, 0)) & _MASK64
+
+    def apply(self, plan: StepPlan) -> None:
+        """Advance the digest by a plan, in the order ranks apply it."""
+        for block, slot in plan.swap_out:
+            self.set_slot(slot, block)
+        for seq_id in plan.close:
+            self.close(seq_id)
+        for seq in plan.new_seqs:
+            self.add_blocks(seq.seq_id, seq.block_ids)
+        for app in plan.append:
+            self.add_blocks(app.seq_id, app.block_ids)
+
+    @property
+    def live_seqs(self) -> list[int]:
+        return sorted(self._seq_lens)
+
+
+MESSAGE_TYPES: tuple[type, ...] = (
+    EngineConfig,
+    SamplingParams,
+    NewSequence,
+    AppendBlocks,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+    WorkerConnect,
+    WorkerReady,
+    GenerateRequest,
+    AbortRequest,
+    RequestOutput,
+    ClientHello,
+    EngineInfo,
+    Shutdown,
+)

@@ -1,0 +1,51 @@
+"""A request as the scheduler tracks it: one sequence of tokens and its progress."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from scheduler.protocol import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # in the queue; the ranks hold nothing for it
+    RUNNING = "running"  # admitted; the ranks hold its block table
+    FINISHED = "finished"  # done; closed by the plan after its last step
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_token_ids: frozenset[int]
+    extra_key: bytes
+    arrival: float = field(default_factory=time.monotonic)
+    output: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0  # tokens whose KV is written (or being written this step)
+    block_ids: list[int] = field(default_factory=list)  # the table as the ranks know it
+    opened: bool = False  # the ranks hold its block table
+    last_step: int = -1  # last step that ran this sequence's tokens
+    num_emitted: int = 0  # output tokens already sent to the requester
+    finish_reason: str | None = None
+    num_device_cached: int = 0
+    num_host_cached: int = 0
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.num_tokens - 1

@@ -1,0 +1,37 @@
+"""Start N torchrun-style rank processes of the reference harness and collect rank 0's output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from tests.conftest import REPO, free_port, subprocess_env
+
+
+def run_ranks(world_size: int, out: Path, timeout: float = 300, **args) -> dict:
+    port = free_port()
+    args["out"] = str(out)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.worker.tp_harness", json.dumps(args)],
+            cwd=REPO,
+            env=subprocess_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
+                               LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                               MASTER_PORT=str(port)),
+            stderr=subprocess.PIPE, text=True,
+        )
+        for r in range(world_size)
+    ]
+    errors = []
+    for r, p in enumerate(procs):
+        _, err = p.communicate(timeout=timeout)
+        if p.returncode:
+            errors.append(f"rank {r} exited {p.returncode}:\n{err[-3000:]}")
+    assert not errors, "\n".join(errors)
+    result = load_file(str(out))
+    result["digests"] = {Path(f"{out}.digest{r}").read_text() for r in range(world_size)}
+    return result

@@ -1,0 +1,67 @@
+"""One rank of a tensor-parallel reference run, started as a torchrun-style process.
+
+Each rank loads its shard, prefills a prompt in chunks, then decodes greedily,
+all through `ModelRunner.execute` with the same plans on every rank. Rank 0
+writes the prompt logits and tokens to a safetensors file (no pickle crosses
+the process boundary); every rank writes its digest.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+from scheduler.protocol import EngineConfig, NewSequence, ScheduledChunk, StepPlan
+from worker.distributed import RankInfo, init_tensor_parallel, set_torch_threads
+from worker.model_runner import ModelRunner
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    info = RankInfo.from_env()
+    set_torch_threads(info.local_world_size)
+    tp = init_tensor_parallel(info, torch.device("cpu"))
+    config = EngineConfig(model=args["model"], dtype=args["dtype"], world_size=info.world_size,
+                          kv_cache_memory=args.get("kv_cache_memory", 64 << 20))
+    runner = ModelRunner(config, tp, torch.device("cpu"))
+    prompt, chunk = args["prompt"], args["chunk"]
+    bs = config.block_size
+    total = len(prompt) + args["new_tokens"]
+    plans = [StepPlan(step=0, new_seqs=[NewSequence(1, list(range(-(-total // bs))))])]
+    for start in range(0, len(prompt), chunk):
+        part = prompt[start : start + chunk]
+        plans.append(StepPlan(step=len(plans), chunks=[
+            ScheduledChunk(1, part, start, start + chunk >= len(prompt))]))
+    logits = []
+    tokens: list[int] = []
+
+    def run(plan: StepPlan) -> None:
+        out = runner.execute(plan, return_logits=True)
+        if out.logits is not None:
+            logits.append(out.logits)
+        if any(c.sample for c in plan.chunks):
+            # every rank needs the sampled token: rank 0 sends it, as the scheduler would
+            t = torch.tensor([out.sampled[0][1] if out.sampled else 0])
+            if info.world_size > 1:
+                torch.distributed.broadcast(t, src=0)
+            tokens.append(int(t.item()))
+
+    for plan in plans:
+        run(plan)
+    while len(tokens) < args["new_tokens"]:
+        pos = len(prompt) + len(tokens) - 1
+        run(StepPlan(step=len(plans) + len(tokens), chunks=[
+            ScheduledChunk(1, [tokens[-1]], pos, True)]))
+    prompt_logits = torch.cat(logits)[: len(prompt)] if logits else torch.empty(0)
+    if info.rank == 0:
+        save_file({"logits": prompt_logits.float().contiguous(),
+                   "tokens": torch.tensor(tokens)}, args["out"])
+    with open(f"{args['out']}.digest{info.rank}", "w") as f:
+        f.write(str(runner.digest.value))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Rank identity and the tensor-parallel process group.
+
+A worker reads the standard torchrun variables, so it can be started by our
+launcher or by `torchrun` itself. NCCL on CUDA, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_env(cls) -> RankInfo:
+        env = os.environ
+        missing = [k for k in ("RANK", "WORLD_SIZE") if k not in env]
+        if missing:
+            raise RuntimeError(f"worker needs the torchrun variables; missing {missing}")
+        world_size = int(env["WORLD_SIZE"])
+        return cls(
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+            world_size=world_size,
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", "29500")),
+        )
+
+
+def set_torch_threads(local_world_size: int, requested: int = 0) -> int:
+    """Give each rank its share of the cores so N ranks do not fight over them."""
+    threads = requested or max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+    torch.set_num_threads(threads)
+    return threads
+
+
+class TensorParallelGroup:
+    """The collectives the model needs; no-ops at world size 1."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Concatenate every rank's shard along the last dim, on rank 0 only."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0)
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
+    def all_min(self, value: int) -> int:
+        """The minimum of an integer across ranks (block counts are agreed this way)."""
+        if self.world_size == 1:
+            return value
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+
+def init_tensor_parallel(info: RankInfo, device: torch.device) -> TensorParallelGroup:
+    if info.world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{info.master_addr}:{info.master_port}",
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=datetime.timedelta(seconds=120),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return TensorParallelGroup(info.rank, info.world_size)
+
+
+def resolve_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")

@@ -1,0 +1,75 @@
+"""Building blocks of a tensor-parallel Llama layer: norms, rotary, sharded projections."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker.distributed import TensorParallelGroup
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Computed in float32 and cast back before the weight, as HF does, so
+    # bf16 results round the same way as the reference.
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+class Rotary:
+    """Rotary position embedding (HF's rotate-half layout)."""
+
+    def __init__(self, inv_freq: list[float], device: torch.device) -> None:
+        self.inv_freq = torch.tensor(inv_freq, dtype=torch.float32, device=device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, D]
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class VocabParallelEmbedding:
+    """Each rank holds rows [start, end) of the vocabulary; lookups are summed across ranks."""
+
+    def __init__(self, weight: torch.Tensor, start: int, vocab_size: int, tp: TensorParallelGroup):
+        self.weight = weight  # [rows on this rank, hidden]
+        self.start = start
+        self.end = start + weight.shape[0]
+        self.vocab_size = vocab_size
+        self.tp = tp
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (ids < self.start) | (ids >= self.end)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead:
+    """Vocab-parallel output projection; rank 0 receives the full logits."""
+
+    def __init__(self, weight: torch.Tensor, rows_per_rank: int, vocab_size: int,
+                 tp: TensorParallelGroup):
+        self.weight = weight  # [rows on this rank, hidden]
+        self.rows_per_rank = rows_per_rank
+        self.vocab_size = vocab_size
+        self.tp = tp
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = hidden @ self.weight.t()  # [B, rows on this rank]
+        pad = self.rows_per_rank - logits.shape[-1]
+        if pad:  # the last rank's shard may be short; gather needs equal sizes
+            logits = F.pad(logits, (0, pad))
+        full = self.tp.gather_last_dim(logits)
+        return None if full is None else full[..., : self.vocab_size]

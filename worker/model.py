@@ -1,0 +1,154 @@
+"""A tensor-parallel Llama-family decoder over the paged KV cache.
+
+Split (Megatron style): QKV and gate/up are column-parallel (each rank computes
+its heads and its MLP columns), O and down are row-parallel and all-reduced.
+Embedding and LM head are vocab-parallel. Each rank reads only its slices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker.attention import AttentionBackend
+from worker.distributed import TensorParallelGroup
+from worker.kv_cache import KVCache
+from worker.layers import ParallelLMHead, Rotary, VocabParallelEmbedding, rms_norm
+from worker.model_config import ModelConfig
+from worker.weights import CheckpointReader
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(q_heads + 2 * kv_heads) * head_dim on this rank, hidden]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor  # [hidden, q_heads * head_dim on this rank]
+    o_bias: torch.Tensor | None  # added after the all-reduce, so once
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate on this rank, hidden]
+    down: torch.Tensor  # [hidden, intermediate on this rank]
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        config.check_tensor_parallel(tp.world_size)
+        self.config = config
+        self.tp = tp
+        self.dtype = dtype
+        self.device = device
+        self.num_heads = config.num_heads // tp.world_size
+        self.num_kv_heads = config.num_kv_heads // tp.world_size
+        self.head_dim = config.head_dim
+        self.rotary = Rotary(config.inv_freq(), device)
+        self.layers: list[LayerWeights] = []
+
+    # --- loading ---------------------------------------------------------------
+
+    def load(self, model_dir: str, show_progress: bool = False) -> None:
+        cfg, r = self.config, self.tp.rank
+        reader = CheckpointReader(model_dir, self.dtype, show_progress)
+        vocab_rows = -(-cfg.vocab_size // self.tp.world_size)  # ceil: last shard may be short
+        v0, v1 = r * vocab_rows, min((r + 1) * vocab_rows, cfg.vocab_size)
+        embed = reader.rows("model.embed_tokens.weight", v0, v1)
+        self.embed = VocabParallelEmbedding(self._dev(embed), v0, cfg.vocab_size, self.tp)
+        head = embed if cfg.tie_word_embeddings else reader.rows("lm_head.weight", v0, v1)
+        self.lm_head = ParallelLMHead(self._dev(head), vocab_rows, cfg.vocab_size, self.tp)
+        self.norm = self._dev(reader.full("model.norm.weight"))
+        self.layers = [self._load_layer(reader, i) for i in range(cfg.num_layers)]
+        reader.close()
+
+    def _load_layer(self, reader: CheckpointReader, i: int) -> LayerWeights:
+        cfg, r, d = self.config, self.tp.rank, self.head_dim
+        p = f"model.layers.{i}."
+        q0, q1 = r * self.num_heads * d, (r + 1) * self.num_heads * d
+        k0, k1 = r * self.num_kv_heads * d, (r + 1) * self.num_kv_heads * d
+        inter = cfg.intermediate_size // self.tp.world_size
+        m0, m1 = r * inter, (r + 1) * inter
+        attn, mlp = p + "self_attn.", p + "mlp."
+        qkv = torch.cat([
+            reader.rows(attn + "q_proj.weight", q0, q1),
+            reader.rows(attn + "k_proj.weight", k0, k1),
+            reader.rows(attn + "v_proj.weight", k0, k1),
+        ])
+        qkv_bias = None
+        if cfg.qkv_bias:
+            qkv_bias = torch.cat([
+                reader.rows(attn + "q_proj.bias", q0, q1),
+                reader.rows(attn + "k_proj.bias", k0, k1),
+                reader.rows(attn + "v_proj.bias", k0, k1),
+            ])
+        gate_up = torch.cat([
+            reader.rows(mlp + "gate_proj.weight", m0, m1),
+            reader.rows(mlp + "up_proj.weight", m0, m1),
+        ])
+        return LayerWeights(
+            input_norm=self._dev(reader.full(p + "input_layernorm.weight")),
+            qkv=self._dev(qkv),
+            qkv_bias=self._dev(qkv_bias),
+            q_norm=self._dev(reader.full(attn + "q_norm.weight")) if cfg.qk_norm else None,
+            k_norm=self._dev(reader.full(attn + "k_norm.weight")) if cfg.qk_norm else None,
+            o=self._dev(reader.cols(attn + "o_proj.weight", q0, q1)),
+            o_bias=self._dev(reader.full(attn + "o_proj.bias")) if cfg.o_bias else None,
+            post_norm=self._dev(reader.full(p + "post_attention_layernorm.weight")),
+            gate_up=self._dev(gate_up),
+            down=self._dev(reader.cols(mlp + "down_proj.weight", m0, m1)),
+        )
+
+    def _dev(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(self.device).contiguous()
+
+    # --- forward ---------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                kv: KVCache, attn: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions, slots: [T]. Returns final hidden states [T, hidden].
+
+        `attn.plan(...)` has been called for this step; each layer writes its new
+        K/V into the pages first, then attends over the full context.
+        """
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        h = self.embed(input_ids)  # [T, hidden]
+        for i, layer in enumerate(self.layers):
+            h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, self._eps), cos, sin,
+                                    slots, kv, attn)
+            h = h + self._mlp(layer, rms_norm(h, layer.post_norm, self._eps))
+        return rms_norm(h, self.norm, self._eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[B, hidden] -> [B, vocab] float32 on rank 0; None on other ranks."""
+        out = self.lm_head(hidden)
+        return None if out is None else out.float()
+
+    @property
+    def _eps(self) -> float:
+        return self.config.rms_norm_eps
+
+    def _attention(self, i: int, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, slots: torch.Tensor, kv: KVCache,
+                   attn: AttentionBackend) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        qkv = F.linear(x, w.qkv, w.qkv_bias)
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
+        q = q.view(t, self.num_heads, d)
+        k = k.view(t, self.num_kv_heads, d)
+        v = v.view(t, self.num_kv_heads, d)
+        if w.q_norm is not None:  # Qwen3: RMSNorm over each head before rotary
+            q = rms_norm(q, w.q_norm, self._eps)
+            k = rms_norm(k, w.k_norm, self._eps)
+        q = Rotary.apply(q, cos, sin)
+        k = Rotary.apply(k, cos, sin)
+        kv.write(i, k, v, slots)
+        o = attn.forward(q, kv.k[i], kv.v[i])  # [T, heads on this rank, head_dim]
+        out = self.tp.all_reduce(F.linear(o.reshape(t, -1), w.o))
+        return out if w.o_bias is None else out + w.o_bias
+
+    def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
+        return self.tp.all_reduce(F.linear(F.silu(gate) * up, w.down))

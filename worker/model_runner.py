@@ -1,0 +1,196 @@
+"""Applies step plans on one rank: cache ops, block-table deltas, forward, sampling.
+
+The runner is a stateful mirror of the scheduler's view: it keeps each live
+sequence's block table, updated by deltas, and decides nothing about cache
+state. Everything it computes from a plan is deterministic, so every rank that
+applies the same plans holds the same state (checked through `StateDigest`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.protocol import EngineConfig, SamplingParams, StateDigest, StepPlan
+from worker.attention import AttentionMetadata, create_backend
+from worker.distributed import TensorParallelGroup
+from worker.kv_cache import KVCache
+from worker.model import LlamaModel
+from worker.model_config import load_model_config
+from worker.sampler import sample
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":  # bf16 where it is fast, float32 on CPU
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+@dataclass
+class StepOutput:
+    sampled: list[tuple[int, int]]  # (seq_id, token), rank 0 only
+    digest: int
+    forward_s: float
+    logits: torch.Tensor | None = None  # [num_tokens, vocab] on rank 0 when asked (tests)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, tp: TensorParallelGroup, device: torch.device,
+                 num_device_blocks: int | None = None) -> None:
+        self.config = config
+        self.tp = tp
+        self.device = device
+        self.model_config = load_model_config(config.model)
+        self.dtype = resolve_dtype(config.dtype, device)
+        self.vocab_size = self.model_config.vocab_size
+        self.max_model_len = resolve_max_model_len(config, self.model_config)
+
+        self.model = LlamaModel(self.model_config, tp, self.dtype, device)
+        self.model.load(config.model, show_progress=tp.rank == 0)
+
+        m = self.model
+        block_bytes = KVCache.bytes_per_block(
+            self.model_config.num_layers, config.block_size, m.num_kv_heads, m.head_dim,
+            self.dtype,
+        )
+        # Ranks may have different free memory; every rank must hold the same
+        # block ids, so all take the minimum.
+        blocks = num_device_blocks or config.kv_cache_memory // block_bytes
+        host_blocks = config.host_cache_memory // block_bytes
+        self.num_device_blocks = tp.all_min(blocks)
+        self.num_host_blocks = tp.all_min(host_blocks)
+        if self.num_device_blocks < 1:
+            raise ValueError(
+                f"KV budget {config.kv_cache_memory} bytes holds no {block_bytes}-byte block"
+            )
+        self.kv = KVCache(
+            self.model_config.num_layers, self.num_device_blocks, self.num_host_blocks,
+            config.block_size, m.num_kv_heads, m.head_dim, self.dtype, device,
+        )
+        self.attn = create_backend(
+            config.attention_backend, m.num_heads, m.num_kv_heads, m.head_dim,
+            config.block_size, self.dtype, device,
+        )
+        self.block_tables: dict[int, list[int]] = {}
+        self.sampling: dict[int, tuple[SamplingParams, int]] = {}
+        self.digest = StateDigest()
+
+    # --- one step ----------------------------------------------------------------
+
+    def execute(self, plan: StepPlan, return_logits: bool = False) -> StepOutput:
+        self._apply_cache_ops(plan)
+        self._apply_table_deltas(plan)
+        self.digest.apply(plan)
+        if not plan.chunks:
+            return StepOutput([], self.digest.value, 0.0)
+
+        t0 = time.perf_counter()
+        ids, positions, slots, meta, sample_rows = self._prepare_batch(plan)
+        self.attn.plan(meta)
+        hidden = self.model.forward(ids, positions, slots, self.kv, self.attn)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        logits = self.model.logits(hidden if return_logits else hidden[rows])
+        sampled: list[tuple[int, int]] = []
+        if logits is not None and sample_rows:
+            sampled = self._sample(plan, logits[rows] if return_logits else logits, sample_rows)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return StepOutput(sampled, self.digest.value, time.perf_counter() - t0,
+                          logits if return_logits else None)
+
+    def _apply_cache_ops(self, plan: StepPlan) -> None:
+        # Order matters: a block written out this step may be reused as a
+        # swap-in target or for new KV in the same step.
+        for block, slot in plan.swap_out:
+            self._check_block(block)
+            assert 0 <= slot < self.num_host_blocks, f"host slot {slot} out of range"
+        self.kv.swap_out(plan.swap_out)
+        for slot, block in plan.swap_in:
+            self._check_block(block)
+            assert 0 <= slot < self.num_host_blocks, f"host slot {slot} out of range"
+        self.kv.swap_in(plan.swap_in)
+        for seq_id in plan.close:
+            del self.block_tables[seq_id]
+            del self.sampling[seq_id]
+
+    def _apply_table_deltas(self, plan: StepPlan) -> None:
+        for seq in plan.new_seqs:
+            assert seq.seq_id not in self.block_tables, f"seq {seq.seq_id} opened twice"
+            for b in seq.block_ids:
+                self._check_block(b)
+            self.block_tables[seq.seq_id] = list(seq.block_ids)
+            seed = seq.sampling.seed if seq.sampling.seed is not None else (
+                self.config.seed * 1_000_003 + seq.seq_id)
+            self.sampling[seq.seq_id] = (seq.sampling, seed)
+        for app in plan.append:
+            for b in app.block_ids:
+                self._check_block(b)
+            self.block_tables[app.seq_id].extend(app.block_ids)
+
+    def _check_block(self, block: int) -> None:
+        assert 0 <= block < self.num_device_blocks, f"device block {block} out of range"
+
+    def _prepare_batch(self, plan: StepPlan):
+        bs = self.config.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qo_indptr, kv_indptr, kv_indices, last_page_len = [0], [0], [], []
+        sample_rows: list[int] = []
+        for chunk in plan.chunks:
+            table = self.block_tables[chunk.seq_id]
+            n = len(chunk.token_ids)
+            ctx = chunk.start_pos + n
+            num_pages = -(-ctx // bs)
+            assert n > 0 and ctx <= self.max_model_len, f"seq {chunk.seq_id}: bad chunk"
+            # An exact page table: a spare page would read stale KV.
+            assert num_pages <= len(table), (
+                f"seq {chunk.seq_id}: {ctx} tokens need {num_pages} blocks, table has {len(table)}"
+            )
+            ids.extend(chunk.token_ids)
+            pos = range(chunk.start_pos, ctx)
+            positions.extend(pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            qo_indptr.append(qo_indptr[-1] + n)
+            kv_indices.extend(table[:num_pages])
+            kv_indptr.append(len(kv_indices))
+            last_page_len.append(ctx - (num_pages - 1) * bs)
+            if chunk.sample:
+                sample_rows.append(len(ids) - 1)
+        # The embedding must never see an id outside the vocabulary (the
+        # scheduler rejects them first; this is the worker's own guard).
+        assert all(0 <= t < self.vocab_size for t in ids), "token id outside the vocabulary"
+        as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+        meta = AttentionMetadata(
+            as_i32(qo_indptr), as_i32(kv_indptr), as_i32(kv_indices), as_i32(last_page_len), bs
+        )
+        dev = self.device
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            torch.tensor(slots, dtype=torch.long, device=dev),
+            meta,
+            sample_rows,
+        )
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor,
+                rows: list[int]) -> list[tuple[int, int]]:
+        chunks = [c for c in plan.chunks if c.sample]
+        params = [self.sampling[c.seq_id][0] for c in chunks]
+        seeds = [self.sampling[c.seq_id][1] for c in chunks]
+        positions = [c.start_pos + len(c.token_ids) for c in chunks]
+        tokens = sample(logits, params, seeds, positions)
+        return [(c.seq_id, t) for c, t in zip(chunks, tokens)]
+
+
+def resolve_max_model_len(config: EngineConfig, model: object) -> int:
+    limit = model.max_position_embeddings
+    if model.sliding_window:
+        # Sliding-window attention is not implemented; up to the window it is
+        # plain causal attention, so the context is capped there.
+        limit = min(limit, model.sliding_window)
+    return min(config.max_model_len, limit) if config.max_model_len else limit
