@@ -1,0 +1,39 @@
+"""A snapshot of what each block and slot holds, by hash, to compare across processes."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from cache.hashing import BlockHash, keys_to_bytes
+
+
+@dataclass(frozen=True)
+class CacheDigest:
+    """Registered device blocks and host slots with the hash of the KV they hold.
+
+    Arrays, not dicts: at full scale there are ~42M entries. ``fingerprint()`` is what
+    to compare; ``device_map()``/``host_map()`` are for tests and inspection.
+    """
+
+    device_blocks: np.ndarray  # int32 [n], ascending
+    device_keys: np.ndarray  # uint64 [n, 2] (lo, hi)
+    host_slots: np.ndarray  # int32 [m], ascending
+    host_keys: np.ndarray  # uint64 [m, 2]
+
+    def fingerprint(self) -> str:
+        h = hashlib.blake2b(digest_size=16, person=b"deepinfer.dgst")
+        for a in (self.device_blocks, self.device_keys, self.host_slots, self.host_keys):
+            h.update(len(a).to_bytes(8, "little"))
+            h.update(np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes())
+        return h.hexdigest()
+
+    def device_map(self) -> dict[int, BlockHash]:
+        keys = keys_to_bytes(self.device_keys[:, 0], self.device_keys[:, 1])
+        return dict(zip(self.device_blocks.tolist(), keys))
+
+    def host_map(self) -> dict[int, BlockHash]:
+        keys = keys_to_bytes(self.host_keys[:, 0], self.host_keys[:, 1])
+        return dict(zip(self.host_slots.tolist(), keys))

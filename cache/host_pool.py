@@ -1,0 +1,104 @@
+"""The host tier: slots in RAM holding copies of device blocks, with a hash index and LRU.
+
+Host slots have no reference counts: sequences never point at them; a hit is copied
+back to a device block (swap_in). Every slot is either free or cached (registered, in
+the LRU). A slot touched by the ops of the current step -- the target of a queued
+swap_out or the source of a queued swap_in -- is *pinned* until the ops are drained:
+  - a pinned swap_in source must not be overwritten first (swap_out runs before
+    swap_in, so reusing it this step would load the wrong KV);
+  - a pinned swap_out target must not be written twice in one batch (workers copy a
+    batch with one indexed store, whose order for repeated targets is undefined).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cache.free_list import FreeList
+from cache.hash_index import HashIndex
+from cache.lru import LruQueue
+
+
+class HostPool:
+    def __init__(self, num_slots: int) -> None:
+        assert num_slots >= 0
+        self.num_slots = num_slots
+        self.index = HashIndex(num_slots)
+        self.lru = LruQueue(num_slots)  # exactly the registered slots
+        self.free = FreeList(num_slots)
+        self.pinned = np.zeros(num_slots, dtype=bool)
+        self.num_pinned = 0
+        self._pinned: list[np.ndarray] = []
+
+    def nbytes(self) -> int:
+        return self.index.nbytes() + self.lru.nbytes() + self.free.nbytes() + self.pinned.nbytes
+
+    @property
+    def num_free(self) -> int:
+        return self.free.count
+
+    @property
+    def num_cached(self) -> int:
+        return self.lru.count - self.num_pinned
+
+    def find(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        return self.index.find(lo, hi)
+
+    def pin(self, slots: np.ndarray) -> None:
+        """Pin for this step and mark most recently used (a hit or a fresh copy)."""
+        slots = np.asarray(slots, dtype=np.int32)
+        if len(slots) == 0:
+            return
+        new = slots[~self.pinned[slots]]
+        self.pinned[new] = True
+        self.num_pinned += len(new)
+        self._pinned.append(new)
+        self.lru.push(slots)
+
+    def unpin_all(self) -> None:
+        for slots in self._pinned:
+            self.pinned[slots] = False
+        self._pinned = []
+        self.num_pinned = 0
+
+    def take(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Up to ``k`` slots to write: free ones, then the least recently used unpinned
+        ones, whose hashes leave the index. Fewer when the rest are pinned.
+
+        Returns (slots, evicted)."""
+        got = self.free.pop(k)
+        evicted = self.lru.pop(k - len(got), skip=self.pinned if self.num_pinned else None)
+        return np.concatenate([got, evicted]), evicted
+
+    def register(self, slots: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
+        """Index slots about to receive a swap_out this step (and pin them)."""
+        self.index.insert(slots, lo, hi)
+        self.pin(slots)
+
+    def drop_cached(self) -> int:
+        ids = self.lru.order()
+        ids = ids[~self.pinned[ids]]
+        self.lru.remove(ids)
+        self.index.remove(ids)
+        self.free.push(ids)
+        return len(ids)
+
+    def preload(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Mark free slots as holding these hashes (absent, distinct): tools and restores."""
+        assert len(lo) <= self.free.count
+        ids = self.free.pop(len(lo))
+        self.index.insert(ids, lo, hi)
+        self.lru.push(ids)
+        return ids
+
+    def check(self) -> None:
+        free = self.free.is_free
+        registered = self.index.registered_mask()
+        assert not (free & registered).any()
+        assert (free | registered).all()
+        assert (self.lru.present == registered).all()
+        assert not (self.pinned & ~registered).any()
+        assert self.num_pinned == int(self.pinned.sum())
+        assert self.num_pinned + self.num_cached + self.num_free == self.num_slots
+        self.lru.check()
+        self.index.check()

@@ -1,0 +1,409 @@
+"""KVCacheManager: the scheduler's view of every KV block, in both tiers.
+
+The scheduler owns this object; workers never decide anything about cache state. Per
+step, the scheduler calls (in this order):
+
+  1. ``free(seq)`` for sequences closed this step (finished or aborted at an earlier
+     step: see the close-timing rule on `free`);
+  2. ``lookup`` (optional, read-only) and ``allocate`` for sequences it schedules;
+  3. ``commit`` for every scheduled sequence, with the tokens whose KV this step writes;
+  4. ``take_ops()`` exactly once, and sends the ops in the step plan.
+
+Workers apply a plan in order: all ``swap_out`` (device block -> host slot), then all
+``swap_in`` (host slot -> device block), then block-table deltas and the forward pass,
+which writes the new KV of every sequence of the batch (in each layer, before any
+attention of that layer reads it). Everything below relies on that order:
+  - a block evicted this step can be reused this step (as a swap_in target or for new
+    KV) because its swap_out has already copied it;
+  - a host slot filled by a swap_out this step can be the source of a swap_in this step;
+  - a block committed this step is registered at once, so a sequence admitted in the
+    same step can hit it: the KV is written by this step's forward before it is read.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cache.block_pool import DevicePool
+from cache.digest import CacheDigest
+from cache.hashing import BlockHashChain
+from cache.host_pool import HostPool
+from cache.stats import CacheStats
+
+WRITE_POLICIES = ("write_back", "write_through")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    num_device_blocks: int
+    block_size: int = 16
+    num_host_blocks: int = 0  # 0 disables the host tier
+    write_policy: str = "write_back"  # host copy on device eviction, or on commit
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        assert self.block_size > 0, self.block_size
+        assert self.num_device_blocks > 0, self.num_device_blocks
+        assert self.num_host_blocks >= 0, self.num_host_blocks
+        assert self.write_policy in WRITE_POLICIES, self.write_policy
+
+    @property
+    def host_enabled(self) -> bool:
+        return self.num_host_blocks > 0 and self.enable_prefix_caching
+
+    @property
+    def num_device_tokens(self) -> int:
+        return self.num_device_blocks * self.block_size
+
+    @property
+    def num_host_tokens(self) -> int:
+        return self.num_host_blocks * self.block_size
+
+
+@dataclass
+class CacheOps:
+    """Block copies for one step, applied by every worker before anything else."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    num_device_tokens: int  # prompt tokens served by device-resident blocks
+    num_host_tokens: int  # prompt tokens served by host slots (swapped in)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_device_tokens + self.num_host_tokens
+
+
+@dataclass
+class _Seq:
+    extra_key: bytes
+    chain: BlockHashChain | None  # None when prefix caching is off
+    blocks: array  # int32 block table
+    hit: PrefixHit
+    num_registered: int  # leading blocks already through `commit` (hits included)
+    last_commit_step: int = -1
+
+
+def _as_array(blocks: array) -> np.ndarray:
+    # A copy, never a view: a view would pin the array and make a later extend() raise.
+    return np.frombuffer(blocks.tobytes(), dtype=np.int32)
+
+
+@dataclass
+class _Match:
+    num_blocks: int
+    device: np.ndarray  # int32 [num_blocks]: device block, or -1 where the host serves it
+    host: np.ndarray  # int32 [num_blocks]: host slot where device is -1
+
+
+class KVCacheManager:
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.device = DevicePool(config.num_device_blocks)
+        self.host = HostPool(config.num_host_blocks if config.host_enabled else 0)
+        self.stats = CacheStats()
+        self._seqs: dict[int, _Seq] = {}
+        self._ops = CacheOps()
+        # Blocks committed this step under write_through: their KV is written by this
+        # step's forward pass, so their copy to the host goes into the *next* step's ops.
+        self._write_through_next: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._step = 0  # number of take_ops calls so far
+
+    # --- queries --------------------------------------------------------------------
+
+    def lookup(self, token_ids: Sequence[int], extra_key: bytes,
+               chain: BlockHashChain | None = None) -> PrefixHit:
+        """How much of this prompt the cache would serve now. Changes nothing (no stats).
+
+        The hit is capped at (len(token_ids) - 1) // block_size blocks: the last prompt
+        token is always computed, for its logits. Pass the sequence's ``chain`` to reuse
+        its hashes (hashing is the dominant cost for long prompts)."""
+        if not self.config.enable_prefix_caching:
+            return PrefixHit(0, 0)
+        m = self._match(token_ids, self._chain_for(extra_key, chain))
+        return self._hit_of(m)
+
+    def num_cached_tokens(self, seq_id: int) -> PrefixHit:
+        """What the first `allocate` of ``seq_id`` took from each tier."""
+        return self._seqs[seq_id].hit
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return self._seqs[seq_id].blocks.tolist()
+
+    def has_seq(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def num_allocatable_blocks(self) -> int:
+        """Blocks `allocate` could hand out now (free + evictable)."""
+        return self.device.num_free + self.device.num_evictable()
+
+    # --- per-step mutations -----------------------------------------------------------
+
+    def allocate(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
+                 extra_key: bytes, chain: BlockHashChain | None = None) -> list[int] | None:
+        """Give ``seq_id`` enough device blocks for its first ``num_tokens`` tokens.
+
+        ``token_ids``: every known token of the sequence (prompt + generated so far).
+        The first call takes the prefix hit in full (so the sequence may get more blocks
+        than ``num_tokens`` needs; read the hit back with `num_cached_tokens`, which may
+        differ from an earlier `lookup` if the cache changed in between). Device hits
+        are shared (refcount + 1); host hits get a fresh block and a queued swap_in.
+        Returns the block ids appended to the sequence's table, in order (hit blocks
+        first), or None when there is not enough room -- and then nothing has changed.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return self._allocate_first(seq_id, token_ids, num_tokens, extra_key, chain)
+        assert seq.extra_key == extra_key, "extra_key changed for a live sequence"
+        need = -(-num_tokens // self.block_size) - len(seq.blocks)
+        if need <= 0:
+            return []
+        if need > self.num_allocatable_blocks():
+            return None
+        blocks = self._take_fresh(need)
+        seq.blocks.extend(blocks.tolist())
+        return blocks.tolist()
+
+    def commit(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Register the full blocks of tokens [0, num_computed_tokens) in the prefix index.
+
+        Call it in the step that writes their KV (once the tokens are scheduled), for
+        every scheduled sequence. Idempotent. A hash already indexed to another block
+        keeps that block; this sequence keeps its own copy, unindexed. Under
+        write_through, newly registered blocks are copied to the host next step."""
+        seq = self._seqs[seq_id]
+        seq.last_commit_step = self._step
+        if seq.chain is None:
+            return
+        n_full = num_computed_tokens // self.block_size
+        assert num_computed_tokens <= len(token_ids), "committing tokens that are not known"
+        assert n_full <= len(seq.blocks), "committing tokens beyond the allocated blocks"
+        start = seq.num_registered
+        if n_full <= start:
+            return
+        assert seq.chain.extend(token_ids, n_full) >= n_full
+        lo, hi = seq.chain.keys(start, n_full)
+        blocks = _as_array(seq.blocks[start:n_full])
+        new = self.device.index.find(lo, hi) < 0
+        blocks, lo, hi = blocks[new], lo[new], hi[new]
+        self.device.register(blocks, lo, hi)
+        seq.num_registered = n_full
+        if self.config.write_policy == "write_through" and self.config.host_enabled:
+            self._write_through_next.append((blocks, lo, hi))
+
+    def free(self, seq_id: int) -> None:
+        """Close ``seq_id``: release its blocks *to the cache* (full registered blocks stay
+        hittable in the LRU; the rest return to the free list).
+
+        Close-timing rule (enforced here): a sequence must not be closed in the step
+        that runs it. Its final token is sampled at step k, so it is closed by the plan
+        of step k+1; closing at step k would let another sequence reuse a block that
+        step k's forward pass still writes, or index KV that is never written. Freeing
+        a sequence that was allocated but not committed this step (an admission rolled
+        back) is allowed.
+        """
+        seq = self._seqs[seq_id]
+        assert seq.last_commit_step != self._step, (
+            f"seq {seq_id} closed in step {self._step}, the step that runs it; "
+            "close it with the next step's plan")
+        del self._seqs[seq_id]
+        # Tail first: the LRU then evicts a chain's tail before its head, so shared
+        # prefixes (system prompt, earlier turns) stay cached longest.
+        self.device.unref(_as_array(seq.blocks)[::-1])
+
+    def take_ops(self) -> CacheOps:
+        """Drain this step's ops (call exactly once per step, even when empty)."""
+        ops, self._ops = self._ops, CacheOps()
+        self._step += 1
+        self.device.clear_busy()
+        self.host.unpin_all()
+        pending, self._write_through_next = self._write_through_next, []
+        for blocks, lo, hi in pending:
+            # Still referenced (they cannot be closed in their commit step) and indexed.
+            assert (self.device.refcount[blocks] > 0).all()
+            assert (self.device.index.key_lo[blocks] == lo).all()
+            self._copy_to_host(blocks[::-1], lo[::-1], hi[::-1])  # tail first
+        return ops
+
+    def peek_ops(self) -> CacheOps:
+        """The ops queued so far for this step (a copy; nothing is drained)."""
+        return CacheOps(list(self._ops.swap_out), list(self._ops.swap_in))
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every unreferenced cached block and host slot. Returns how many."""
+        return self.device.drop_cached() + self.host.drop_cached()
+
+    def preload(self, tier: str, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Mark free blocks/slots of ``tier`` ("device" or "host") as cached under these
+        hashes. For tools (bench_index) and restores; the KV must really be there."""
+        pool = self.device if tier == "device" else self.host
+        assert tier in ("device", "host")
+        return pool.preload(np.asarray(lo, np.uint64), np.asarray(hi, np.uint64))
+
+    # --- reporting ----------------------------------------------------------------------
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Per tier, in blocks: used + cached + free == capacity.
+
+        device: used = referenced by a sequence; cached = unreferenced but hashed.
+        host: used = pinned by this step's ops; cached = holding a hash; free."""
+        d, h = self.device, self.host
+        return {
+            "device": {"capacity": d.num_blocks, "used": d.num_used,
+                       "cached": d.num_cached, "free": d.num_free},
+            "host": {"capacity": h.num_slots, "used": h.num_pinned,
+                     "cached": h.num_cached, "free": h.num_free},
+        }
+
+    def digest_state(self) -> CacheDigest:
+        """Registered device blocks and host slots with their hashes."""
+        def snap(index) -> tuple[np.ndarray, np.ndarray]:
+            items = index.registered_items()
+            return items, np.stack([index.key_lo[items], index.key_hi[items]], axis=1)
+
+        db, dk = snap(self.device.index)
+        hs, hk = snap(self.host.index)
+        return CacheDigest(db, dk, hs, hk)
+
+    def check_invariants(self) -> None:
+        """O(capacity) consistency check, for tests and debug builds."""
+        counts = np.zeros(self.device.num_blocks, dtype=np.int64)
+        for sid, seq in self._seqs.items():
+            b = _as_array(seq.blocks)
+            assert len(np.unique(b)) == len(b), f"seq {sid} holds a block twice"
+            counts[b] += 1
+            assert seq.num_registered <= len(b)
+        assert (counts == self.device.refcount).all(), "refcounts != live sequence references"
+        self.device.check()
+        self.host.check()
+        ops = self._ops
+        for _, slot in ops.swap_out:
+            assert self.host.pinned[slot]
+        assert len({s for _, s in ops.swap_out}) == len(ops.swap_out), "host slot written twice"
+        assert len({b for _, b in ops.swap_in}) == len(ops.swap_in), "block loaded twice"
+        for slot, block in ops.swap_in:
+            assert self.host.pinned[slot] and self.device.busy[block]
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _chain_for(self, extra_key: bytes, chain: BlockHashChain | None) -> BlockHashChain:
+        if chain is None:
+            return BlockHashChain(self.block_size, extra_key)
+        assert chain.extra_key == extra_key and chain.block_size == self.block_size
+        return chain
+
+    def _match(self, token_ids: Sequence[int], chain: BlockHashChain) -> _Match:
+        """Longest prefix of full blocks found in either tier (device preferred per block).
+
+        Hashes lazily in growing chunks and stops at the first miss, so a miss costs
+        little hashing while a long hit pays for every block once."""
+        cap = max(len(token_ids) - 1, 0) // self.block_size
+        dev_parts: list[np.ndarray] = []
+        host_parts: list[np.ndarray] = []
+        n, chunk = 0, 64
+        while n < cap:
+            upto = min(cap, n + chunk)
+            assert chain.extend(token_ids, upto) >= upto
+            lo, hi = chain.keys(n, upto)
+            dev = self.device.index.find(lo, hi)
+            host = np.full(len(dev), -1, dtype=np.int32)
+            miss = dev < 0
+            if self.host.num_slots and miss.any():
+                host[miss] = self.host.find(lo[miss], hi[miss])
+            ok = (dev >= 0) | (host >= 0)
+            k = len(ok) if ok.all() else int(np.argmin(ok))
+            dev_parts.append(dev[:k])
+            host_parts.append(host[:k])
+            n += k
+            if k < len(ok):
+                break
+            chunk = min(4 * chunk, 8192)
+        empty = np.zeros(0, dtype=np.int32)
+        return _Match(n, np.concatenate(dev_parts) if dev_parts else empty,
+                      np.concatenate(host_parts) if host_parts else empty)
+
+    def _hit_of(self, m: _Match) -> PrefixHit:
+        n_dev = int((m.device >= 0).sum())
+        return PrefixHit(n_dev * self.block_size, (m.num_blocks - n_dev) * self.block_size)
+
+    def _allocate_first(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
+                        extra_key: bytes, chain: BlockHashChain | None) -> list[int] | None:
+        if self.config.enable_prefix_caching:
+            chain = self._chain_for(extra_key, chain)
+            m = self._match(token_ids, chain)
+        else:
+            chain = None
+            m = _Match(0, np.zeros(0, np.int32), np.zeros(0, np.int32))
+        n_hit = m.num_blocks
+        on_host = m.device < 0
+        dev_hits = m.device[~on_host]
+        host_hits = m.host[on_host]
+        n_total = max(n_hit, -(-num_tokens // self.block_size))
+        n_fresh = n_total - n_hit + len(host_hits)
+        # Hits on cached blocks take them out of the evictable set (busy ones never were).
+        lru = self.device.lru
+        hit_evictable = int((lru.present[dev_hits] & ~self.device.busy[dev_hits]).sum())
+        if n_fresh > self.num_allocatable_blocks() - hit_evictable:
+            return None  # nothing changed yet
+
+        # Order matters: take the hits (and pin the host sources) before evicting for
+        # fresh blocks, so the eviction cannot reclaim the prefix being hit.
+        self.device.ref(dev_hits)
+        self.host.pin(host_hits)
+        fresh = self._take_fresh(n_fresh)
+        loaded = fresh[:len(host_hits)]
+        table = np.empty(n_total, dtype=np.int32)
+        table[np.flatnonzero(~on_host)] = dev_hits
+        table[np.flatnonzero(on_host)] = loaded
+        table[n_hit:] = fresh[len(host_hits):]
+        if len(loaded):
+            lo, hi = chain.keys(0, n_hit)
+            self.device.register(loaded, lo[on_host], hi[on_host])
+            self.device.mark_busy(loaded)
+            self._ops.swap_in.extend(zip(host_hits.tolist(), loaded.tolist()))
+            self.stats.num_swap_in_blocks += len(loaded)
+
+        hit = self._hit_of(m)
+        self._seqs[seq_id] = _Seq(extra_key, chain, array("i", table.tobytes()), hit, n_hit)
+        self.stats.num_queried_tokens += len(token_ids)
+        self.stats.num_device_hit_tokens += hit.num_device_tokens
+        self.stats.num_host_hit_tokens += hit.num_host_tokens
+        return table.tolist()
+
+    def _take_fresh(self, k: int) -> np.ndarray:
+        """``k`` blocks with refcount 1, evicting (and writing back) cached ones if needed."""
+        blocks, evicted, lo, hi = self.device.take(k)
+        self.stats.num_device_evictions += len(evicted)
+        if (len(evicted) and self.config.write_policy == "write_back"
+                and self.config.host_enabled):
+            self._copy_to_host(evicted, lo, hi)
+        return blocks
+
+    def _copy_to_host(self, blocks: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
+        """Queue swap_out of device blocks whose hashes the host does not hold yet.
+
+        ``blocks`` come least valuable first (LRU order: a freed chain's tail before its
+        head). Best effort: when every other host slot is pinned this step, the least
+        valuable ones are dropped -- a chain without its head would be useless."""
+        assert not self.device.busy[blocks].any(), "copying a block whose KV is not loaded"
+        miss = self.host.find(lo, hi) < 0
+        blocks, lo, hi = blocks[miss], lo[miss], hi[miss]
+        slots, evicted = self.host.take(len(blocks))
+        self.stats.num_host_evictions += len(evicted)
+        n = len(slots)
+        blocks, lo, hi = blocks[len(blocks) - n:], lo[len(lo) - n:], hi[len(hi) - n:]
+        self.host.register(slots, lo, hi)
+        self._ops.swap_out.extend(zip(blocks.tolist(), slots.tolist()))
+        self.stats.num_swap_out_blocks += n

@@ -1,0 +1,26 @@
+"""Counters of the prefix cache, in tokens and blocks, for metrics and the verify tool."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class CacheStats:
+    # Counted once per sequence, when its first `allocate` takes the hit (not by `lookup`,
+    # which a waiting request may call every step).
+    num_queried_tokens: int = 0  # prompt tokens of new sequences
+    num_device_hit_tokens: int = 0  # of those, served by device-resident blocks
+    num_host_hit_tokens: int = 0  # of those, served by host slots (swapped in)
+    num_device_evictions: int = 0  # cached device blocks reused (their hash dropped)
+    num_host_evictions: int = 0  # host slots reused (their hash dropped)
+    num_swap_in_blocks: int = 0
+    num_swap_out_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        hits = self.num_device_hit_tokens + self.num_host_hit_tokens
+        return hits / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "hit_rate": self.hit_rate}

@@ -1,0 +1,70 @@
+"""Command line -> the one frozen EngineConfig (plus the shim's own serving options)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from scheduler.protocol import EngineConfig
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = REPO / "models" / "tiny-llama"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig(model="")
+    p.add_argument("--model", default=str(DEFAULT_MODEL),
+                   help="Hugging Face checkpoint dir (default: the generated tiny model)")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory,
+                   help="bytes per rank for the device KV tier")
+    p.add_argument("--host-cache-memory", type=int, default=d.host_cache_memory,
+                   help="bytes per rank for the host KV tier (0 disables it)")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
+    p.add_argument("--attention-backend", default=d.attention_backend,
+                   choices=["auto", "torch", "flashinfer"])
+    p.add_argument("--torch-threads", type=int, default=d.torch_threads)
+    p.add_argument("--seed", type=int, default=d.seed)
+
+
+def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfig, ServeOptions]:
+    model = Path(args.model).resolve()
+    if not (model / "config.json").is_file():
+        raise SystemExit(f"--model {args.model}: no config.json there (run `make install` "
+                         "for the default model)")
+    config = EngineConfig(
+        model=str(model),
+        dtype=args.dtype,
+        device=args.device,
+        world_size=world_size,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        host_cache_memory=args.host_cache_memory,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_queued_requests=args.max_queued_requests,
+        attention_backend=args.attention_backend,
+        torch_threads=args.torch_threads,
+        seed=args.seed,
+    )
+    serve = ServeOptions(args.host, args.port, args.api_key, args.served_model_name)
+    return config, serve

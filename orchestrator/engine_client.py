@@ -1,0 +1,236 @@
+"""The shim's asyncio client of the scheduler, over ZeroMQ.
+
+One DEALER socket connects to the scheduler's ROUTER (`ipc://RUN_DIR/requests.sock`).
+Every frame is one message encoded by `scheduler.protocol.codec` (msgpack, never pickle).
+
+Message flow:
+
+    shim  -> ClientHello(pid)              once, at start()
+    shim  <- EngineInfo(...)               the answer; start() fails if it never comes
+    shim  -> GenerateRequest(...)          one per request
+    shim  <- RequestOutput(...)*           new tokens; the last has finished=True
+    shim  -> AbortRequest(id, reason)      client gone ("abort") or stop string ("stop")
+    shim  <- Shutdown(reason)              the engine is going away: every request fails
+
+One background task reads the socket and routes each RequestOutput to the queue of
+its request, so any number of HTTP requests share the socket without locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from scheduler.protocol import (
+    AbortRequest,
+    ClientHello,
+    EngineInfo,
+    GenerateRequest,
+    RequestOutput,
+    Shutdown,
+)
+from scheduler.protocol.codec import ProtocolError, decode, encode
+
+log = structlog.get_logger()
+
+
+class EngineUnavailableError(RuntimeError):
+    """The scheduler did not answer, or has shut down."""
+
+
+class EngineClient:
+    """Sends requests to the scheduler and streams their outputs back.
+
+    Usage::
+
+        client = EngineClient("ipc:///run/dir/requests.sock")
+        info = await client.start()
+        async for out in client.generate(request):
+            ...
+        await client.close()
+    """
+
+    def __init__(self, address: str, *, connect_timeout_s: float = 60.0) -> None:
+        self.address = address
+        self.connect_timeout_s = connect_timeout_s
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._info: asyncio.Future[EngineInfo] | None = None
+        # request_id -> queue of its outputs; present while the request is live here.
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._shutdown_reason: str | None = None
+
+    # --- lifecycle ------------------------------------------------------------
+
+    async def start(self) -> EngineInfo:
+        """Connect, say hello, and wait for the scheduler's EngineInfo.
+
+        ZeroMQ queues the hello until the scheduler's socket exists, so the shim may
+        start first; but if no answer comes within `connect_timeout_s` this raises
+        EngineUnavailableError rather than leaving a shim that accepts requests no
+        one will serve.
+        """
+        assert self._sock is None, "start() called twice"
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)  # close() must not hang on a dead scheduler
+        self._sock.connect(self.address)
+        self._info = asyncio.get_running_loop().create_future()
+        self._reader = asyncio.create_task(self._read_loop(), name="engine-client-reader")
+        await self._sock.send(encode(ClientHello(pid=os.getpid())))
+        try:
+            info = await asyncio.wait_for(asyncio.shield(self._info), self.connect_timeout_s)
+        except asyncio.TimeoutError:
+            await self.close()
+            raise EngineUnavailableError(
+                f"the scheduler at {self.address} did not answer ClientHello within "
+                f"{self.connect_timeout_s:g}s (is it running, and is this its run directory?)"
+            ) from None
+        log.info("engine_connected", address=self.address, model=info.model,
+                 max_model_len=info.max_model_len, vocab_size=info.vocab_size)
+        return info
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._reader = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        self._fail_all("the engine client was closed")
+
+    @property
+    def info(self) -> EngineInfo:
+        assert self._info is not None and self._info.done(), "start() has not completed"
+        return self._info.result()
+
+    @property
+    def connected(self) -> bool:
+        """True once EngineInfo arrived and until the scheduler announced a shutdown."""
+        return (
+            self._info is not None
+            and self._info.done()
+            and not self._info.cancelled()
+            and self._info.exception() is None
+            and self._shutdown_reason is None
+        )
+
+    # --- requests ---------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Send `request` and yield its outputs until the finished one.
+
+        If the consumer stops early (closes the generator, or its task is cancelled
+        because the HTTP client went away), the request is aborted at the scheduler
+        so its sequence stops taking batch slots.
+        """
+        if not self.connected:
+            raise EngineUnavailableError(self._shutdown_reason or "not connected to the engine")
+        rid = request.request_id
+        assert rid not in self._streams, f"duplicate request id {rid}"
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        # Register before sending: an output must never arrive for an unknown id.
+        self._streams[rid] = queue
+        try:
+            await self._send(request)
+            while True:
+                out = await queue.get()
+                if out.finished:
+                    self._streams.pop(rid, None)
+                yield out
+                if out.finished:
+                    return
+        finally:
+            # Still registered: the consumer left before the end (or the send failed).
+            # Sent without awaiting: inside a cancelled task an await would raise again.
+            if self._streams.pop(rid, None) is not None:
+                self._send_nowait(AbortRequest(request_id=rid, reason="abort"))
+
+    async def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Stop a request. Its outputs are dropped from now on, and a generate()
+        still iterating it will not send a second abort when it closes."""
+        if self._streams.pop(request_id, None) is not None:
+            await self._send(AbortRequest(request_id=request_id, reason=reason))
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._streams)
+
+    # --- internals --------------------------------------------------------------
+
+    async def _send(self, message: Any) -> None:
+        if self._sock is None:
+            raise EngineUnavailableError("the engine client is closed")
+        await self._sock.send(encode(message))
+
+    def _send_nowait(self, message: Any) -> None:
+        if self._sock is None:
+            return
+        fut = self._sock.send(encode(message))
+        # Nobody awaits it: retrieve any exception so asyncio does not warn about it.
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def _read_loop(self) -> None:
+        try:
+            await self._read_forever()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # Without its reader the client can serve nothing: say so, fail what is live.
+            log.exception("engine_reader_died")
+            self._shutdown_reason = f"the engine connection failed: {exc!r}"
+            self._fail_all(self._shutdown_reason)
+
+    async def _read_forever(self) -> None:
+        assert self._sock is not None
+        while True:
+            frame = await self._sock.recv()
+            try:
+                msg = decode(frame)
+            except ProtocolError as exc:
+                # A bad frame is a bug on the other side; losing it is better than
+                # losing the shim (every other request would die with it).
+                log.error("engine_bad_frame", error=str(exc))
+                continue
+            if isinstance(msg, RequestOutput):
+                queue = self._streams.get(msg.request_id)
+                if queue is not None:
+                    queue.put_nowait(msg)
+                # else: aborted or already finished here; the scheduler's late output is moot.
+            elif isinstance(msg, EngineInfo):
+                if self._info is not None and not self._info.done():
+                    self._info.set_result(msg)
+            elif isinstance(msg, Shutdown):
+                self._shutdown_reason = f"the engine shut down: {msg.reason or 'no reason given'}"
+                log.warning("engine_shutdown", reason=msg.reason)
+                self._fail_all(self._shutdown_reason)
+            else:
+                log.error("engine_unexpected_message", type=type(msg).__name__)
+
+    def _fail_all(self, reason: str) -> None:
+        """End every live request with an internal error, so no HTTP handler hangs."""
+        for rid, queue in self._streams.items():
+            queue.put_nowait(
+                RequestOutput(
+                    request_id=rid,
+                    finished=True,
+                    finish_reason="error",
+                    error=reason,
+                    error_type="internal",
+                )
+            )
+        self._streams.clear()

@@ -1,0 +1,191 @@
+"""`deepinfer-run`: start the scheduler, N worker ranks and the HTTP shim; supervise them.
+
+    deepinfer-run [--nproc-per-node N] [--nnodes M --node-rank R --master-addr A
+                  --master-port P] serve [--model DIR] [--host 127.0.0.1] [--port 8000] ...
+
+torchrun-style: each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT, so a worker may as well be started by torchrun.
+Supervision: if any child exits, every other child is stopped within a few
+seconds and the launcher exits non-zero, naming the process and its status.
+Ctrl-C (or SIGTERM) stops everything and removes the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from orchestrator.config import REPO, add_serve_arguments, build_config
+from scheduler.protocol.log import configure_logging
+
+STOP_GRACE_S = 5.0
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class Child:
+    name: str  # "scheduler", "shim", "rank 2"
+    proc: subprocess.Popen
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="deepinfer-run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc-per-node", type=int, default=4)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=0, help="0: pick a free port")
+    p.add_argument("--run-dir", default=None, help="default: a new private dir under /tmp")
+    sub = p.add_subparsers(dest="command", required=True)
+    add_serve_arguments(sub.add_parser("serve", help="serve the model over HTTP"))
+    return p.parse_args(argv)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def make_run_dir(requested: str | None) -> Path:
+    if requested:
+        path = Path(requested)
+        path.mkdir(parents=True, exist_ok=True)
+    else:
+        path = Path(tempfile.mkdtemp(prefix="deepinfer-"))
+    os.chmod(path, 0o700)  # the ipc sockets inside are reachable by this user only
+    return path
+
+
+def _die_with_parent() -> None:
+    # If the launcher is killed outright, its children get SIGTERM instead of
+    # lingering as orphans.
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def spawn(name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.update(env or {})
+    proc = subprocess.Popen([sys.executable, "-m", *args], env=full_env, cwd=REPO,
+                            start_new_session=True, preexec_fn=_die_with_parent)
+    return Child(name, proc)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit status {code}"
+
+
+def stop_all(children: list[Child]) -> None:
+    for c in children:
+        if c.proc.poll() is None:
+            c.proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for c in children:
+        try:
+            c.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    log = configure_logging("launcher")
+    world_size = args.nproc_per_node * args.nnodes
+    config, serve = build_config(args, world_size)
+    run_dir = make_run_dir(args.run_dir)
+    master_port = args.master_port or free_port()
+    multi_node = args.nnodes > 1
+    if multi_node:  # tcp only when several nodes are asked for
+        workers_addr = f"tcp://{args.master_addr}:{master_port + 1}"
+        requests_addr = f"tcp://{args.master_addr}:{master_port + 2}"
+    else:
+        workers_addr = f"ipc://{run_dir}/workers.sock"
+        requests_addr = f"ipc://{run_dir}/requests.sock"
+    addresses = {"workers": workers_addr, "requests": requests_addr}
+    head = args.node_rank == 0
+    if head:
+        (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2))
+        (run_dir / "addresses.json").write_text(json.dumps(addresses))
+
+    children: list[Child] = []
+    stop_reason = {"signal": None}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop_reason["signal"] = signal.Signals(signum).name
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        if head:
+            children.append(spawn("scheduler", ["scheduler.main", "--run-dir", str(run_dir)]))
+        for local_rank in range(args.nproc_per_node):
+            rank = args.node_rank * args.nproc_per_node + local_rank
+            children.append(spawn(f"rank {rank}", ["worker.main", "--scheduler", workers_addr], {
+                "RANK": str(rank), "LOCAL_RANK": str(local_rank),
+                "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(args.nproc_per_node),
+                "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(master_port),
+            }))
+        if head:
+            shim_args = ["orchestrator.http_server", "--run-dir", str(run_dir),
+                         "--model", config.model, "--host", serve.host, "--port", str(serve.port),
+                         "--connect-timeout", "3600"]
+            if serve.api_key:
+                shim_args += ["--api-key", serve.api_key]
+            if serve.served_model_name:
+                shim_args += ["--served-model-name", serve.served_model_name]
+            children.append(spawn("shim", shim_args))
+        _write_engine_file(run_dir, children, addresses, serve, world_size)
+        log.info("engine_started", run_dir=str(run_dir), world_size=world_size,
+                 url=f"http://{serve.host}:{serve.port}" if head else None,
+                 pids={c.name: c.proc.pid for c in children})
+        return _supervise(children, stop_reason, log)
+    finally:
+        stop_all(children)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _supervise(children: list[Child], stop_reason: dict, log) -> int:
+    while True:
+        if stop_reason["signal"]:
+            log.info("engine_stopping", reason=stop_reason["signal"])
+            return 0
+        for c in children:
+            code = c.proc.poll()
+            if code is not None:
+                log.error("child_exited", process=c.name, pid=c.proc.pid, status=describe_exit(code),
+                          action="stopping the engine")
+                return 1 if code == 0 else (code if code > 0 else 128 - code)
+        time.sleep(0.2)
+
+
+def _write_engine_file(run_dir: Path, children: list[Child], addresses: dict, serve,
+                       world_size: int) -> None:
+    """A small JSON for the inspect CLI: who runs where."""
+    engine = {
+        "launcher_pid": os.getpid(),
+        "world_size": world_size,
+        "addresses": addresses,
+        "http": f"http://{serve.host}:{serve.port}",
+        "processes": [{"name": c.name, "pid": c.proc.pid} for c in children],
+    }
+    (run_dir / "engine.json").write_text(json.dumps(engine, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""One engine step: plan, run on every rank, check the ranks agree, collect outputs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from scheduler.executor import Executor
+from scheduler.protocol import RequestOutput, StepResult
+from scheduler.scheduler import EngineLimits, Scheduler
+
+
+class RankDivergenceError(RuntimeError):
+    """Ranks hold different cache state: never serve past this."""
+
+
+@dataclass
+class StepTimings:
+    """Seconds per part of the last step, for the engine benchmark and metrics."""
+
+    schedule: float = 0.0
+    execute: float = 0.0  # wall time of the executor call (IPC + forward + wait)
+    forward: float = 0.0  # rank 0's own forward pass
+    update: float = 0.0
+    num_tokens: int = 0
+    totals: dict[str, float] = field(default_factory=dict)
+
+
+def limits_from_ready(ready: list) -> EngineLimits:
+    first = ready[0]
+    for r in ready[1:]:
+        assert (r.num_device_blocks, r.num_host_blocks) == (
+            first.num_device_blocks, first.num_host_blocks), "ranks disagree on block counts"
+    return EngineLimits(
+        vocab_size=first.vocab_size,
+        max_model_len=first.max_model_len,
+        eos_token_ids=tuple(first.eos_token_ids),
+        num_device_blocks=first.num_device_blocks,
+        num_host_blocks=first.num_host_blocks,
+    )
+
+
+def check_digests(step: int, expected: int, results: list[StepResult]) -> None:
+    """Every rank must hold exactly the state the scheduler planned."""
+    bad = [r for r in results if r.digest != expected]
+    if bad:
+        good = [r.rank for r in results if r.digest == expected]
+        detail = ", ".join(f"rank {r.rank} has {r.digest:#018x}" for r in bad)
+        raise RankDivergenceError(
+            f"rank state diverged at step {step}: scheduler expects {expected:#018x}; "
+            f"{detail}; agreeing ranks: {good or 'none'}")
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.timings = StepTimings()
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        results = self.executor.step(plan)
+        t2 = time.perf_counter()
+        check_digests(plan.step, self.scheduler.digest.value, results)
+        outputs = self.scheduler.update(plan, results[0].sampled)
+        t3 = time.perf_counter()
+        tm = self.timings
+        tm.schedule, tm.execute, tm.update = t1 - t0, t2 - t1, t3 - t2
+        tm.forward = results[0].forward_s
+        tm.num_tokens = sum(len(c.token_ids) for c in plan.chunks)
+        for key in ("schedule", "execute", "forward", "update", "num_tokens"):
+            tm.totals[key] = tm.totals.get(key, 0.0) + getattr(tm, key)
+        return outputs

@@ -1,0 +1,144 @@
+"""The scheduler process: requests in from the shim, step plans out to the ranks.
+
+One loop in one thread: take every message waiting on the client socket, run one
+engine step if there is work, send each output to the client that asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+
+import zmq
+
+from scheduler.engine import EngineCore, RankDivergenceError, limits_from_ready
+from scheduler.executor import WorkerFailure, ZmqExecutor
+from scheduler.protocol import (
+    AbortRequest,
+    ClientHello,
+    EngineConfig,
+    EngineInfo,
+    GenerateRequest,
+    RequestOutput,
+    codec,
+)
+from scheduler.protocol.log import configure_logging
+from scheduler.scheduler import RequestRejected, Scheduler
+
+IDLE_POLL_MS = 50
+
+
+class SchedulerServer:
+    def __init__(self, core: EngineCore, info: EngineInfo, requests_addr: str, log) -> None:
+        self.core = core
+        self.info = info
+        self.log = log
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(requests_addr)
+        self._owners: dict[str, bytes] = {}  # request id -> client identity
+        self._stopping = False
+
+    def stop(self, *_: object) -> None:
+        self._stopping = True
+
+    def run(self) -> None:
+        sched = self.core.scheduler
+        while not self._stopping:
+            self._drain_clients(block=not sched.has_work())
+            if sched.has_work():
+                self._send(self.core.step())
+
+    def _drain_clients(self, block: bool) -> None:
+        timeout = IDLE_POLL_MS if block else 0
+        while self._sock.poll(timeout):
+            identity, frame = self._sock.recv_multipart()
+            self._handle(identity, frame)
+            timeout = 0
+
+    def _handle(self, identity: bytes, frame: bytes) -> None:
+        try:
+            msg = codec.decode(frame)
+        except codec.ProtocolError as exc:
+            self.log.warning("bad_client_frame", error=str(exc))
+            return
+        sched = self.core.scheduler
+        if isinstance(msg, ClientHello):
+            self._sock.send_multipart([identity, codec.encode(self.info)])
+        elif isinstance(msg, GenerateRequest):
+            try:
+                sched.add_request(msg)
+                self._owners[msg.request_id] = identity
+            except RequestRejected as exc:
+                err = RequestOutput(msg.request_id, finished=True, finish_reason="error",
+                                    error=str(exc), error_type=exc.error_type)
+                self._sock.send_multipart([identity, codec.encode(err)])
+        elif isinstance(msg, AbortRequest):
+            out = sched.abort_request(msg.request_id, msg.reason)
+            if out is not None:
+                self._send([out])
+        else:
+            self.log.warning("unexpected_client_message", type=type(msg).__name__)
+
+    def _send(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            identity = self._owners.get(out.request_id)
+            if identity is None:
+                continue
+            if out.finished:
+                del self._owners[out.request_id]
+            self._sock.send_multipart([identity, codec.encode(out)])
+
+    def fail_all(self, message: str) -> None:
+        """Tell every client with a request in flight that the engine failed."""
+        for request_id in list(self._owners):
+            self._send([RequestOutput(request_id, finished=True, finish_reason="error",
+                                      error=message, error_type="internal")])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="DeepInfer scheduler")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    args = parser.parse_args(argv)
+    config = EngineConfig(**json.loads((args.run_dir / "config.json").read_text()))
+    addresses = json.loads((args.run_dir / "addresses.json").read_text())
+    log = configure_logging("scheduler")
+
+    executor = ZmqExecutor(addresses["workers"], config)
+    try:
+        limits = limits_from_ready(executor.start())
+    except WorkerFailure as exc:
+        log.error("workers_failed_to_start", error=str(exc))
+        return 1
+    log.info("kv_cache_budget", block_size=config.block_size,
+             device_blocks=limits.num_device_blocks,
+             device_tokens=limits.num_device_blocks * config.block_size,
+             host_blocks=limits.num_host_blocks,
+             host_tokens=limits.num_host_blocks * config.block_size)
+    core = EngineCore(Scheduler(config, limits), executor)
+    info = EngineInfo(
+        model=config.model, vocab_size=limits.vocab_size, max_model_len=limits.max_model_len,
+        eos_token_ids=list(limits.eos_token_ids), block_size=config.block_size,
+        num_device_blocks=limits.num_device_blocks, num_host_blocks=limits.num_host_blocks,
+        world_size=config.world_size,
+    )
+    server = SchedulerServer(core, info, addresses["requests"], log)
+    signal.signal(signal.SIGTERM, server.stop)
+    signal.signal(signal.SIGINT, server.stop)
+    log.info("scheduler_ready", world_size=config.world_size, requests=addresses["requests"])
+    try:
+        server.run()
+    except (RankDivergenceError, WorkerFailure, AssertionError) as exc:
+        log.error("engine_failed", step=core.scheduler.step, error=str(exc))
+        server.fail_all(f"engine failed: {exc}")
+        return 1
+    executor.shutdown()
+    log.info("scheduler_stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

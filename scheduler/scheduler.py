@@ -1,0 +1,318 @@
+"""The scheduler: one loop, one owner of every block id.
+
+Each step it turns the queue and the running sequences into one `StepPlan`
+(continuous batching: decodes and prefill chunks together under a token
+budget), and after the ranks ran it, turns their sampled tokens into outputs.
+Workers decide nothing; this class and `cache/` decide everything.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from cache.hashing import make_extra_key
+from cache.manager import CacheConfig, KVCacheManager
+from scheduler.protocol import (
+    AppendBlocks,
+    EngineConfig,
+    GenerateRequest,
+    NewSequence,
+    RequestOutput,
+    ScheduledChunk,
+    StateDigest,
+    StepPlan,
+)
+from scheduler.queue import QueueFullError, RequestQueue
+from scheduler.request import SeqStatus, Sequence
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the ranks reported at start-up (agreed across ranks)."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    num_device_blocks: int
+    num_host_blocks: int
+
+
+class RequestRejected(ValueError):
+    def __init__(self, message: str, error_type: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.error_type = error_type
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, limits: EngineLimits,
+                 enable_prefix_caching: bool = True) -> None:
+        self.config = config
+        self.limits = limits
+        self.block_size = config.block_size
+        self.cache = KVCacheManager(CacheConfig(
+            block_size=config.block_size,
+            num_device_blocks=limits.num_device_blocks,
+            num_host_blocks=limits.num_host_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        ))
+        self.queue = RequestQueue(config.max_queued_requests)
+        self.running: list[Sequence] = []
+        self.step = 0
+        self.digest = StateDigest()  # what the ranks must hold after each plan
+        self._by_request: dict[str, Sequence] = {}
+        self._next_seq_id = 1
+        self._to_close: list[Sequence] = []
+        self._model_key = config.model
+
+    # --- requests ------------------------------------------------------------------
+
+    def add_request(self, req: GenerateRequest) -> None:
+        """Queue a request, or raise RequestRejected with a message for the client."""
+        self._validate(req)
+        room = self.limits.max_model_len - len(req.prompt_token_ids)
+        seq = Sequence(
+            seq_id=self._next_seq_id,
+            request_id=req.request_id,
+            prompt=list(req.prompt_token_ids),
+            max_tokens=min(req.max_tokens, room),
+            sampling=req.sampling,
+            stop_token_ids=frozenset(req.stop_token_ids)
+            | (frozenset() if req.ignore_eos else frozenset(self.limits.eos_token_ids)),
+            extra_key=make_extra_key(self._model_key, req.cache_salt),
+        )
+        try:
+            self.queue.push(seq)
+        except QueueFullError as exc:
+            raise RequestRejected(str(exc), "overloaded") from exc
+        self._next_seq_id += 1
+        self._by_request[req.request_id] = seq
+
+    def _validate(self, req: GenerateRequest) -> None:
+        n, limit = len(req.prompt_token_ids), self.limits.max_model_len
+        if req.request_id in self._by_request:
+            raise RequestRejected(f"request id {req.request_id!r} is already in use")
+        if n == 0:
+            raise RequestRejected("the prompt is empty")
+        if n >= limit:
+            raise RequestRejected(f"prompt is too long: {n} tokens > {limit - 1} maximum")
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.limits.vocab_size]
+        if bad:
+            raise RequestRejected(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.limits.vocab_size})")
+        if req.max_tokens < 1:
+            raise RequestRejected("max_tokens must be at least 1")
+        if -(-n // self.block_size) > self.limits.num_device_blocks:
+            raise RequestRejected(
+                f"prompt of {n} tokens can never fit the device KV cache "
+                f"({self.limits.num_device_blocks * self.block_size} tokens)")
+
+    def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        """Stop a request now. A queued one just leaves; a running one is closed by the
+        next plan, like a finished one (its blocks go back to the cache)."""
+        seq = self._by_request.get(request_id)
+        if seq is None or seq.status is SeqStatus.FINISHED:
+            return None
+        if seq.status is SeqStatus.WAITING and not seq.opened:
+            self.queue.remove(request_id)
+            del self._by_request[request_id]
+            seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+            return self._output(seq)
+        self.running.remove(seq)
+        self._finish(seq, reason)
+        return self._output(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.running or len(self.queue) or self._to_close)
+
+    # --- the close-timing rule -------------------------------------------------------
+    #
+    # A sequence whose final token is sampled at step k is closed by the plan of
+    # step k+1, on every rank at once, and its blocks are released *to the cache*
+    # (kept, hittable, evictable), never dropped. Why: during step k every rank
+    # still writes and reads the sequence's pages, and the scheduler learns that a
+    # token is final only from step k's results. Releasing any earlier (when the
+    # final token is emitted, as the adapter in DESIGN.md did) lets a block be
+    # reused or forgotten under a step that is still using it: every request then
+    # re-reads its prompt in full and nothing complains. So the release happens in
+    # exactly one place, `_take_closes`, while building plan k+1, and it checks
+    # the rule instead of trusting it. Aborts and preemptions go the same way.
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        if seq.opened:
+            self._to_close.append(seq)
+        else:
+            self._by_request.pop(seq.request_id, None)
+
+    def _take_closes(self, step: int) -> list[int]:
+        closed = []
+        for seq in self._to_close:
+            assert seq.opened and seq.last_step < step, (
+                f"close-timing violated: seq {seq.seq_id} closed in step {step}, "
+                f"last ran in step {seq.last_step}")
+            self._release(seq)
+            self._by_request.pop(seq.request_id, None)
+            closed.append(seq.seq_id)
+        self._to_close.clear()
+        return closed
+
+    def _release(self, seq: Sequence) -> None:
+        self.cache.free(seq.seq_id)
+        seq.opened = False
+        seq.block_ids = []
+
+    # --- planning ------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        step = self.step
+        plan = StepPlan(step=step, close=self._take_closes(step))
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+
+        # Running sequences first (decodes and unfinished prefills), oldest first;
+        # when blocks run out, the newest running sequence is preempted.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._grow(seq, num_new):
+                victim = self._pick_victim(scheduled)
+                if victim is None:  # alone and out of room: stop it here
+                    self.running.pop(i)
+                    self._finish(seq, "length")
+                    continue
+                self._preempt(victim, plan)
+                continue  # retry the same sequence
+            scheduled.append((seq, num_new))
+            budget -= num_new
+            i += 1
+
+        # Then admit from the queue while budget, sequence slots and blocks last.
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.queue.peek()
+            if seq is None or not self._admit(seq, budget):
+                break
+            self.queue.pop()
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            self.running.append(seq)
+            scheduled.append((seq, num_new))
+            budget -= num_new
+
+        for seq, num_new in scheduled:
+            self._emit_chunk(plan, seq, num_new, step)
+        ops = self.cache.take_ops()
+        plan.swap_out, plan.swap_in = ops.swap_out, ops.swap_in
+        self.digest.apply(plan)
+        self.step += 1
+        return plan
+
+    def _admit(self, seq: Sequence, budget: int) -> bool:
+        """Take the prefix hit and blocks for the first chunk; False (nothing changed) if
+        the blocks are not there."""
+        hit = self.cache.lookup(seq.tokens, seq.extra_key)
+        cached = hit.num_device_tokens + hit.num_host_tokens
+        num_new = min(seq.num_tokens - cached, budget)
+        blocks = self.cache.allocate(seq.seq_id, seq.tokens, cached + num_new, seq.extra_key)
+        if blocks is None:
+            return False
+        took = self.cache.num_cached_tokens(seq.seq_id)
+        seq.num_computed = took.num_device_tokens + took.num_host_tokens
+        if not seq.output:  # accounting is for the prompt as first received
+            seq.num_device_cached = took.num_device_tokens
+            seq.num_host_cached = took.num_host_tokens
+        seq.block_ids = blocks
+        seq.status = SeqStatus.RUNNING
+        return True
+
+    def _grow(self, seq: Sequence, num_new: int) -> bool:
+        blocks = self.cache.allocate(seq.seq_id, seq.tokens, seq.num_computed + num_new,
+                                     seq.extra_key)
+        if blocks is None:
+            return False
+        seq.block_ids.extend(blocks)
+        return True
+
+    def _pick_victim(self, scheduled: list[tuple[Sequence, int]]) -> Sequence | None:
+        taken = {s.seq_id for s, _ in scheduled}
+        for seq in reversed(self.running):
+            if seq.seq_id not in taken and seq is not self.running[0] or (
+                    len(self.running) > 1 and seq.seq_id not in taken):
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        """Recompute later: close it on the ranks now, requeue it in front."""
+        self.running.remove(seq)
+        if seq.opened:
+            assert seq.last_step < plan.step
+            self._release(seq)
+            plan.close.append(seq.seq_id)
+        else:
+            self.cache.free(seq.seq_id)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.queue.push_front(seq)
+
+    def _emit_chunk(self, plan: StepPlan, seq: Sequence, num_new: int, step: int) -> None:
+        if not seq.opened:
+            plan.new_seqs.append(NewSequence(seq.seq_id, list(seq.block_ids), seq.sampling))
+            seq.opened = True
+            seq.num_sent_blocks = len(seq.block_ids)
+        elif len(seq.block_ids) > seq.num_sent_blocks:
+            plan.append.append(AppendBlocks(seq.seq_id, seq.block_ids[seq.num_sent_blocks:]))
+            seq.num_sent_blocks = len(seq.block_ids)
+        start = seq.num_computed
+        end = start + num_new
+        plan.chunks.append(ScheduledChunk(seq.seq_id, seq.tokens[start:end], start,
+                                          sample=end == seq.num_tokens))
+        seq.num_computed = end
+        seq.last_step = step
+        # Blocks whose KV this step writes are registered now: steps run in order,
+        # so any later step that hits them reads finished KV.
+        self.cache.commit(seq.seq_id, seq.tokens, end)
+
+    # --- results ----------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, sampled: list[tuple[int, int]]) -> list[RequestOutput]:
+        """Apply rank 0's sampled tokens of `plan`; return the outputs to stream."""
+        by_id = {seq.seq_id: seq for seq in self.running}
+        now = time.monotonic()
+        outputs = []
+        for seq_id, token in sampled:
+            seq = by_id.get(seq_id)
+            if seq is None:  # aborted while the step ran; its close is already pending
+                continue
+            seq.output.append(token)
+            seq.first_token_time = seq.first_token_time or now
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        if token in seq.stop_token_ids:
+            return "stop"
+        if len(seq.output) >= seq.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.limits.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        new = seq.output[seq.num_emitted:]
+        seq.num_emitted = len(seq.output)
+        finished = seq.status is SeqStatus.FINISHED
+        return RequestOutput(
+            request_id=seq.request_id,
+            token_ids=new,
+            finished=finished,
+            finish_reason=seq.finish_reason if finished else None,
+            num_prompt_tokens=len(seq.prompt),
+            num_device_cached_tokens=seq.num_device_cached,
+            num_host_cached_tokens=seq.num_host_cached,
+        )

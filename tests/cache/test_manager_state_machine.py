@@ -1,0 +1,332 @@
+"""Random scheduler-like traffic against KVCacheManager and a simulated worker.
+
+The simulated worker holds, for every device block and host slot, the "KV" it contains:
+(extra_key, the token prefix that produced it). Each step it applies the drained ops in
+the workers' order (swap_out, then swap_in, then the KV writes of the tokens scheduled
+that step); afterwards every block of every live sequence must hold exactly the KV of
+that sequence's prefix -- a prefix hit never serves stale KV -- and every indexed block
+or slot must hold the KV its hash stands for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from cache import CacheConfig, KVCacheManager, block_hashes, make_extra_key
+
+KEYS = [make_extra_key("m", None), make_extra_key("m", "tenant-b")]
+Content = tuple[bytes, tuple[int, ...]]
+
+
+@dataclass
+class SimSeq:
+    key: bytes
+    tokens: list[int]
+    table: list[int] = field(default_factory=list)
+    computed: int = 0
+    scheduled_step: int = -1
+
+
+class CacheMachine(RuleBasedStateMachine):
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4]),
+        num_device_blocks=st.integers(3, 16),
+        num_host_blocks=st.sampled_from([0, 3, 8, 30]),
+        write_policy=st.sampled_from(["write_back", "write_through"]),
+        caching=st.sampled_from([True, True, True, False]),
+        bases=st.lists(st.lists(st.integers(0, 2), min_size=4, max_size=24),
+                       min_size=2, max_size=3),
+    )
+    def init(self, block_size, num_device_blocks, num_host_blocks, write_policy, caching,
+             bases) -> None:
+        self.cfg = CacheConfig(block_size=block_size, num_device_blocks=num_device_blocks,
+                               num_host_blocks=num_host_blocks, write_policy=write_policy,
+                               enable_prefix_caching=caching)
+        self.m = KVCacheManager(self.cfg)
+        self.bs = block_size
+        self.bases = bases
+        self.seqs: dict[int, SimSeq] = {}
+        self.next_id = 0
+        self.step = 0
+        self.writes: list[tuple[int, int, int]] = []  # (seq, start, stop) this step
+        self.device: dict[int, Content] = {}
+        self.host: dict[int, Content] = {}
+        self.content_of: dict[bytes, Content] = {}  # hash -> the KV it stands for
+        self.history: list[tuple[bytes, list[int]]] = []  # closed conversations
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def content(self, seq: SimSeq, stop: int) -> Content:
+        return (seq.key, tuple(seq.tokens[:stop]))
+
+    def learn_hashes(self, seq: SimSeq, upto: int) -> None:
+        for i, h in enumerate(block_hashes(seq.tokens[:upto], self.bs, seq.key)):
+            self.content_of.setdefault(h, self.content(seq, (i + 1) * self.bs))
+            assert self.content_of[h] == self.content(seq, (i + 1) * self.bs)
+
+    def snapshot(self):
+        m = self.m
+        return (m.usage(), m.digest_state().fingerprint(), m.peek_ops(), m.stats.as_dict(),
+                m.device.refcount.copy().tolist())
+
+    def grow(self, sid: int, seq: SimSeq, num_tokens: int) -> bool:
+        """allocate + commit, as the scheduler does for a scheduled chunk."""
+        before = self.snapshot()
+        refs_before = self.m.device.refcount.copy()
+        blocks = self.m.allocate(sid, seq.tokens, num_tokens, seq.key)
+        if blocks is None:
+            assert self.snapshot() == before, "a failed allocate changed state"
+            return False
+        for b in blocks:  # never a block some live sequence still uses (no hit here)
+            assert refs_before[b] == 0
+        seq.table += blocks
+        start = seq.computed
+        seq.computed = max(seq.computed, num_tokens)
+        self.m.commit(sid, seq.tokens, seq.computed)
+        seq.scheduled_step = self.step
+        self.writes.append((sid, start, seq.computed))
+        self.learn_hashes(seq, seq.computed)
+        return True
+
+    def live_unscheduled(self) -> list[int]:
+        return sorted(s for s, q in self.seqs.items() if q.scheduled_step != self.step)
+
+    # --- rules --------------------------------------------------------------------------
+
+    @precondition(lambda self: len(self.seqs) < 8)
+    @rule(data=st.data())
+    def new_seq_rule(self, data) -> None:
+        self.new_seq(data)
+
+    def new_seq(self, data) -> None:
+        """A prompt sharing a prefix with others, or filler that pushes the cache out."""
+        if data.draw(st.booleans()):
+            base = data.draw(st.sampled_from(self.bases))
+            tokens = base[:data.draw(st.integers(0, len(base)))]
+        else:
+            tokens = data.draw(st.lists(st.integers(3, 10**6), min_size=1, max_size=24))
+        suffix = data.draw(st.lists(st.integers(0, 2), max_size=6))
+        self.admit(data, (tokens + suffix) or [0], data.draw(st.sampled_from(KEYS)))
+
+    @precondition(lambda self: self.history and len(self.seqs) < 8)
+    @rule(data=st.data())
+    def revisit_rule(self, data) -> None:
+        self.revisit(data)
+
+    def revisit(self, data) -> None:
+        """An agent resends a finished conversation plus a new turn."""
+        key, tokens = data.draw(st.sampled_from(self.history))
+        suffix = data.draw(st.lists(st.integers(0, 2), max_size=6))
+        self.admit(data, tokens + suffix, key)
+
+    def admit(self, data, tokens: list[int], key: bytes, chunk: int | None = None) -> None:
+        seq = SimSeq(key, tokens)
+        sid, self.next_id = self.next_id, self.next_id + 1
+        hit = self.m.lookup(tokens, seq.key)
+        assert hit.num_tokens % self.bs == 0 and hit.num_tokens <= len(tokens) - 1
+        if chunk is None:
+            chunk = data.draw(st.one_of(st.just(len(tokens)), st.integers(1, 12)))
+        num_tokens = min(len(tokens), hit.num_tokens + chunk)
+        before = self.snapshot()
+        refs_before = self.m.device.refcount.copy()
+        ops_before = self.m.peek_ops()
+        blocks = self.m.allocate(sid, tokens, num_tokens, seq.key)
+        if blocks is None:
+            event("new seq refused: full")
+            assert self.snapshot() == before and not self.m.has_seq(sid)
+            return
+        assert self.m.num_cached_tokens(sid) == hit  # nothing changed since lookup
+        event("hit: " + ("host" if hit.num_host_tokens else
+                         "device" if hit.num_device_tokens else "none"))
+        n_hit = hit.num_tokens // self.bs
+        assert len(blocks) == max(n_hit, -(-num_tokens // self.bs))
+        hashes = block_hashes(tokens[:n_hit * self.bs], self.bs, seq.key)
+        dev_map = self.m.digest_state().device_map()
+        for i, b in enumerate(blocks):
+            if refs_before[b] > 0:  # only a device hit may share a live block
+                assert i < n_hit and dev_map[b] == hashes[i]
+        loaded = self.m.peek_ops().swap_in[len(ops_before.swap_in):]
+        assert len(loaded) * self.bs == hit.num_host_tokens
+        for slot, b in loaded:
+            assert refs_before[b] == 0 and b in blocks[:n_hit]
+        seq.table = list(blocks)
+        seq.computed = hit.num_tokens
+        self.seqs[sid] = seq
+        if chunk != len(tokens) and data.draw(st.integers(0, 9)) == 0:  # rolled back
+            self.m.free(sid)
+            del self.seqs[sid]
+            return
+        self.m.commit(sid, tokens, num_tokens)
+        seq.scheduled_step = self.step
+        self.writes.append((sid, seq.computed, num_tokens))
+        seq.computed = max(seq.computed, num_tokens)
+        self.learn_hashes(seq, seq.computed)
+
+    @precondition(lambda self: self.live_unscheduled())
+    @rule(data=st.data())
+    def grow_seq(self, data) -> None:
+        sid = data.draw(st.sampled_from(self.live_unscheduled()))
+        seq = self.seqs[sid]
+        if seq.computed < len(seq.tokens):  # prefill: next chunk
+            n = min(len(seq.tokens), seq.computed + data.draw(st.integers(1, 12)))
+        else:  # decode: the token sampled last step gets its KV now
+            seq.tokens.append(data.draw(st.integers(0, 2)))
+            n = len(seq.tokens)
+        self.grow(sid, seq, n)
+
+    @precondition(lambda self: self.live_unscheduled())
+    @rule(data=st.data())
+    def close(self, data) -> None:
+        """Finish or abort (mid-prefill included): closed in a later step than its last run."""
+        sid = data.draw(st.sampled_from(self.live_unscheduled()))
+        self.m.free(sid)
+        seq = self.seqs.pop(sid)
+        self.history.append((seq.key, list(seq.tokens)))
+
+    @precondition(lambda self: self.m.usage()["device"]["cached"] > 0)
+    @rule(data=st.data())
+    def eviction_pressure(self, data) -> None:
+        """A filler prompt as big as everything allocatable runs for one step and closes:
+        every cached block is evicted (to the host tier, when there is one)."""
+        n = self.m.num_allocatable_blocks() * self.bs
+        start = data.draw(st.integers(3, 10**6))
+        sid = self.next_id
+        self.admit(data, list(range(start, start + n)), KEYS[0], chunk=n)
+        self.step_done()
+        if sid in self.seqs:
+            self.m.free(sid)
+            del self.seqs[sid]
+
+    @rule(data=st.data())
+    def scheduler_step(self, data) -> None:
+        """A whole step the way the scheduler runs one: close some, grow the rest, admit."""
+        for sid in self.live_unscheduled():
+            action = data.draw(st.sampled_from(["close", "grow", "grow", "idle"]))
+            if action == "close":
+                self.m.free(sid)
+                seq = self.seqs.pop(sid)
+                self.history.append((seq.key, list(seq.tokens)))
+            elif action == "grow":
+                seq = self.seqs[sid]
+                if seq.computed < len(seq.tokens):
+                    n = min(len(seq.tokens), seq.computed + data.draw(st.integers(1, 16)))
+                else:
+                    seq.tokens.append(data.draw(st.integers(0, 2)))
+                    n = len(seq.tokens)
+                self.grow(sid, seq, n)
+        for _ in range(data.draw(st.integers(0, 2))):
+            if self.history and data.draw(st.booleans()):
+                self.revisit(data)
+            else:
+                self.new_seq(data)
+        self.step_done()
+
+    @precondition(lambda self: any(q.scheduled_step == self.step for q in self.seqs.values()))
+    @rule(data=st.data())
+    def premature_close_is_refused(self, data) -> None:
+        sid = data.draw(st.sampled_from(
+            sorted(s for s, q in self.seqs.items() if q.scheduled_step == self.step)))
+        before = self.snapshot()
+        with pytest.raises(AssertionError):
+            self.m.free(sid)
+        assert self.m.has_seq(sid) and self.snapshot() == before
+
+    @rule(data=st.data())
+    def lookup_is_pure(self, data) -> None:
+        base = data.draw(st.sampled_from(self.bases))
+        before = self.snapshot()
+        self.m.lookup(base[:data.draw(st.integers(0, len(base)))], KEYS[0])
+        assert self.snapshot() == before
+
+    @rule()
+    def reset(self) -> None:
+        self.m.reset_prefix_cache()
+
+    @rule()
+    def step_done(self) -> None:
+        """Drain the ops and apply them the way every worker does."""
+        ops = self.m.take_ops()
+        self.step += 1
+        if ops.swap_out:
+            event("step with swap_out")
+        if ops.swap_in:
+            event("step with swap_in")
+        if ops.swap_in and ops.swap_out:
+            event("step with swap_out and swap_in")
+        if self.m.stats.num_host_evictions:
+            event("host evictions so far")
+        nd, nh = self.cfg.num_device_blocks, self.cfg.num_host_blocks
+        assert len({s for _, s in ops.swap_out}) == len(ops.swap_out)
+        assert len({b for _, b in ops.swap_in}) == len(ops.swap_in)
+        for b, s in ops.swap_out:
+            assert 0 <= b < nd and 0 <= s < nh
+            self.host[s] = self.device[b]  # KeyError = copying a never-written block
+        for s, b in ops.swap_in:
+            assert 0 <= b < nd and 0 <= s < nh
+            self.device[b] = self.host[s]
+        for sid, start, stop in self.writes:
+            seq = self.seqs[sid]
+            for i in range(start // self.bs, -(-stop // self.bs)):
+                self.device[seq.table[i]] = self.content(seq, min((i + 1) * self.bs, stop))
+        self.writes = []
+        for seq in self.seqs.values():  # every block a sequence reads holds its KV
+            for i in range(-(-seq.computed // self.bs)):
+                got = self.device.get(seq.table[i])
+                assert got == self.content(seq, min((i + 1) * self.bs, seq.computed))
+        digest = self.m.digest_state()
+        for b, h in digest.device_map().items():
+            assert self.device.get(b) == self.content_of[h], "indexed block holds other KV"
+        host = dict(self.host)
+        for b, s in self.m.peek_ops().swap_out:  # write-through copies queued for next step
+            host[s] = self.device[b]
+        for s, h in digest.host_map().items():
+            assert host.get(s) == self.content_of[h], "indexed host slot holds other KV"
+
+    # --- invariants ---------------------------------------------------------------------
+
+    @invariant()
+    def consistent(self) -> None:
+        m = self.m
+        m.check_invariants()
+        refs = np.zeros(self.cfg.num_device_blocks, dtype=np.int64)
+        for sid, seq in self.seqs.items():
+            assert m.block_table(sid) == seq.table
+            refs[seq.table] += 1
+        assert (refs == m.device.refcount).all()
+        for tier, cap in (("device", self.cfg.num_device_blocks),
+                          ("host", self.cfg.num_host_blocks if self.cfg.host_enabled else 0)):
+            u = m.usage()[tier]
+            assert min(u.values()) >= 0 and u["capacity"] == cap
+            assert u["used"] + u["cached"] + u["free"] == cap
+        if not self.seqs:
+            assert m.usage()["device"]["used"] == 0 and not m.device.refcount.any()
+        if not self.cfg.enable_prefix_caching:
+            assert not m.digest_state().device_map() and m.usage()["device"]["cached"] == 0
+
+    def teardown(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        self.step_done()  # finish the running step, then close everything
+        for sid in list(self.seqs):
+            self.m.free(sid)
+        self.seqs.clear()
+        self.consistent()
+        assert self.m.usage()["device"]["used"] == 0
+
+
+CacheMachine.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=100, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+test_cache_state_machine = CacheMachine.TestCase

@@ -1,0 +1,30 @@
+"""Fixtures for the shim's tests: a small byte-level BPE trained in-process (no model needed)."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+CORPUS = [
+    "Hello world, hello there. The quick brown fox jumps over the lazy dog.",
+    "def main():\n    return 0\n",
+    "STOP here. END of the text. The end.",
+]
+SPECIAL = ["<|end|>"]
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Tokenizer:
+    """A byte-level BPE whose vocabulary has no merges for non-ASCII text, so any
+    multi-byte character is split across several tokens (one per byte)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=[AddedToken(t, special=True) for t in SPECIAL],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    return tok

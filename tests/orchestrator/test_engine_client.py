@@ -1,0 +1,147 @@
+"""EngineClient's side of the wire: the hello handshake, a clear error when no scheduler
+answers, and the abort sent when a consumer stops early.
+
+The "scheduler" here is a bare ROUTER socket in the test that records what it receives;
+it never produces tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from orchestrator.engine_client import EngineClient, EngineUnavailableError
+from scheduler.protocol import (
+    AbortRequest,
+    ClientHello,
+    EngineInfo,
+    GenerateRequest,
+    Shutdown,
+)
+from scheduler.protocol.codec import decode, encode
+
+INFO = EngineInfo(model="tiny", vocab_size=100, max_model_len=64, eos_token_ids=[1],
+                  block_size=16, num_device_blocks=8, num_host_blocks=0, world_size=1)
+
+
+def address(tmp_path: Path) -> str:
+    return f"ipc://{tmp_path}/requests.sock"
+
+
+class Router:
+    """The scheduler's end of the socket, driven by the test."""
+
+    def __init__(self, addr: str) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.bind(addr)
+        self.identity: bytes | None = None
+
+    async def recv(self, timeout_s: float = 5.0) -> Any:
+        ident, frame = await asyncio.wait_for(self.sock.recv_multipart(), timeout_s)
+        self.identity = ident
+        return decode(frame)
+
+    async def send(self, message: Any) -> None:
+        assert self.identity is not None
+        await self.sock.send_multipart([self.identity, encode(message)])
+
+    async def handshake(self) -> None:
+        hello = await self.recv()
+        assert isinstance(hello, ClientHello) and hello.pid > 0
+        await self.send(INFO)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def test_no_scheduler_is_a_clear_error(tmp_path: Path) -> None:
+    async def main() -> None:
+        client = EngineClient(address(tmp_path), connect_timeout_s=0.3)
+        t0 = time.monotonic()
+        with pytest.raises(EngineUnavailableError, match="did not answer ClientHello"):
+            await client.start()
+        assert time.monotonic() - t0 < 3
+        assert not client.connected
+
+    asyncio.run(main())
+
+
+def test_handshake_and_abort_when_the_consumer_leaves(tmp_path: Path) -> None:
+    async def main() -> None:
+        router = Router(address(tmp_path))
+        client = EngineClient(address(tmp_path), connect_timeout_s=5)
+        try:
+            start = asyncio.create_task(client.start())
+            await router.handshake()
+            assert await start == INFO and client.connected and client.info == INFO
+
+            # A consumer that is cancelled while waiting (the HTTP client went away).
+            async def consume(rid: str) -> None:
+                async for _ in client.generate(GenerateRequest(rid, [1, 2, 3], 4)):
+                    pass
+
+            task = asyncio.create_task(consume("r1"))
+            req = await router.recv()
+            assert isinstance(req, GenerateRequest) and req.prompt_token_ids == [1, 2, 3]
+            task.cancel()
+            abort = await router.recv()
+            assert abort == AbortRequest("r1", "abort")
+            assert client.num_live_requests == 0
+
+            # An explicit abort (a stop string matched) is sent once, with its reason;
+            # closing the generator afterwards does not send a second one.
+            gen = client.generate(GenerateRequest("r2", [4], 4))
+            waiting = asyncio.create_task(gen.__anext__())
+            assert isinstance(await router.recv(), GenerateRequest)
+            await client.abort("r2", "stop")
+            assert await router.recv() == AbortRequest("r2", "stop")
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            await gen.aclose()
+            with pytest.raises(asyncio.TimeoutError):
+                await router.recv(timeout_s=0.2)
+        finally:
+            await client.close()
+            router.close()
+
+    asyncio.run(main())
+
+
+def test_shutdown_fails_live_requests(tmp_path: Path) -> None:
+    async def main() -> None:
+        router = Router(address(tmp_path))
+        client = EngineClient(address(tmp_path), connect_timeout_s=5)
+        try:
+            start = asyncio.create_task(client.start())
+            await router.handshake()
+            await start
+            outs: list[Any] = []
+
+            async def consume() -> None:
+                async for out in client.generate(GenerateRequest("r1", [1], 4)):
+                    outs.append(out)
+
+            task = asyncio.create_task(consume())
+            await router.recv()
+            await router.send(Shutdown("test over"))
+            await asyncio.wait_for(task, 5)
+            assert [(o.finished, o.finish_reason, o.error_type) for o in outs] == [
+                (True, "error", "internal")]
+            assert "test over" in outs[0].error
+            assert not client.connected
+            with pytest.raises(EngineUnavailableError):
+                async for _ in client.generate(GenerateRequest("r2", [1], 4)):
+                    pass
+        finally:
+            await client.close()
+            router.close()
+
+    asyncio.run(main())

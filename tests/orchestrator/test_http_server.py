@@ -1,0 +1,191 @@
+"""The shim's HTTP error paths: every request it can tell is bad is refused with an
+OpenAI-shaped error and never reaches the engine.
+
+The engine here is a stand-in that only answers start() and fails the test if asked
+to generate: generation is tested end to end against the real scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+from tokenizers import Tokenizer
+
+from orchestrator.http_server import build_app, parse_args, requests_address
+from scheduler.protocol import EngineInfo, GenerateRequest, RequestOutput
+
+MAX_LEN = 64
+
+
+class StandInEngine:
+    """Answers start() like the scheduler would; refuses to generate."""
+
+    def __init__(self, vocab_size: int, *, generate_error: Exception | None = None) -> None:
+        self._info = EngineInfo(
+            model="tiny", vocab_size=vocab_size, max_model_len=MAX_LEN, eos_token_ids=[0],
+            block_size=16, num_device_blocks=8, num_host_blocks=0, world_size=1,
+        )
+        self.connected = False
+        self.generate_error = generate_error
+        self.requests: list[GenerateRequest] = []
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    async def start(self) -> EngineInfo:
+        self.connected = True
+        return self._info
+
+    async def close(self) -> None:
+        self.connected = False
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        self.requests.append(request)
+        if self.generate_error is not None:
+            raise self.generate_error
+        raise AssertionError(f"a bad request reached the engine: {request}")
+        yield  # pragma: no cover  (makes this an async generator)
+
+    async def abort(self, request_id: str, reason: str = "abort") -> None:
+        pass
+
+
+@pytest.fixture
+def engine(tokenizer: Tokenizer) -> StandInEngine:
+    return StandInEngine(tokenizer.get_vocab_size())
+
+
+@pytest.fixture
+def client(engine: StandInEngine, tokenizer: Tokenizer) -> Iterator[TestClient]:
+    app = build_app(engine, tokenizer, model_name="tiny-served")
+    with TestClient(app) as c:
+        yield c
+    assert engine.requests == [], "a request the shim could refuse reached the engine"
+
+
+def assert_openai_error(r: Any, status: int, type_: str = "invalid_request_error") -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"error"}, body  # never a framework's {"detail": ...}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == type_ and err["message"]
+    return err
+
+
+def test_health_and_models(client: TestClient, engine: StandInEngine) -> None:
+    assert client.get("/health").json() == {"status": "ok"}
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert [(m["id"], m["object"]) for m in models["data"]] == [("tiny-served", "model")]
+    engine.connected = False
+    assert client.get("/health").status_code == 503
+
+
+def test_invalid_json(client: TestClient) -> None:
+    r = client.post("/v1/completions", content=b'{"prompt": "hi",', headers={
+        "content-type": "application/json"})
+    assert "not valid JSON" in assert_openai_error(r, 400)["message"]
+    assert_openai_error(client.post("/v1/completions", content=b"\xff\xfe"), 400)
+
+
+def test_body_must_be_an_object(client: TestClient) -> None:
+    assert_openai_error(client.post("/v1/completions", json=["hi"]), 400)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({}, "prompt"),
+        ({"prompt": 3}, "prompt"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": "hi", "max_tokens": "8"}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "hi", "temperature": "hot"}, "temperature"),
+        ({"prompt": "hi", "stop": 5}, "stop"),
+        ({"prompt": "hi", "stream": "yes"}, "stream"),
+        ({"prompt": "hi", "n": 3}, "n"),
+        ({"prompt": [1, 2, 10**6]}, "prompt"),
+        ({"prompt": [-1]}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "hi", "stop_token_ids": [10**6]}, "stop_token_ids"),
+    ],
+)
+def test_bad_requests(client: TestClient, body: dict, param: str) -> None:
+    variants = [body] if "stream" in body else [body, {**body, "stream": True}]
+    for json_body in variants:
+        err = assert_openai_error(client.post("/v1/completions", json=json_body), 400)
+        assert err["param"] == param
+
+
+def test_prompt_too_long_string(client: TestClient, tokenizer: Tokenizer) -> None:
+    text = "hello there " * 40
+    n = len(tokenizer.encode(text).ids)
+    assert n > MAX_LEN
+    err = assert_openai_error(client.post("/v1/completions", json={"prompt": text}), 400)
+    assert err["message"].startswith(
+        f"This model's maximum context length is {MAX_LEN} tokens. However, you requested "
+        f"{n} tokens in the prompt."
+    )
+
+
+def test_unknown_route_and_method(client: TestClient) -> None:
+    assert_openai_error(client.get("/v1/nothing"), 404, "not_found_error")
+    assert_openai_error(client.get("/v1/completions"), 405)
+
+
+def test_api_key(engine: StandInEngine, tokenizer: Tokenizer) -> None:
+    app = build_app(engine, tokenizer, model_name="m", api_key="sekret")
+    with TestClient(app) as c:
+        assert c.get("/health").status_code == 200  # probes need no key
+        assert_openai_error(c.get("/v1/models"), 401, "authentication_error")
+        bad = {"authorization": "Bearer nope"}
+        assert_openai_error(c.post("/v1/completions", json={}, headers=bad), 401,
+                            "authentication_error")
+        good = {"authorization": "Bearer sekret"}
+        assert c.get("/v1/models", headers=good).status_code == 200
+        assert c.get("/v1/models", headers={"x-api-key": "sekret"}).status_code == 200
+        # Past auth, validation still refuses before the engine.
+        assert_openai_error(c.post("/v1/completions", json={}, headers=good), 400)
+    assert engine.requests == []
+
+
+def test_max_model_len_flag_lowers_the_limit(engine: StandInEngine, tokenizer: Tokenizer) -> None:
+    app = build_app(engine, tokenizer, model_name="m", max_model_len=4)
+    with TestClient(app) as c:
+        assert c.get("/v1/models").json()["data"][0]["max_model_len"] == 4
+        err = assert_openai_error(c.post("/v1/completions", json={"prompt": [1, 2, 3, 4, 5]}),
+                                  400)
+        assert "maximum context length is 4 tokens" in err["message"]
+
+
+def test_engine_gone_is_503(client: TestClient, engine: StandInEngine) -> None:
+    engine.connected = False
+    assert_openai_error(client.post("/v1/completions", json={"prompt": "hi"}), 503,
+                        "service_unavailable")
+
+
+def test_internal_error_is_500_in_openai_shape(tokenizer: Tokenizer) -> None:
+    engine = StandInEngine(tokenizer.get_vocab_size(), generate_error=RuntimeError("boom"))
+    app = build_app(engine, tokenizer, model_name="m")
+    with TestClient(app, raise_server_exceptions=False) as c:
+        for stream in (False, True):
+            r = c.post("/v1/completions", json={"prompt": "hi", "stream": stream})
+            assert_openai_error(r, 500, "internal_error")
+
+
+def test_cli_defaults() -> None:
+    args = parse_args(["--run-dir", "/tmp/r", "--model", "/m/tiny"])
+    assert (args.host, args.port, args.api_key, args.max_model_len) == (
+        "127.0.0.1", 8000, None, 0)
+
+
+def test_requests_address(tmp_path: Any) -> None:
+    assert requests_address(tmp_path) == f"ipc://{tmp_path.resolve()}/requests.sock"
+    (tmp_path / "addresses.json").write_text('{"requests": "tcp://10.0.0.1:9002"}')
+    assert requests_address(tmp_path) == "tcp://10.0.0.1:9002"

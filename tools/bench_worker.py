@@ -1,0 +1,408 @@
+"""Worker-rank microbenchmark: prefill, decode and all-reduce speed at each world size.
+
+    python -m tools.bench_worker --model models/tiny-llama --world-sizes 1,2,4 --json out.json
+
+For each world size the parent starts that many rank processes of this module,
+torchrun-style (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free loopback
+port), each with cores / ranks torch threads. Every rank builds a `ModelRunner`
+(float32, CPU, torch attention, gloo) and applies the same hand-made step plans,
+so the figures are the worker alone: no scheduler, no sockets. Each timed part
+has a warm-up first and a barrier on both sides. Rank 0 prints its figures as one
+JSON line after a marker; the parent parses that line (nothing is pickled) and
+prints a table.
+
+Decode feeds fixed token ids instead of the sampled ones: sampling still runs on
+rank 0, but no token is broadcast back, as the scheduler would do in a real step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MARKER = "DEEPINFER_BENCH_WORKER "
+
+
+@dataclass(frozen=True)
+class BenchArgs:
+    """What every rank measures; handed to the ranks as JSON on the command line."""
+
+    model: str
+    prompt_len: int = 2000
+    chunk: int = 512
+    decode_prompt_len: int = 128
+    decode_steps: int = 32
+    batch_sizes: tuple[int, ...] = (1, 16)
+    repeats: int = 3  # timed prefills per chunking; the median is reported
+    warmup_steps: int = 4  # decode steps before the timed ones
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.prompt_len, self.chunk, self.decode_prompt_len, self.decode_steps) < 1:
+            raise ValueError("lengths and step counts must be >= 1")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError("batch sizes must be >= 1")
+        if self.repeats < 1 or self.warmup_steps < 0:
+            raise ValueError("repeats must be >= 1 and warmup_steps >= 0")
+
+    @property
+    def decode_len(self) -> int:
+        return self.decode_prompt_len + self.warmup_steps + self.decode_steps
+
+
+# --- one rank ---------------------------------------------------------------------
+
+
+class RankBench:
+    """Drives one rank's ModelRunner with plans that every rank builds identically."""
+
+    def __init__(self, args: BenchArgs) -> None:
+        import torch
+
+        from scheduler.protocol import EngineConfig
+        from worker.distributed import RankInfo, init_tensor_parallel, set_torch_threads
+        from worker.model_runner import ModelRunner
+
+        self.args = args
+        info = RankInfo.from_env()
+        self.threads = set_torch_threads(info.local_world_size)
+        self.tp = init_tensor_parallel(info, torch.device("cpu"))
+        config = EngineConfig(model=args.model, dtype="float32", device="cpu",
+                              world_size=info.world_size, attention_backend="torch",
+                              seed=args.seed)
+        bs = config.block_size
+        blocks = max(-(-args.prompt_len // bs),
+                     max(args.batch_sizes) * -(-args.decode_len // bs))
+        self.runner = ModelRunner(config, self.tp, torch.device("cpu"), num_device_blocks=blocks)
+        self.block_size = bs
+        self.step = 0
+        self.next_seq = 0
+        self.rng = random.Random(args.seed)  # the same token ids on every rank
+
+    def token(self) -> int:
+        return self.rng.randrange(16, self.runner.vocab_size)  # past the special tokens
+
+    def barrier(self) -> None:
+        if self.tp.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def timed(self, fn: Callable[[], None]) -> float:
+        self.barrier()
+        t0 = time.perf_counter()
+        fn()
+        self.barrier()
+        return time.perf_counter() - t0
+
+    def execute(self, **plan: object) -> None:
+        from scheduler.protocol import StepPlan
+
+        self.runner.execute(StepPlan(step=self.step, **plan))
+        self.step += 1
+
+    def open(self, lengths: list[int]) -> list[int]:
+        """Open sequences with block tables for `lengths` tokens; block ids restart at 0."""
+        from scheduler.protocol import NewSequence
+
+        seqs, next_block = [], 0
+        for n in lengths:
+            num_blocks = -(-n // self.block_size)
+            seqs.append(NewSequence(self.next_seq, list(range(next_block,
+                                                               next_block + num_blocks))))
+            next_block += num_blocks
+            self.next_seq += 1
+        self.execute(new_seqs=seqs)
+        return [s.seq_id for s in seqs]
+
+    def close(self, seq_ids: list[int]) -> None:
+        self.execute(close=seq_ids)
+
+    # --- the measurements ------------------------------------------------------------
+
+    def prefill_s(self, chunk: int) -> float:
+        """Seconds to prefill one prompt_len-token prompt in chunks of `chunk` tokens."""
+        from scheduler.protocol import ScheduledChunk
+
+        n = self.args.prompt_len
+        prompt = [self.token() for _ in range(n)]
+        [seq] = self.open([n])
+
+        def run() -> None:
+            for start in range(0, n, chunk):
+                part = prompt[start : start + chunk]
+                self.execute(chunks=[ScheduledChunk(seq, part, start, start + chunk >= n)])
+
+        dt = self.timed(run)
+        self.close([seq])
+        return dt
+
+    def decode_s(self, batch: int) -> float:
+        """Seconds for decode_steps steps of `batch` sequences, all in one plan per step."""
+        from scheduler.protocol import ScheduledChunk
+
+        a = self.args
+        seqs = self.open([a.decode_len] * batch)
+        p = a.decode_prompt_len
+        # Untimed: the short prompts, all in one plan.
+        self.execute(chunks=[ScheduledChunk(s, [self.token() for _ in range(p)], 0, True)
+                             for s in seqs])
+        tokens = [self.token() for _ in seqs]
+
+        def steps(first: int, count: int) -> None:
+            for pos in range(first, first + count):
+                self.execute(chunks=[ScheduledChunk(s, [t], pos, True)
+                                     for s, t in zip(seqs, tokens)])
+
+        steps(p, a.warmup_steps)
+        dt = self.timed(lambda: steps(p + a.warmup_steps, a.decode_steps))
+        self.close(seqs)
+        return dt
+
+    def all_reduce_us(self, rows: int) -> float:
+        """Mean microseconds per all-reduce of a [rows, hidden] float32 tensor."""
+        import torch
+
+        # Zeros stay zeros under summation (no denormals, no infs), and gloo's
+        # speed does not depend on the values.
+        x = torch.zeros(rows, self.runner.model_config.hidden_size)
+        iters = max(20, min(1000, (80 << 20) // x.nbytes))
+        for _ in range(5):
+            self.tp.all_reduce(x)
+
+        def run() -> None:
+            for _ in range(iters):
+                self.tp.all_reduce(x)
+
+        return self.timed(run) / iters * 1e6
+
+    def run(self) -> dict:
+        a = self.args
+        prefill: dict[str, float] = {}
+        for label, chunk in (("one_chunk", a.prompt_len), ("chunked", a.chunk)):
+            self.prefill_s(chunk)  # warm-up
+            times = sorted(self.prefill_s(chunk) for _ in range(a.repeats))
+            prefill[label] = a.prompt_len / times[len(times) // 2]
+        decode: dict[str, float] = {}
+        for b in a.batch_sizes:
+            self.decode_s(b)  # warm-up
+            decode[str(b)] = b * a.decode_steps / self.decode_s(b)
+        all_reduce: dict[str, float] = {}
+        if self.tp.world_size > 1:
+            for rows in sorted({1, *a.batch_sizes, a.chunk, a.prompt_len}):
+                all_reduce[str(rows)] = self.all_reduce_us(rows)
+        mc = self.runner.model_config
+        return {
+            "world_size": self.tp.world_size,
+            "threads_per_rank": self.threads,
+            "hidden_size": mc.hidden_size,
+            "num_layers": mc.num_layers,
+            # the embedding, then attention and MLP outputs of every layer
+            "all_reduces_per_forward": 2 * mc.num_layers + 1,
+            "prefill_tok_s": prefill,
+            "decode_tok_s": decode,
+            "all_reduce_us": all_reduce,
+        }
+
+
+def rank_main(args: BenchArgs) -> None:
+    bench = RankBench(args)
+    result = bench.run()
+    if bench.tp.rank == 0:
+        print(MARKER + json.dumps(result), flush=True)
+    if bench.tp.world_size > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+# --- the parent ---------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(args: BenchArgs, world_size: int, timeout: float) -> dict:
+    """Start `world_size` ranks, wait for all, and return rank 0's parsed result."""
+    port = free_port()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "tools.bench_worker", "--rank-args",
+           json.dumps(dataclasses.asdict(args))]
+    procs, logs = [], []
+    for r in range(world_size):
+        # Files, not pipes: a rank blocked on a full pipe would stall the collectives.
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        rank_env = dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
+                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=rank_env, stdout=out, stderr=err,
+                                      text=True))
+        logs.append((out, err))
+    deadline = time.monotonic() + timeout
+    failed: str | None = None
+    bad = 0
+    try:
+        # One rank dying leaves the others waiting on it: stop at the first failure.
+        while True:
+            codes = [p.poll() for p in procs]
+            dead = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if dead:
+                bad = dead[0]
+                failed = f"rank {bad} exited {codes[bad]}"
+                break
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                failed = f"timed out after {timeout:.0f}s"
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:  # the ranks left waiting on a dead peer
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    texts = []
+    for out, err in logs:
+        out.seek(0)
+        err.seek(0)
+        texts.append((out.read(), err.read()))
+        out.close()
+        err.close()
+    if failed:
+        raise RuntimeError(f"world size {world_size}: {failed}; rank {bad} stderr:\n"
+                           f"{texts[bad][1][-3000:]}")
+    for line in texts[0][0].splitlines():
+        if line.startswith(MARKER):
+            return json.loads(line[len(MARKER):])
+    raise RuntimeError(f"world size {world_size}: rank 0 printed no result; stderr:\n"
+                       f"{texts[0][1][-3000:]}")
+
+
+def add_shares(run: dict, args: BenchArgs) -> None:
+    """Estimate the share of a step spent in all-reduces (measured alone, not in the step)."""
+    ar, n = run["all_reduce_us"], run["all_reduces_per_forward"]
+    if not ar:
+        run["all_reduce_share"] = {}
+        return
+    step_us = {"prefill": args.prompt_len / run["prefill_tok_s"]["one_chunk"] * 1e6}
+    cost_us = {"prefill": n * ar[str(args.prompt_len)]}
+    for b in args.batch_sizes:
+        step_us[f"decode_b{b}"] = b / run["decode_tok_s"][str(b)] * 1e6
+        cost_us[f"decode_b{b}"] = n * ar[str(b)]
+    run["all_reduce_share"] = {k: cost_us[k] / step_us[k] for k in step_us}
+
+
+def machine_info() -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cores": os.cpu_count(), "cpu": cpu, "torch": torch.__version__,
+            "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0]}
+
+
+def print_table(runs: list[dict], args: BenchArgs) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    fmt = lambda x: f"{x:,.0f}"  # noqa: E731
+    table = Table(title=f"Worker ranks: {args.prompt_len}-token prefill, "
+                        f"{args.decode_steps} decode steps")
+    table.add_column("world size", justify="right")
+    table.add_column("threads/rank", justify="right")
+    table.add_column("prefill tok/s (one chunk)", justify="right")
+    table.add_column(f"prefill tok/s ({args.chunk} chunks)", justify="right")
+    for b in args.batch_sizes:
+        table.add_column(f"decode tok/s b={b}", justify="right")
+    table.add_column("all-reduce µs [1, hidden]", justify="right")
+    table.add_column(f"all-reduce µs [{args.prompt_len}, hidden]", justify="right")
+    for run in runs:
+        ar = run["all_reduce_us"]
+        table.add_row(
+            str(run["world_size"]), str(run["threads_per_rank"]),
+            fmt(run["prefill_tok_s"]["one_chunk"]), fmt(run["prefill_tok_s"]["chunked"]),
+            *(fmt(run["decode_tok_s"][str(b)]) for b in args.batch_sizes),
+            f"{ar['1']:,.1f}" if ar else "N/A",
+            fmt(ar[str(args.prompt_len)]) if ar else "N/A",
+        )
+    # Wide enough for every column even when stdout is a pipe (rich assumes 80 there).
+    console = Console(width=max(150, Console().width))
+    console.print(table)
+    for run in runs:
+        if run["all_reduce_share"]:
+            shares = ", ".join(f"{k} {v:.0%}" for k, v in run["all_reduce_share"].items())
+            console.print(f"world size {run['world_size']}: all-reduce share of a step "
+                          f"(est., {run['all_reduces_per_forward']} per forward): {shares}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="models/tiny-llama")
+    ap.add_argument("--world-sizes", type=ints, default=(1, 2, 4))
+    ap.add_argument("--prompt-len", type=int, default=2000)
+    ap.add_argument("--chunk", type=int, default=512, help="chunk size of the chunked prefill")
+    ap.add_argument("--decode-prompt-len", type=int, default=128)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--batch-sizes", type=ints, default=(1, 16))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per world size")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--rank-args", help=argparse.SUPPRESS)  # internal: run as one rank
+    ns = ap.parse_args(argv)
+    if ns.rank_args:
+        raw = json.loads(ns.rank_args)
+        rank_main(BenchArgs(**dict(raw, batch_sizes=tuple(raw["batch_sizes"]))))
+        return
+
+    from tqdm import tqdm
+
+    args = BenchArgs(model=str(Path(ns.model).resolve()), prompt_len=ns.prompt_len,
+                     chunk=ns.chunk, decode_prompt_len=ns.decode_prompt_len,
+                     decode_steps=ns.decode_steps, batch_sizes=ns.batch_sizes,
+                     repeats=ns.repeats)
+    machine = machine_info()
+    command = " ".join(["python -m tools.bench_worker", *(argv if argv is not None
+                                                          else sys.argv[1:])])
+    cores = machine["cores"] or 1
+    print(f"machine: {cores} cores ({machine['cpu']}), torch {machine['torch']}, "
+          f"python {machine['python']}; threads per rank: "
+          + ", ".join(f"{max(1, cores // w)} at {w}" for w in ns.world_sizes)
+          + f"; load average {machine['load_avg_1m']:.2f}")
+    if machine["load_avg_1m"] > 0.5:
+        print("warning: the machine is busy; figures will be noisy", file=sys.stderr)
+    runs = []
+    for w in tqdm(ns.world_sizes, desc="world sizes", unit="run"):
+        run = run_world(args, w, ns.timeout)
+        add_shares(run, args)
+        runs.append(run)
+    print_table(runs, args)
+    if ns.json:
+        ns.json.write_text(json.dumps({"machine": machine, "args": dataclasses.asdict(args),
+                                       "command": command, "runs": runs}, indent=2))
+        print(f"wrote {ns.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""A world-size-1 executor that runs the ModelRunner in the calling process.
+
+It implements the scheduler's executor interface (start, step, shutdown), so tests
+and benchmarks drive the real scheduler against the real model without ZeroMQ.
+"""
+
+from __future__ import annotations
+
+from scheduler.protocol import EngineConfig, StepPlan, StepResult, WorkerReady
+from worker.distributed import TensorParallelGroup, resolve_device
+from worker.model_runner import ModelRunner
+
+
+class InProcessExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        assert config.world_size == 1, "in-process execution is world size 1"
+        self.config = config
+        self.runner: ModelRunner | None = None
+
+    def start(self) -> list[WorkerReady]:
+        device = resolve_device(self.config.device, 0)
+        self.runner = ModelRunner(self.config, TensorParallelGroup(0, 1), device)
+        return [ready_message(self.runner, 0)]
+
+    def step(self, plan: StepPlan) -> list[StepResult]:
+        out = self.runner.execute(plan)
+        return [StepResult(plan.step, 0, out.digest, out.sampled, out.forward_s)]
+
+    def shutdown(self) -> None:
+        self.runner = None
+
+
+def ready_message(runner: ModelRunner, rank: int) -> WorkerReady:
+    return WorkerReady(
+        rank=rank,
+        device=str(runner.device),
+        num_device_blocks=runner.num_device_blocks,
+        num_host_blocks=runner.num_host_blocks,
+        vocab_size=runner.vocab_size,
+        max_model_len=runner.max_model_len,
+        eos_token_ids=list(runner.model_config.eos_token_ids),
+    )
+
+
+__all__ = ["InProcessExecutor", "ready_message"]
