@@ -104,18 +104,20 @@ class StopMatcher:
         if not self.stop:
             return text
         buf = self._held + text
-        # Earliest match wins, whichever stop string it is. A match cannot start in
-        # text already sent: any suffix that could begin a stop string was held.
-        first: tuple[int, str] | None = None
+        # The match that ends first wins (ties: the one that starts first): that is the
+        # one a token-by-token stream completes first, so the result does not depend on
+        # how tokens were grouped into outputs. A match cannot start in text already
+        # sent: any suffix that could begin a stop string was held.
+        first: tuple[int, int, str] | None = None
         for s in self.stop:
             i = buf.find(s)
-            if i != -1 and (first is None or i < first[0]):
-                first = (i, s)
+            if i != -1 and (first is None or (i + len(s), i) < first[:2]):
+                first = (i + len(s), i, s)
         if first is not None:
             self.stopped = True
-            self.matched = first[1]
+            self.matched = first[2]
             self._held = ""
-            return buf[: first[0]]
+            return buf[: first[1]]
         keep = self._partial_match_len(buf)
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep]

@@ -4,9 +4,10 @@
         [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME] \
         [--max-model-len N] [--connect-timeout S]
 
-It tokenizes (MODEL_DIR/tokenizer.json), validates, sends token ids to the scheduler at
-ipc://DIR/requests.sock, and detokenizes the streamed tokens. Anything it can tell is bad
-is refused here with an OpenAI-shaped error, so it never reaches the engine.
+It tokenizes (MODEL_DIR/tokenizer.json), validates, sends token ids to the scheduler
+(ipc://DIR/requests.sock, or the "requests" address in DIR/addresses.json), and
+detokenizes the streamed tokens. Anything it can tell is bad is refused here with an
+OpenAI-shaped error, so it never reaches the engine.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any, Protocol, TypeVar
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from tokenizers import Tokenizer
@@ -215,6 +216,8 @@ class ClosingStreamingResponse(StreamingResponse):
     async def stream_response(self, send: Any) -> None:
         try:
             await super().stream_response(send)
+        except OSError:
+            pass  # ASGI >= 2.4: the client left; an expected end, not a server error
         finally:
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
@@ -268,6 +271,8 @@ def build_app(
         return error_response(exc)
 
     async def on_internal_error(request: Request, exc: Exception) -> Response:
+        if isinstance(exc, ClientDisconnect):  # the client left while we read its body
+            return Response(status_code=499)
         log.exception("internal_error", path=request.url.path)
         return error_response(oai.ApiError(f"internal error: {type(exc).__name__}",
                                            status=500, type="internal_error"))

@@ -168,8 +168,8 @@ def _supervise(children: list[Child], stop_reason: dict, log) -> int:
         for c in children:
             code = c.proc.poll()
             if code is not None:
-                log.error("child_exited", process=c.name, pid=c.proc.pid, status=describe_exit(code),
-                          action="stopping the engine")
+                log.error("child_exited", process=c.name, pid=c.proc.pid,
+                          status=describe_exit(code), action="stopping the engine")
                 return 1 if code == 0 else (code if code > 0 else 128 - code)
         time.sleep(0.2)
 

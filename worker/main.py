@@ -76,9 +76,9 @@ def serve(sock: zmq.Socket, runner: ModelRunner, rank: int, log) -> int:
             return 0
         assert isinstance(msg, StepPlan), f"unexpected message {type(msg).__name__}"
         try:
-            out = runner.execute(msg)
             if fault == msg.step:
                 runner.digest.add_blocks(-1, [0])  # a phantom table entry: state diverges
+            out = runner.execute(msg)
             sock.send(codec.encode(
                 StepResult(msg.step, rank, out.digest, out.sampled, out.forward_s)))
         except Exception as exc:

@@ -4,12 +4,14 @@ process's role (and rank for workers); events of a step carry `step`."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import structlog
 
 
-def configure_logging(role: str, rank: int | None = None, level: str = "INFO"):
+def configure_logging(role: str, rank: int | None = None, level: str | None = None):
+    level = level or os.environ.get("DEEPINFER_LOG_LEVEL", "INFO")
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

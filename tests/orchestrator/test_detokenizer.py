@@ -114,10 +114,13 @@ def test_stop_string_inside_a_multibyte_run(tokenizer: Tokenizer) -> None:
     assert "".join(deltas) == "abc 😀"
 
 
-def test_earliest_stop_string_wins(tokenizer: Tokenizer) -> None:
+def test_first_completed_stop_string_wins(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("one two three four").ids
-    assert "".join(stream(tokenizer, ids, stop=["four", "two", "three"])) == "one "
-    assert "".join(stream(tokenizer, ids, chunk=len(ids), stop=["four", "e t"])) == "on"
+    for chunk in (1, len(ids)):
+        assert "".join(stream(tokenizer, ids, chunk, stop=["four", "two", "three"])) == "one "
+        assert "".join(stream(tokenizer, ids, chunk, stop=["four", "e t"])) == "on"
+        # "one two" starts first but "two" is complete first, whatever the chunking.
+        assert "".join(stream(tokenizer, ids, chunk, stop=["one two three", "two"])) == "one "
 
 
 def test_no_match_releases_everything_at_finish(tokenizer: Tokenizer) -> None:
@@ -195,7 +198,8 @@ def test_streaming_matches_one_shot_decode(
         i, k = i + n, k + 1
     deltas.append(detok.finish().text)
     full = tokenizer.decode(ids)
-    hits = [full.find(s) for s in stop if s in full]
-    expected = full[: min(hits)] if hits else full
+    # Cut before the stop string that a character-by-character stream completes first.
+    hits = [(full.find(s) + len(s), full.find(s)) for s in stop if s in full]
+    expected = full[: min(hits)[1]] if hits else full
     assert "".join(deltas) == expected
     assert not any("\ufffd" in d for d in deltas)

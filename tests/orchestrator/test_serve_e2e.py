@@ -1,0 +1,158 @@
+"""The engine started as the README says (`deepinfer-run serve`, 4 ranks on gloo) over HTTP.
+
+Covers: /v1/completions stream and non-stream, text and token-id prompts, greedy
+output equal to HF transformers, bad inputs answered with OpenAI-shaped 400s while
+the engine keeps serving, kill -9 of a rank stopping everything with a log line
+naming it, and Ctrl-C leaving no process or socket behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.conftest import REPO, free_port, subprocess_env
+from tests.orchestrator.e2e_helpers import complete, stream_complete, wait_healthy
+
+pytestmark = pytest.mark.slow
+
+
+class Served:
+    def __init__(self, model: Path, run_dir: Path, nproc: int = 4) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.run_dir = run_dir
+        self.log_path = run_dir.parent / f"launcher-{self.port}.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.launcher", "--nproc-per-node", str(nproc),
+             "--run-dir", str(run_dir), "serve", "--model", str(model), "--port", str(self.port),
+             "--dtype", "float32"],
+            cwd=REPO, env=subprocess_env(), stdout=self._log, stderr=subprocess.STDOUT)
+        wait_healthy(self.url, timeout_s=120)
+
+    def pids(self) -> dict[str, int]:
+        engine = json.loads((self.run_dir / "engine.json").read_text())
+        return {p["name"]: p["pid"] for p in engine["processes"]}
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        code = self.proc.wait(timeout=timeout)
+        self._log.close()
+        return code
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie waiting for its (gone) parent counts as gone
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+@pytest.fixture(scope="module")
+def served(default_model, tmp_path_factory):
+    engine = Served(default_model, tmp_path_factory.mktemp("serve") / "run")
+    pids = engine.pids()
+    yield engine
+    # Ctrl-C leaves nothing behind: exit 0, every child gone, run dir and sockets removed.
+    assert engine.stop(signal.SIGINT) == 0, engine.log()[-3000:]
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [n for n, p in pids.items() if alive(p)], "processes left behind"
+    assert not engine.run_dir.exists(), "run directory (and its ipc sockets) left behind"
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_token_prompt_greedy_equals_hf_stream_and_not(served, default_model):
+    prompt = [17, 423, 1200, 77, 5000, 31, 8, 999, 2500, 64, 3100]
+    ref = hf_greedy(default_model, prompt, 16)
+    body = dict(prompt=prompt, max_tokens=16, temperature=0, ignore_eos=True)
+    out = complete(served.url, **body)
+    assert out["choices"][0]["token_ids"] == ref
+    assert out["usage"]["prompt_tokens"] == len(prompt)
+    assert out["usage"]["completion_tokens"] == 16
+    text, ids, _ = stream_complete(served.url, **body)
+    assert ids == ref
+    assert text == out["choices"][0]["text"]
+
+
+def test_text_prompt_and_cached_tokens(served):
+    prompt = "def fibonacci(n):\n    " * 4
+    first = complete(served.url, prompt=prompt, max_tokens=8, temperature=0)
+    again = complete(served.url, prompt=prompt, max_tokens=8, temperature=0)
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    n = first["usage"]["prompt_tokens"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= (n - 1) // 16 * 16 > 0
+
+
+def test_concurrent_requests_match_sequential(served):
+    prompts = [[(i * 37 + j * 11) % 8000 + 10 for j in range(5 + 13 * i)] for i in range(8)]
+    body = dict(max_tokens=10, temperature=0, ignore_eos=True)
+    alone = [complete(served.url, prompt=p, **body)["choices"][0]["token_ids"] for p in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(
+            lambda p: complete(served.url, prompt=p, **body)["choices"][0]["token_ids"], prompts))
+    assert together == alone
+
+
+@pytest.mark.parametrize("body,fragment", [
+    (b"{not json", "JSON"),
+    (json.dumps({"prompt": 5, "max_tokens": 4}).encode(), "prompt"),
+    (json.dumps({"prompt": "x", "max_tokens": "many"}).encode(), "max_tokens"),
+    (json.dumps({"prompt": [1, 2, 8192], "max_tokens": 4}).encode(), "8192"),
+    (json.dumps({"prompt": [5] * 9000, "max_tokens": 4}).encode(), "maximum context length"),
+    (json.dumps({"prompt": "x", "max_tokens": -1}).encode(), "max_tokens"),
+])
+def test_bad_input_is_a_400_and_the_engine_keeps_serving(served, body, fragment):
+    r = httpx.post(f"{served.url}/v1/completions", content=body,
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and fragment in err["message"]
+    ok = complete(served.url, prompt="hello", max_tokens=3, temperature=0)
+    assert ok["usage"]["completion_tokens"] >= 1
+
+
+def test_kill_9_of_a_rank_stops_the_engine(default_model, tmp_path):
+    engine = Served(default_model, tmp_path / "run")
+    pids = engine.pids()
+    os.kill(pids["rank 2"], signal.SIGKILL)
+    code = engine.proc.wait(timeout=30)
+    assert code != 0
+    events = [json.loads(line) for line in engine.log().splitlines() if line.startswith("{")]
+    exits = [e for e in events if e.get("event") == "child_exited"]
+    assert exits and exits[0]["process"] == "rank 2" and "SIGKILL" in exits[0]["status"]
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [n for n, p in pids.items() if alive(p)]
+    assert not engine.run_dir.exists()

@@ -1,0 +1,88 @@
+"""Drive the real scheduler against real worker ranks (ZeroMQ, torchrun env), no HTTP."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+from scheduler.engine import EngineCore, limits_from_ready
+from scheduler.executor import Executor, ZmqExecutor
+from scheduler.protocol import EngineConfig, GenerateRequest, StepPlan, StepResult
+from scheduler.scheduler import Scheduler
+from tests.conftest import REPO, free_port, subprocess_env
+
+
+@dataclass
+class RecordingExecutor:
+    """Passes every call through and keeps the plans and results, for assertions."""
+
+    inner: Executor
+    plans: list[StepPlan] = field(default_factory=list)
+    results: list[list[StepResult]] = field(default_factory=list)
+
+    def start(self):
+        return self.inner.start()
+
+    def step(self, plan: StepPlan) -> list[StepResult]:
+        self.plans.append(plan)
+        out = self.inner.step(plan)
+        self.results.append(out)
+        return out
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
+@contextlib.contextmanager
+def zmq_engine(model: str, world_size: int, env: dict[str, str] | None = None, **overrides):
+    config = EngineConfig(model=str(model), world_size=world_size, dtype="float32",
+                          kv_cache_memory=overrides.pop("kv_cache_memory", 16 << 20),
+                          **overrides)
+    with tempfile.TemporaryDirectory(prefix="deepinfer-test-") as run_dir:
+        address = f"ipc://{run_dir}/workers.sock"
+        executor = ZmqExecutor(address, config, start_timeout_s=180, step_timeout_s=120)
+        port = str(free_port())
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "worker.main", "--scheduler", address], cwd=REPO,
+                env=subprocess_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
+                                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                                   MASTER_PORT=port, **(env or {})),
+                stderr=subprocess.DEVNULL,
+            )
+            for r in range(world_size)
+        ]
+        try:
+            recorder = RecordingExecutor(executor)
+            limits = limits_from_ready(recorder.start())
+            yield EngineCore(Scheduler(config, limits), recorder)
+            executor.shutdown()
+            for p in procs:
+                p.wait(timeout=30)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
+
+def run_until_done(core: EngineCore, requests: list[GenerateRequest],
+                   max_steps: int = 10_000) -> dict[str, dict]:
+    """Submit, step until idle; per request: tokens, finish reason, cached tokens, final step."""
+    for req in requests:
+        core.scheduler.add_request(req)
+    results: dict[str, dict] = {r.request_id: {"tokens": []} for r in requests}
+    for _ in range(max_steps):
+        if not core.scheduler.has_work():
+            return results
+        step = core.scheduler.step
+        for out in core.step():
+            res = results.setdefault(out.request_id, {"tokens": []})
+            res["tokens"].extend(out.token_ids)
+            if out.finished:
+                res.update(finish_reason=out.finish_reason, final_step=step,
+                           cached=out.num_device_cached_tokens + out.num_host_cached_tokens)
+    raise AssertionError("engine did not go idle")
