@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, default=0, help="0: pick a free port")
     p.add_argument("--run-dir", default=None, help="default: a new private dir under /tmp")
+    p.add_argument("--external-workers", action="store_true",
+                   help="start no ranks here: they are started by torchrun, pointed at the "
+                        "scheduler's worker address (logged at start)")
     sub = p.add_subparsers(dest="command", required=True)
     add_serve_arguments(sub.add_parser("serve", help="serve the model over HTTP"))
     return p.parse_args(argv)
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if head:
             children.append(spawn("scheduler", ["scheduler.main", "--run-dir", str(run_dir)]))
-        for local_rank in range(args.nproc_per_node):
+        for local_rank in range(0 if args.external_workers else args.nproc_per_node):
             rank = args.node_rank * args.nproc_per_node + local_rank
             children.append(spawn(f"rank {rank}", ["worker.main", "--scheduler", workers_addr], {
                 "RANK": str(rank), "LOCAL_RANK": str(local_rank),
@@ -151,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
                 shim_args += ["--served-model-name", serve.served_model_name]
             children.append(spawn("shim", shim_args))
         _write_engine_file(run_dir, children, addresses, serve, world_size)
+        if args.external_workers:
+            log.info("waiting_for_external_workers", world_size=world_size,
+                     command=f"torchrun --nproc-per-node {args.nproc_per_node} "
+                             f"-m worker.main --scheduler {workers_addr}")
         log.info("engine_started", run_dir=str(run_dir), world_size=world_size,
                  url=f"http://{serve.host}:{serve.port}" if head else None,
                  pids={c.name: c.proc.pid for c in children})

@@ -156,3 +156,31 @@ def test_kill_9_of_a_rank_stops_the_engine(default_model, tmp_path):
         time.sleep(0.2)
     assert not [n for n, p in pids.items() if alive(p)]
     assert not engine.run_dir.exists()
+
+
+def test_workers_started_by_torchrun(default_model, tmp_path):
+    """The launcher runs scheduler and shim; torchrun starts the two ranks."""
+    run_dir = tmp_path / "run"
+    port = free_port()
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.launcher", "--nproc-per-node", "2",
+         "--external-workers", "--run-dir", str(run_dir), "serve", "--model", str(default_model),
+         "--port", str(port), "--dtype", "float32"],
+        cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not (run_dir / "addresses.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    workers_addr = json.loads((run_dir / "addresses.json").read_text())["workers"]
+    torchrun = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), "-m", "worker.main", "--scheduler", workers_addr],
+        cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, timeout_s=120)
+        out = complete(url, prompt=[5, 6, 7, 8], max_tokens=4, temperature=0, ignore_eos=True)
+        assert len(out["choices"][0]["token_ids"]) == 4
+    finally:
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=30) == 0
+        torchrun.wait(timeout=30)  # ranks exit on the scheduler's shutdown message
