@@ -31,9 +31,11 @@ from scheduler.protocol import (
     AbortRequest,
     ClientHello,
     EngineInfo,
+    EngineStats,
     GenerateRequest,
     RequestOutput,
     Shutdown,
+    StatsRequest,
 )
 from scheduler.protocol.codec import ProtocolError, decode, encode
 
@@ -66,6 +68,8 @@ class EngineClient:
         # request_id -> queue of its outputs; present while the request is live here.
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._shutdown_reason: str | None = None
+        self._stats: asyncio.Future[EngineStats] | None = None
+        self._stats_lock = asyncio.Lock()
 
     # --- lifecycle ------------------------------------------------------------
 
@@ -166,6 +170,16 @@ class EngineClient:
         if self._streams.pop(request_id, None) is not None:
             await self._send(AbortRequest(request_id=request_id, reason=reason))
 
+    async def stats(self, timeout_s: float = 5.0) -> EngineStats:
+        """A snapshot of the engine's counters (one question in flight at a time)."""
+        async with self._stats_lock:
+            self._stats = asyncio.get_running_loop().create_future()
+            await self._send(StatsRequest())
+            try:
+                return await asyncio.wait_for(self._stats, timeout_s)
+            finally:
+                self._stats = None
+
     @property
     def num_live_requests(self) -> int:
         return len(self._streams)
@@ -211,6 +225,9 @@ class EngineClient:
                 if queue is not None:
                     queue.put_nowait(msg)
                 # else: aborted or already finished here; the scheduler's late output is moot.
+            elif isinstance(msg, EngineStats):
+                if self._stats is not None and not self._stats.done():
+                    self._stats.set_result(msg)
             elif isinstance(msg, EngineInfo):
                 if self._info is not None and not self._info.done():
                     self._info.set_result(msg)

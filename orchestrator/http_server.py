@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -35,7 +35,9 @@ from starlette.routing import Route
 from tokenizers import Tokenizer
 
 from orchestrator import openai_api as oai
-from scheduler.protocol import EngineInfo, GenerateRequest, RequestOutput
+from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from orchestrator.metrics import Metrics
+from scheduler.protocol import EngineInfo, EngineStats, GenerateRequest, RequestOutput
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -53,6 +55,7 @@ class Engine(Protocol):
     async def start(self) -> EngineInfo: ...
     async def close(self) -> None: ...
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]: ...
+    async def stats(self) -> EngineStats: ...
     async def abort(self, request_id: str, reason: str = "abort") -> None: ...
 
 
@@ -62,6 +65,7 @@ class ServerState:
     tokenizer: Tokenizer
     model_name: str
     api_key: str | None
+    metrics: Metrics = field(default_factory=Metrics)
     max_model_len: int = 0  # the limit requests are checked against; set at start-up
     vocab_size: int = 0
     created: int = 0
@@ -83,6 +87,17 @@ async def health(request: Request) -> Response:
     if state.engine.connected:
         return JSONResponse({"status": "ok"})
     return JSONResponse({"status": "unavailable"}, status_code=503)
+
+
+async def metrics(request: Request) -> Response:
+    state: ServerState = request.app.state.shim
+    _check_auth(request, state)
+    try:
+        stats = await state.engine.stats()
+    except Exception as exc:  # still serve the shim's own series
+        log.warning("engine_stats_unavailable", error=str(exc))
+        stats = None
+    return Response(state.metrics.render(stats), media_type=METRICS_CONTENT_TYPE)
 
 
 async def list_models(request: Request) -> Response:
@@ -280,6 +295,7 @@ def build_app(
     app = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/completions", completions, methods=["POST"]),
         ],

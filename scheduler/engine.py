@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from scheduler.executor import Executor
-from scheduler.protocol import RequestOutput, StepResult
+from scheduler.protocol import EngineStats, RequestOutput, StepResult
 from scheduler.scheduler import EngineLimits, Scheduler
 
 
@@ -23,6 +23,8 @@ class StepTimings:
     forward: float = 0.0  # rank 0's own forward pass
     update: float = 0.0
     num_tokens: int = 0
+    num_prefill_tokens: int = 0  # totals since start
+    num_decode_tokens: int = 0
     totals: dict[str, float] = field(default_factory=dict)
 
 
@@ -37,6 +39,7 @@ def limits_from_ready(ready: list) -> EngineLimits:
         eos_token_ids=tuple(first.eos_token_ids),
         num_device_blocks=first.num_device_blocks,
         num_host_blocks=first.num_host_blocks,
+        kv_bytes_per_block=first.kv_bytes_per_block,
     )
 
 
@@ -70,6 +73,24 @@ class EngineCore:
         tm.schedule, tm.execute, tm.update = t1 - t0, t2 - t1, t3 - t2
         tm.forward = results[0].forward_s
         tm.num_tokens = sum(len(c.token_ids) for c in plan.chunks)
+        decodes = sum(1 for c in plan.chunks if len(c.token_ids) == 1 and c.sample)
+        tm.num_decode_tokens += decodes
+        tm.num_prefill_tokens += tm.num_tokens - decodes
         for key in ("schedule", "execute", "forward", "update", "num_tokens"):
             tm.totals[key] = tm.totals.get(key, 0.0) + getattr(tm, key)
         return outputs
+
+    def stats(self) -> EngineStats:
+        sched, tm = self.scheduler, self.timings
+        return EngineStats(
+            step=sched.step,
+            num_waiting=len(sched.queue),
+            num_running=len(sched.running),
+            num_prefill_tokens=tm.num_prefill_tokens,
+            num_decode_tokens=tm.num_decode_tokens,
+            step_seconds=tm.totals.get("schedule", 0.0) + tm.totals.get("execute", 0.0)
+            + tm.totals.get("update", 0.0),
+            kv_bytes_per_block=sched.limits.kv_bytes_per_block,
+            cache={k: int(v) for k, v in vars(sched.cache.stats).items()},
+            usage=sched.cache.usage(),
+        )

@@ -23,6 +23,8 @@ from scheduler.protocol import (
     EngineInfo,
     GenerateRequest,
     RequestOutput,
+    Shutdown,
+    StatsRequest,
     codec,
 )
 from scheduler.protocol.log import configure_logging
@@ -37,9 +39,10 @@ class SchedulerServer:
         self.info = info
         self.log = log
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.LINGER, 500)  # let the goodbye reach the shim
         self._sock.bind(requests_addr)
         self._owners: dict[str, bytes] = {}  # request id -> client identity
+        self._clients: set[bytes] = set()
         self._stopping = False
 
     def stop(self, *_: object) -> None:
@@ -67,7 +70,10 @@ class SchedulerServer:
             return
         sched = self.core.scheduler
         if isinstance(msg, ClientHello):
+            self._clients.add(identity)
             self._sock.send_multipart([identity, codec.encode(self.info)])
+        elif isinstance(msg, StatsRequest):
+            self._sock.send_multipart([identity, codec.encode(self.core.stats())])
         elif isinstance(msg, GenerateRequest):
             try:
                 sched.add_request(msg)
@@ -97,6 +103,12 @@ class SchedulerServer:
         for request_id in list(self._owners):
             self._send([RequestOutput(request_id, finished=True, finish_reason="error",
                                       error=message, error_type="internal")])
+        self.say_goodbye(message)
+
+    def say_goodbye(self, reason: str) -> None:
+        """Clients stop accepting work instead of waiting on an engine that is gone."""
+        for identity in self._clients:
+            self._sock.send_multipart([identity, codec.encode(Shutdown(reason))])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("engine_failed", step=core.scheduler.step, error=str(exc))
         server.fail_all(f"engine failed: {exc}")
         return 1
+    server.say_goodbye("the engine is stopping")
     executor.shutdown()
     log.info("scheduler_stopped")
     return 0

@@ -36,6 +36,7 @@ class EngineLimits:
     eos_token_ids: tuple[int, ...]
     num_device_blocks: int
     num_host_blocks: int
+    kv_bytes_per_block: int = 0
 
 
 class RequestRejected(ValueError):

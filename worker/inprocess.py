@@ -39,6 +39,7 @@ def ready_message(runner: ModelRunner, rank: int) -> WorkerReady:
         vocab_size=runner.vocab_size,
         max_model_len=runner.max_model_len,
         eos_token_ids=list(runner.model_config.eos_token_ids),
+        kv_bytes_per_block=runner.kv_bytes_per_block,
     )
 
 

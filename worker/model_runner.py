@@ -59,6 +59,7 @@ class ModelRunner:
         )
         # Ranks may have different free memory; every rank must hold the same
         # block ids, so all take the minimum.
+        self.kv_bytes_per_block = block_bytes
         blocks = num_device_blocks or config.kv_cache_memory // block_bytes
         host_blocks = config.host_cache_memory // block_bytes
         self.num_device_blocks = tp.all_min(blocks)

@@ -154,6 +154,7 @@ class WorkerReady:
     vocab_size: int
     max_model_len: int
     eos_token_ids: list[int]
+    kv_bytes_per_block: int
 
 
 # --- requests: shim <-> scheduler ---------------------------------------------
@@ -196,6 +197,28 @@ class ClientHello:
     """The shim's first message; the scheduler answers with EngineInfo."""
 
     pid: int
+
+
+@dataclass
+class StatsRequest:
+    """The shim asks for a snapshot of the engine's counters (for /metrics)."""
+
+    nonce: int = 0
+
+
+@dataclass
+class EngineStats:
+    """Counters are totals since start; gauges are the current values."""
+
+    step: int
+    num_waiting: int
+    num_running: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    step_seconds: float
+    kv_bytes_per_block: int
+    cache: dict[str, int]  # cache.stats.CacheStats counters
+    usage: dict[str, dict[str, int]]  # tier -> capacity/used/cached/free, in blocks
 
 
 @dataclass
@@ -302,5 +325,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     RequestOutput,
     ClientHello,
     EngineInfo,
+    StatsRequest,
+    EngineStats,
     Shutdown,
 )

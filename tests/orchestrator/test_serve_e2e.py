@@ -184,3 +184,20 @@ def test_workers_started_by_torchrun(default_model, tmp_path):
         launcher.send_signal(signal.SIGINT)
         assert launcher.wait(timeout=30) == 0
         torchrun.wait(timeout=30)  # ranks exit on the scheduler's shutdown message
+
+
+def test_metrics_expose_the_prefix_cache(served):
+    prompt = "class Cache:\n    def get(self, key):\n        return self.d[key]\n" * 3
+    for _ in range(2):
+        complete(served.url, prompt=prompt, max_tokens=2, temperature=0)
+    r = httpx.get(f"{served.url}/metrics", timeout=10)
+    assert r.status_code == 200
+    samples = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    assert samples['deepinfer_prefix_cache_hit_tokens_total{tier="device"}'] > 0
+    assert samples["deepinfer_prefix_cache_queried_tokens_total"] > 0
+    assert samples['deepinfer_kv_blocks{state="capacity",tier="device"}'] > 0
+    assert samples["deepinfer_steps_total"] > 0
