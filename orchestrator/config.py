@@ -33,8 +33,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory,
                    help="bytes per rank for the device KV tier")
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="CUDA: size the device tier to this share of GPU memory, measured by "
+                        "a profiling pass (overrides --kv-cache-memory)")
     p.add_argument("--host-cache-memory", type=int, default=d.host_cache_memory,
                    help="bytes per rank for the host KV tier (0 disables it)")
+    p.add_argument("--kv-write-policy", default=d.kv_write_policy,
+                   choices=["write_back", "write_through"],
+                   help="when device blocks are copied to the host tier: on eviction "
+                        "(write_back) or as soon as they are registered (write_through)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="disable prefix caching (for comparisons)")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
@@ -57,7 +66,10 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
         world_size=world_size,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         host_cache_memory=args.host_cache_memory,
+        kv_write_policy=args.kv_write_policy,
+        enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

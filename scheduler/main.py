@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 import zmq
+from rich.console import Console
+from rich.table import Table
 
 from scheduler.engine import EngineCore, RankDivergenceError, limits_from_ready
 from scheduler.executor import WorkerFailure, ZmqExecutor
@@ -28,7 +30,7 @@ from scheduler.protocol import (
     codec,
 )
 from scheduler.protocol.log import configure_logging
-from scheduler.scheduler import RequestRejected, Scheduler
+from scheduler.scheduler import EngineLimits, RequestRejected, Scheduler
 
 IDLE_POLL_MS = 50
 
@@ -111,6 +113,18 @@ class SchedulerServer:
             self._sock.send_multipart([identity, codec.encode(Shutdown(reason))])
 
 
+def print_budget(config: EngineConfig, limits: EngineLimits) -> None:
+    """The KV budget as agreed by every rank, in tokens per tier (printed at start-up)."""
+    table = Table(title=f"KV cache budget ({config.world_size} ranks, {config.block_size}-token "
+                        f"blocks, {limits.kv_bytes_per_block} B/block/rank)")
+    for col in ("tier", "blocks", "tokens", "bytes per rank"):
+        table.add_column(col, justify="right")
+    for tier, blocks in (("device", limits.num_device_blocks), ("host", limits.num_host_blocks)):
+        table.add_row(tier, f"{blocks:,}", f"{blocks * config.block_size:,}",
+                      f"{blocks * limits.kv_bytes_per_block:,}")
+    Console(file=sys.stdout, width=100).print(table)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="DeepInfer scheduler")
     parser.add_argument("--run-dir", required=True, type=Path)
@@ -125,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerFailure as exc:
         log.error("workers_failed_to_start", error=str(exc))
         return 1
+    print_budget(config, limits)
     log.info("kv_cache_budget", block_size=config.block_size,
              device_blocks=limits.num_device_blocks,
              device_tokens=limits.num_device_blocks * config.block_size,

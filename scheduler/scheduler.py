@@ -46,8 +46,7 @@ class RequestRejected(ValueError):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, limits: EngineLimits,
-                 enable_prefix_caching: bool = True) -> None:
+    def __init__(self, config: EngineConfig, limits: EngineLimits) -> None:
         self.config = config
         self.limits = limits
         self.block_size = config.block_size
@@ -55,7 +54,8 @@ class Scheduler:
             block_size=config.block_size,
             num_device_blocks=limits.num_device_blocks,
             num_host_blocks=limits.num_host_blocks,
-            enable_prefix_caching=enable_prefix_caching,
+            write_policy=config.kv_write_policy,
+            enable_prefix_caching=config.enable_prefix_caching,
         ))
         self.queue = RequestQueue(config.max_queued_requests)
         self.running: list[Sequence] = []

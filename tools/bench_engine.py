@@ -37,7 +37,8 @@ from scheduler.scheduler import Scheduler
 def run_one(model: str, world_size: int, args: argparse.Namespace) -> dict:
     config = EngineConfig(model=model, world_size=world_size, dtype="float32",
                           kv_cache_memory=256 << 20, max_num_seqs=args.num_requests,
-                          max_num_batched_tokens=args.max_num_batched_tokens)
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          enable_prefix_caching=False)
     with tempfile.TemporaryDirectory(prefix="deepinfer-bench-") as run_dir:
         address = f"ipc://{run_dir}/workers.sock"
         executor = ZmqExecutor(address, config)
@@ -47,8 +48,7 @@ def run_one(model: str, world_size: int, args: argparse.Namespace) -> dict:
             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": port, "DEEPINFER_LOG_LEVEL": "WARNING"}) for r in range(world_size)]
         try:
-            core = EngineCore(Scheduler(config, limits_from_ready(executor.start()),
-                                        enable_prefix_caching=False), executor)
+            core = EngineCore(Scheduler(config, limits_from_ready(executor.start())), executor)
             rng = random.Random(0)
             make = lambda tag: [  # noqa: E731
                 GenerateRequest(f"{tag}{i}", [rng.randrange(10, 8000)

@@ -9,8 +9,6 @@ decided by the scheduler alone; this class only moves bytes where a plan says.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 
@@ -32,6 +30,7 @@ class KVCache:
         # Copies between tiers run on a side stream on CUDA, so the next forward
         # pass only waits where it touches the blocks being moved.
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._layer_events: list[torch.cuda.Event] = []
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -44,44 +43,50 @@ class KVCache:
         self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
         self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
-    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy device blocks to host slots: [(device block, host slot), ...]."""
-        if not pairs:
-            return
-        blocks = torch.tensor([b for b, _ in pairs], device=self.device)
-        slots = torch.tensor([s for _, s in pairs])
-        with self._side_stream():
-            self.k_host[:, slots] = self.k[:, blocks].to("cpu", non_blocking=True)
-            self.v_host[:, slots] = self.v[:, blocks].to("cpu", non_blocking=True)
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Apply a step's tier copies: first device -> host [(block, slot)], then host ->
+        device [(slot, block)]. swap_out goes first because a block written out this step
+        may be the target of a swap_in (or of new KV) in the same step.
 
-    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy host slots to device blocks: [(host slot, device block), ...]."""
-        if not pairs:
+        On CUDA the copies run layer by layer on a side stream, each layer recording an
+        event; the forward pass waits on layer i's event just before layer i touches the
+        cache (`wait_layer`), so the copies of later layers overlap earlier layers' compute.
+        """
+        if not swap_out and not swap_in:
             return
-        slots = torch.tensor([s for s, _ in pairs])
-        blocks = torch.tensor([b for _, b in pairs], device=self.device)
-        with self._side_stream():
-            self.k[:, blocks] = self.k_host[:, slots].to(self.device, non_blocking=True)
-            self.v[:, blocks] = self.v_host[:, slots].to(self.device, non_blocking=True)
-
-    def _side_stream(self):
         if self._stream is None:
-            return contextlib.nullcontext()
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        return _StreamThenJoin(self._stream, self.device)
+            self._swap_cpu(swap_out, swap_in)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(compute)  # earlier steps' writes to these blocks are done
+        self._layer_events = []
+        with torch.cuda.stream(self._stream):
+            for layer in range(self.k.shape[0]):
+                for block, slot in swap_out:  # pinned destination: a true async D2H copy
+                    self.k_host[layer, slot].copy_(self.k[layer, block], non_blocking=True)
+                    self.v_host[layer, slot].copy_(self.v[layer, block], non_blocking=True)
+                for slot, block in swap_in:
+                    self.k[layer, block].copy_(self.k_host[layer, slot], non_blocking=True)
+                    self.v[layer, block].copy_(self.v_host[layer, slot], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                self._layer_events.append(event)
 
+    def wait_layer(self, layer: int) -> None:
+        """Make the compute stream wait for this step's copies of `layer` (CUDA only)."""
+        if self._layer_events:
+            torch.cuda.current_stream(self.device).wait_event(self._layer_events[layer])
+            if layer == len(self._layer_events) - 1:
+                self._layer_events = []
 
-class _StreamThenJoin:
-    """Run copies on the side stream; the compute stream waits for them before the forward."""
-
-    def __init__(self, stream: torch.cuda.Stream, device: torch.device) -> None:
-        self.stream = stream
-        self.device = device
-        self._ctx = torch.cuda.stream(stream)
-
-    def __enter__(self) -> None:
-        self._ctx.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        self._ctx.__exit__(*exc)
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+    def _swap_cpu(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        if swap_out:
+            blocks = torch.tensor([b for b, _ in swap_out])
+            slots = torch.tensor([s for _, s in swap_out])
+            self.k_host[:, slots] = self.k[:, blocks]
+            self.v_host[:, slots] = self.v[:, blocks]
+        if swap_in:
+            slots = torch.tensor([s for s, _ in swap_in])
+            blocks = torch.tensor([b for _, b in swap_in])
+            self.k[:, blocks] = self.k_host[:, slots]
+            self.v[:, blocks] = self.v_host[:, slots]

@@ -144,6 +144,7 @@ class LlamaModel:
             k = rms_norm(k, w.k_norm, self._eps)
         q = Rotary.apply(q, cos, sin)
         k = Rotary.apply(k, cos, sin)
+        kv.wait_layer(i)  # this layer's tier copies (CUDA side stream) are done
         kv.write(i, k, v, slots)
         o = attn.forward(q, kv.k[i], kv.v[i])  # [T, heads on this rank, head_dim]
         out = self.tp.all_reduce(F.linear(o.reshape(t, -1), w.o))

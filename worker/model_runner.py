@@ -60,6 +60,8 @@ class ModelRunner:
         # Ranks may have different free memory; every rank must hold the same
         # block ids, so all take the minimum.
         self.kv_bytes_per_block = block_bytes
+        if num_device_blocks is None and device.type == "cuda" and config.gpu_memory_utilization:
+            num_device_blocks = self._profile_num_blocks(block_bytes)
         blocks = num_device_blocks or config.kv_cache_memory // block_bytes
         host_blocks = config.host_cache_memory // block_bytes
         self.num_device_blocks = tp.all_min(blocks)
@@ -79,6 +81,33 @@ class ModelRunner:
         self.block_tables: dict[int, list[int]] = {}
         self.sampling: dict[int, tuple[SamplingParams, int]] = {}
         self.digest = StateDigest()
+
+    def _profile_num_blocks(self, block_bytes: int) -> int:
+        """CUDA: blocks that fit in `gpu_memory_utilization` of the GPU after the weights and
+        the activations of the largest step (measured by running one)."""
+        cfg, m, bs = self.config, self.model, self.config.block_size
+        num_tokens = min(cfg.max_num_batched_tokens, self.max_model_len)
+        scratch_blocks = -(-num_tokens // bs)
+        kv = KVCache(self.model_config.num_layers, scratch_blocks, 0, bs, m.num_kv_heads,
+                     m.head_dim, self.dtype, self.device)
+        attn = create_backend(cfg.attention_backend, m.num_heads, m.num_kv_heads, m.head_dim,
+                              bs, self.dtype, self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+        attn.plan(AttentionMetadata(i32([0, num_tokens]), i32([0, scratch_blocks]),
+                                    i32(list(range(scratch_blocks))),
+                                    i32([num_tokens - (scratch_blocks - 1) * bs]), bs))
+        positions = torch.arange(num_tokens, device=self.device)
+        hidden = self.model.forward(torch.zeros(num_tokens, dtype=torch.long, device=self.device),
+                                    positions, positions, kv, attn)
+        self.model.logits(hidden[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - kv.k.nbytes - kv.v.nbytes
+        del kv, attn, hidden
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return max(0, int(total * cfg.gpu_memory_utilization - peak) // block_bytes)
 
     # --- one step ----------------------------------------------------------------
 
@@ -104,17 +133,15 @@ class ModelRunner:
                           logits if return_logits else None)
 
     def _apply_cache_ops(self, plan: StepPlan) -> None:
-        # Order matters: a block written out this step may be reused as a
-        # swap-in target or for new KV in the same step.
-        for block, slot in plan.swap_out:
+        for block, slot in plan.swap_out + [(b, s) for s, b in plan.swap_in]:
             self._check_block(block)
             assert 0 <= slot < self.num_host_blocks, f"host slot {slot} out of range"
-        self.kv.swap_out(plan.swap_out)
-        for slot, block in plan.swap_in:
-            self._check_block(block)
-            assert 0 <= slot < self.num_host_blocks, f"host slot {slot} out of range"
-        self.kv.swap_in(plan.swap_in)
+        self.kv.swap(plan.swap_out, plan.swap_in)
+        running = {c.seq_id for c in plan.chunks}
         for seq_id in plan.close:
+            # The close-timing rule (scheduler/scheduler.py): a sequence is closed by
+            # the plan after its last step, never by a plan that still runs it.
+            assert seq_id not in running, f"step {plan.step}: seq {seq_id} closed while running"
             del self.block_tables[seq_id]
             del self.sampling[seq_id]
 

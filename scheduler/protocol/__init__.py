@@ -33,6 +33,8 @@ class EngineConfig:
     kv_cache_memory: int = 256 * 1024 * 1024  # bytes per rank for the device tier
     gpu_memory_utilization: float = 0.0  # CUDA only; > 0 sizes the device tier by profiling
     host_cache_memory: int = 0  # bytes per rank for the host tier; 0 disables it
+    kv_write_policy: str = "write_back"  # host copy on device eviction, or "write_through"
+    enable_prefix_caching: bool = True
     max_model_len: int = 0  # 0: take the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -48,6 +50,8 @@ class EngineConfig:
             raise ValueError(f"unknown device {self.device!r}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")
+        if self.kv_write_policy not in ("write_back", "write_through"):
+            raise ValueError(f"unknown KV write policy {self.kv_write_policy!r}")
         if self.world_size < 1:
             raise ValueError("world_size must be >= 1")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
