@@ -86,3 +86,15 @@ def run_until_done(core: EngineCore, requests: list[GenerateRequest],
                 res.update(finish_reason=out.finish_reason, final_step=step,
                            cached=out.num_device_cached_tokens + out.num_host_cached_tokens)
     raise AssertionError("engine did not go idle")
+
+
+def inprocess_engine(model: str, scheduler_cls: type[Scheduler] = Scheduler,
+                     **overrides) -> EngineCore:
+    """The real scheduler and the real model at world size 1, in this process."""
+    from worker.inprocess import InProcessExecutor
+
+    config = EngineConfig(model=str(model), dtype="float32",
+                          kv_cache_memory=overrides.pop("kv_cache_memory", 16 << 20),
+                          **overrides)
+    recorder = RecordingExecutor(InProcessExecutor(config))
+    return EngineCore(scheduler_cls(config, limits_from_ready(recorder.start())), recorder)
