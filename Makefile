@@ -8,7 +8,7 @@ INSTALLED := $(VENV)/.deepinfer-installed
 TORCH_CPU := torch==2.13.0+cpu
 PYTEST_ARGS ?=
 
-.PHONY: install test lint serve bench-worker bench-engine clean
+.PHONY: install test lint serve bench-worker bench-engine bench-agents bench-index clean
 
 install: $(INSTALLED) $(MODEL)/deepinfer_tiny.json
 
@@ -42,6 +42,12 @@ bench-worker: install
 
 bench-engine: install
 	$(PY) -m tools.bench_engine --model $(MODEL)
+
+bench-agents: install
+	$(PY) -m tools.bench_agents --model $(MODEL)
+
+bench-index: install
+	$(PY) -m tools.bench_index
 
 clean:
 	rm -rf $(VENV) models *.egg-info .pytest_cache .ruff_cache .hypothesis
