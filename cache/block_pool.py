@@ -81,8 +81,7 @@ class DevicePool:
         rest = k - len(got)
         evicted = self.lru.pop(rest, skip=self.busy if self._busy else None)
         assert len(evicted) == rest, "not enough evictable blocks (check capacity first)"
-        lo = self.index.key_lo[evicted].copy()
-        hi = self.index.key_hi[evicted].copy()
+        lo, hi = self.index.keys_of(evicted)
         self.index.remove(evicted)
         blocks = np.concatenate([got, evicted])
         assert (self.refcount[blocks] == 0).all(), "a referenced block was handed out"
@@ -106,7 +105,7 @@ class DevicePool:
 
     def drop_cached(self) -> int:
         """Forget every cached block (not busy ones); they become free. Returns the count."""
-        ids = self.lru.order()
+        ids = np.flatnonzero(self.lru.present).astype(np.int32)
         ids = ids[~self.busy[ids]]
         self.lru.remove(ids)
         self.index.remove(ids)

@@ -127,6 +127,18 @@ class BlockHashChain:
             out += parent
         return stop
 
+    def prefix(self, num_blocks: int) -> BlockHashChain:
+        """A new chain holding this one's first ``num_blocks`` hashes.
+
+        For a request that repeats a known conversation and adds a turn (coding agents
+        resend everything each step): once the caller has checked that the first
+        ``num_blocks * block_size`` tokens are identical, ``old.prefix(k).extend(new)``
+        hashes only the new blocks instead of the whole prompt."""
+        assert 0 <= num_blocks <= self.num_blocks
+        out = BlockHashChain(self.block_size, self.extra_key, self._parent0)
+        out._digests = bytearray(self._digests[:num_blocks * HASH_BYTES])
+        return out
+
     def digest(self, i: int) -> BlockHash:
         assert 0 <= i < self.num_blocks
         return bytes(self._digests[i * HASH_BYTES:(i + 1) * HASH_BYTES])

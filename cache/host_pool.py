@@ -68,6 +68,7 @@ class HostPool:
         Returns (slots, evicted)."""
         got = self.free.pop(k)
         evicted = self.lru.pop(k - len(got), skip=self.pinned if self.num_pinned else None)
+        self.index.remove(evicted)
         return np.concatenate([got, evicted]), evicted
 
     def register(self, slots: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
@@ -76,7 +77,7 @@ class HostPool:
         self.pin(slots)
 
     def drop_cached(self) -> int:
-        ids = self.lru.order()
+        ids = np.flatnonzero(self.lru.present).astype(np.int32)
         ids = ids[~self.pinned[ids]]
         self.lru.remove(ids)
         self.index.remove(ids)

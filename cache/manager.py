@@ -193,7 +193,8 @@ class KVCacheManager:
         start = seq.num_registered
         if n_full <= start:
             return
-        assert seq.chain.extend(token_ids, n_full) >= n_full
+        num_hashed = seq.chain.extend(token_ids, n_full)
+        assert num_hashed >= n_full
         lo, hi = seq.chain.keys(start, n_full)
         blocks = _as_array(seq.blocks[start:n_full])
         new = self.device.index.find(lo, hi) < 0
@@ -233,7 +234,7 @@ class KVCacheManager:
         for blocks, lo, hi in pending:
             # Still referenced (they cannot be closed in their commit step) and indexed.
             assert (self.device.refcount[blocks] > 0).all()
-            assert (self.device.index.key_lo[blocks] == lo).all()
+            assert (self.device.index.keys_of(blocks)[0] == lo).all()
             self._copy_to_host(blocks[::-1], lo[::-1], hi[::-1])  # tail first
         return ops
 
@@ -248,8 +249,8 @@ class KVCacheManager:
     def preload(self, tier: str, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Mark free blocks/slots of ``tier`` ("device" or "host") as cached under these
         hashes. For tools (bench_index) and restores; the KV must really be there."""
+        assert tier in ("device", "host"), tier
         pool = self.device if tier == "device" else self.host
-        assert tier in ("device", "host")
         return pool.preload(np.asarray(lo, np.uint64), np.asarray(hi, np.uint64))
 
     # --- reporting ----------------------------------------------------------------------
@@ -271,7 +272,7 @@ class KVCacheManager:
         """Registered device blocks and host slots with their hashes."""
         def snap(index) -> tuple[np.ndarray, np.ndarray]:
             items = index.registered_items()
-            return items, np.stack([index.key_lo[items], index.key_hi[items]], axis=1)
+            return items, np.stack(index.keys_of(items), axis=1)
 
         db, dk = snap(self.device.index)
         hs, hk = snap(self.host.index)
@@ -312,15 +313,19 @@ class KVCacheManager:
         cap = max(len(token_ids) - 1, 0) // self.block_size
         dev_parts: list[np.ndarray] = []
         host_parts: list[np.ndarray] = []
-        n, chunk = 0, 64
+        # Chunks growing 8x (256, 2K, 16K, ...; hashes already known: 256 then the
+        # rest), so a miss early in a long prompt costs little hashing and few lookups,
+        # and a long hit a few passes.
+        n, chunk = 0, 256
         while n < cap:
-            upto = min(cap, n + chunk)
-            assert chain.extend(token_ids, upto) >= upto
+            upto = cap if n and chain.num_blocks >= cap else min(cap, n + chunk)
+            num_hashed = chain.extend(token_ids, upto)
+            assert num_hashed >= upto
             lo, hi = chain.keys(n, upto)
             dev = self.device.index.find(lo, hi)
             host = np.full(len(dev), -1, dtype=np.int32)
-            miss = dev < 0
-            if self.host.num_slots and miss.any():
+            miss = np.flatnonzero(dev < 0)
+            if self.host.num_slots and len(miss):
                 host[miss] = self.host.find(lo[miss], hi[miss])
             ok = (dev >= 0) | (host >= 0)
             k = len(ok) if ok.all() else int(np.argmin(ok))
@@ -329,7 +334,7 @@ class KVCacheManager:
             n += k
             if k < len(ok):
                 break
-            chunk = min(4 * chunk, 8192)
+            chunk *= 8
         empty = np.zeros(0, dtype=np.int32)
         return _Match(n, np.concatenate(dev_parts) if dev_parts else empty,
                       np.concatenate(host_parts) if host_parts else empty)
@@ -361,7 +366,7 @@ class KVCacheManager:
         # Order matters: take the hits (and pin the host sources) before evicting for
         # fresh blocks, so the eviction cannot reclaim the prefix being hit.
         self.device.ref(dev_hits)
-        self.host.pin(host_hits)
+        self.host.pin(host_hits[::-1])  # touched tail first: the chain's head stays longest
         fresh = self._take_fresh(n_fresh)
         loaded = fresh[:len(host_hits)]
         table = np.empty(n_total, dtype=np.int32)
@@ -384,6 +389,8 @@ class KVCacheManager:
 
     def _take_fresh(self, k: int) -> np.ndarray:
         """``k`` blocks with refcount 1, evicting (and writing back) cached ones if needed."""
+        # An evicted block may become, this very step, a swap_in target or get new KV:
+        # safe only because workers apply its swap_out (queued below) before both.
         blocks, evicted, lo, hi = self.device.take(k)
         self.stats.num_device_evictions += len(evicted)
         if (len(evicted) and self.config.write_policy == "write_back"

@@ -80,6 +80,10 @@ def test_incremental_chain_matches_one_shot_and_numpy_input() -> None:
     assert keys_to_bytes(lo, hi) == chain.digests(3, 7)
     capped = BlockHashChain(4, KEY)
     assert capped.extend(TOKENS, max_blocks=5) == 5
+    turn = chain.prefix(10)  # a known conversation plus a new turn
+    turn.extend(TOKENS[:40] + [7, 7, 7, 7])
+    assert turn.digests() == block_hashes(TOKENS[:40] + [7, 7, 7, 7], 4, KEY)
+    assert chain.num_blocks == 25  # the original is untouched
 
 
 def test_out_of_range_tokens_raise() -> None:

@@ -218,3 +218,27 @@ def test_reset_prefix_cache() -> None:
     assert m.lookup(prompt(16), KEY) == PrefixHit(0, 0)
     assert m.lookup(prompt(16, 100), KEY) == PrefixHit(12, 0)  # referenced: kept
     m.check_invariants()
+
+
+def test_rolled_back_swap_in_targets_are_not_reused_in_the_same_step() -> None:
+    # A block being loaded this step must not become a second swap_in target in the
+    # same batch (workers copy a batch with one indexed store: order undefined).
+    m = mgr(num_device_blocks=4, num_host_blocks=16)
+    p, q, r = prompt(16), prompt(16, 100), prompt(16, 200)
+    for sid, toks in ((1, p), (2, q), (3, r)):  # each evicts the previous one to the host
+        run(m, sid, toks)
+        m.take_ops()
+        m.free(sid)
+        m.take_ops()
+    assert m.lookup(p, KEY) == PrefixHit(0, 12) and m.lookup(q, KEY) == PrefixHit(0, 12)
+    loaded = m.allocate(4, p, 16, KEY)[:3]
+    m.free(4)  # admission rolled back: the 3 blocks being loaded stay cached, busy
+    m.check_invariants()
+    assert m.allocate(5, q, 16, KEY) is None  # would need the busy blocks
+    assert m.lookup(p, KEY) == PrefixHit(12, 0)  # but they can be hit
+    assert m.allocate(6, p, 16, KEY)[:3] == loaded
+    m.check_invariants()
+    m.take_ops()
+    m.free(6)
+    assert m.allocate(5, q, 16, KEY) is not None  # next step they are ordinary cached blocks
+    m.check_invariants()

@@ -43,7 +43,7 @@ class CacheMachine(RuleBasedStateMachine):
     @initialize(
         block_size=st.sampled_from([1, 2, 4]),
         num_device_blocks=st.integers(3, 16),
-        num_host_blocks=st.sampled_from([0, 3, 8, 30]),
+        num_host_blocks=st.sampled_from([0, 3, 8, 12, 40]),
         write_policy=st.sampled_from(["write_back", "write_through"]),
         caching=st.sampled_from([True, True, True, False]),
         bases=st.lists(st.lists(st.integers(0, 2), min_size=4, max_size=24),
@@ -159,7 +159,7 @@ class CacheMachine(RuleBasedStateMachine):
                 assert i < n_hit and dev_map[b] == hashes[i]
         loaded = self.m.peek_ops().swap_in[len(ops_before.swap_in):]
         assert len(loaded) * self.bs == hit.num_host_tokens
-        for slot, b in loaded:
+        for _slot, b in loaded:
             assert refs_before[b] == 0 and b in blocks[:n_hit]
         seq.table = list(blocks)
         seq.computed = hit.num_tokens
@@ -195,7 +195,8 @@ class CacheMachine(RuleBasedStateMachine):
         seq = self.seqs.pop(sid)
         self.history.append((seq.key, list(seq.tokens)))
 
-    @precondition(lambda self: self.m.usage()["device"]["cached"] > 0)
+    @precondition(lambda self: self.m.usage()["device"]["cached"] > 0
+                  and self.m.num_allocatable_blocks() > 0)
     @rule(data=st.data())
     def eviction_pressure(self, data) -> None:
         """A filler prompt as big as everything allocatable runs for one step and closes:
@@ -208,6 +209,15 @@ class CacheMachine(RuleBasedStateMachine):
         if sid in self.seqs:
             self.m.free(sid)
             del self.seqs[sid]
+
+    @precondition(lambda self: self.history and self.cfg.host_enabled and len(self.seqs) < 8
+                  and self.m.num_allocatable_blocks() > 0)
+    @rule(data=st.data())
+    def come_back_after_eviction(self, data) -> None:
+        """An idle session returns after its KV was pushed out to the host tier."""
+        if self.m.usage()["device"]["cached"]:
+            self.eviction_pressure(data)
+        self.revisit(data)
 
     @rule(data=st.data())
     def scheduler_step(self, data) -> None:
@@ -327,6 +337,6 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 CacheMachine.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=100, deadline=None,
+    max_examples=200, stateful_step_count=80, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 test_cache_state_machine = CacheMachine.TestCase

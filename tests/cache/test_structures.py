@@ -12,9 +12,11 @@ from cache.free_list import FreeList
 from cache.hash_index import HashIndex
 from cache.lru import LruQueue
 
-N = 40
-# Few distinct low words, so home slots collide and probe runs get long.
-KEYS = st.tuples(st.integers(0, 7), st.integers(0, 3))
+N = 40  # a 256-slot table
+# Few distinct low words, so home slots collide and probe runs get long; some homes at
+# the end of the table, so runs wrap around; 257 and 766 share homes with 1 and 254.
+LOS = [0, 1, 2, 3, 252, 253, 254, 255, 257, 766]
+KEYS = st.tuples(st.sampled_from(LOS), st.integers(0, 3))
 
 
 @settings(max_examples=150, deadline=None)
@@ -23,6 +25,7 @@ KEYS = st.tuples(st.integers(0, 7), st.integers(0, 3))
                 max_size=40))
 def test_hash_index_matches_dict(ops) -> None:
     index = HashIndex(N)
+    assert index.table_size == 256
     model: dict[tuple[int, int], int] = {}
     for op, batch in ops:
         if op == "clear":
@@ -48,10 +51,14 @@ def test_hash_index_matches_dict(ops) -> None:
             for i in items:
                 del model[inv[i]]
         index.check()
-        probe = [(a, b) for a in range(8) for b in range(4)]
-        found = index.find(np.array([p[0] for p in probe], np.uint64),
-                           np.array([p[1] for p in probe], np.uint64))
-        assert found.tolist() == [model.get(p, -1) for p in probe]
+        probe = [(a, b) for a in LOS for b in range(4)]
+        want = [model.get(p, -1) for p in probe]
+        lo = np.array([p[0] for p in probe], np.uint64)
+        hi = np.array([p[1] for p in probe], np.uint64)
+        assert index.find(lo, hi).tolist() == want  # few queries: window rounds
+        # Many queries: flat rounds first. All these keys share one tag, so every probe
+        # compares full keys and tag matches with other keys must be passed over.
+        assert index.find(np.tile(lo, 20), np.tile(hi, 20)).tolist() == want * 20
 
 
 def test_hash_index_full_capacity_with_churn() -> None:
@@ -69,6 +76,21 @@ def test_hash_index_full_capacity_with_churn() -> None:
     index.check()
     assert (index.find(lo, hi) == np.arange(n)).all()
     assert (index.find(lo + np.uint64(1), hi) == -1).all()
+
+
+def test_hash_index_mass_removal_takes_the_vectorised_path() -> None:
+    rng = np.random.default_rng(1)
+    n = 20_000
+    index = HashIndex(n)
+    lo = rng.integers(0, 2**64, n, dtype=np.uint64)
+    hi = rng.integers(0, 2**64, n, dtype=np.uint64)
+    index.insert(np.arange(n, dtype=np.int32), lo, hi)
+    gone = rng.choice(n, 12_000, replace=False).astype(np.int32)  # > 4096: re-placement
+    index.remove(gone)
+    index.check()
+    want = np.arange(n)
+    want[gone] = -1
+    assert (index.find(lo, hi) == want).all()
 
 
 @settings(max_examples=150, deadline=None)
@@ -123,3 +145,34 @@ def test_free_list_order_and_double_free() -> None:
     except AssertionError:
         return
     raise AssertionError("double free not detected")
+
+
+def test_device_pool_never_evicts_busy_blocks() -> None:
+    from cache.block_pool import DevicePool
+
+    pool = DevicePool(3)
+    blocks, _, _, _ = pool.take(3)
+    keys = np.arange(3, dtype=np.uint64)
+    pool.register(blocks, keys, keys)
+    pool.mark_busy(blocks[:1])  # the oldest in the LRU below
+    pool.unref(blocks)
+    assert pool.num_evictable() == 2
+    got, evicted, _, _ = pool.take(2)
+    assert sorted(got.tolist()) == sorted(blocks[1:].tolist()) == sorted(evicted.tolist())
+    pool.clear_busy()
+    assert pool.take(1)[0].tolist() == blocks[:1].tolist()
+    pool.check()
+
+
+def test_hash_index_delete_in_a_run_that_wraps_around() -> None:
+    # Homes 254, 254, 254, 255, 0 in a 256-slot table: one probe run over the end.
+    los = np.array([254, 254 + 256, 254 + 512, 255, 256], np.uint64)
+    his = np.arange(5, dtype=np.uint64)
+    for victim in range(5):
+        index = HashIndex(N)
+        for i in range(5):  # one at a time: a known layout, 254 255 0 1 2
+            index.insert(np.array([i], np.int32), los[i:i + 1], his[i:i + 1])
+        index.remove(np.array([victim], np.int32))
+        index.check()
+        want = [-1 if i == victim else i for i in range(5)]
+        assert index.find(los, his).tolist() == want
