@@ -70,6 +70,9 @@ class CacheOps:
 
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+    # (device block, low 64 bits of its hash) registered this step: not a copy, but
+    # the ranks mirror it so their state digest covers which hash is where.
+    registered: list[tuple[int, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.swap_out or self.swap_in)
@@ -200,6 +203,7 @@ class KVCacheManager:
         new = self.device.index.find(lo, hi) < 0
         blocks, lo, hi = blocks[new], lo[new], hi[new]
         self.device.register(blocks, lo, hi)
+        self._ops.registered.extend(zip(blocks.tolist(), lo.tolist()))
         seq.num_registered = n_full
         if self.config.write_policy == "write_through" and self.config.host_enabled:
             self._write_through_next.append((blocks, lo, hi))
@@ -240,7 +244,8 @@ class KVCacheManager:
 
     def peek_ops(self) -> CacheOps:
         """The ops queued so far for this step (a copy; nothing is drained)."""
-        return CacheOps(list(self._ops.swap_out), list(self._ops.swap_in))
+        return CacheOps(list(self._ops.swap_out), list(self._ops.swap_in),
+                        list(self._ops.registered))
 
     def reset_prefix_cache(self) -> int:
         """Forget every unreferenced cached block and host slot. Returns how many."""

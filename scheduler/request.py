@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from cache.hashing import BlockHashChain
 from scheduler.protocol import SamplingParams
 
 
@@ -37,6 +38,9 @@ class Sequence:
     num_host_cached: int = 0
     first_token_time: float | None = None
     num_preemptions: int = 0
+    # The prompt's block hashes, computed once and extended as tokens arrive: hashing
+    # a long prompt is the dominant cost of a lookup.
+    chain: BlockHashChain | None = None
 
     @property
     def tokens(self) -> list[int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from cache.hashing import make_extra_key
+from cache.hashing import BlockHashChain, make_extra_key
 from cache.manager import CacheConfig, KVCacheManager
 from scheduler.protocol import (
     AppendBlocks,
@@ -60,7 +60,8 @@ class Scheduler:
         self.queue = RequestQueue(config.max_queued_requests)
         self.running: list[Sequence] = []
         self.step = 0
-        self.digest = StateDigest()  # what the ranks must hold after each plan
+        # what the ranks must hold after each plan
+        self.digest = StateDigest(limits.num_device_blocks, limits.num_host_blocks)
         self._by_request: dict[str, Sequence] = {}
         self._next_seq_id = 1
         self._to_close: list[Sequence] = []
@@ -82,6 +83,8 @@ class Scheduler:
             | (frozenset() if req.ignore_eos else frozenset(self.limits.eos_token_ids)),
             extra_key=make_extra_key(self._model_key, req.cache_salt),
         )
+        if self.config.enable_prefix_caching:
+            seq.chain = BlockHashChain(self.block_size, seq.extra_key)
         try:
             self.queue.push(seq)
         except QueueFullError as exc:
@@ -204,7 +207,7 @@ class Scheduler:
         for seq, num_new in scheduled:
             self._emit_chunk(plan, seq, num_new, step)
         ops = self.cache.take_ops()
-        plan.swap_out, plan.swap_in = ops.swap_out, ops.swap_in
+        plan.swap_out, plan.swap_in, plan.register = ops.swap_out, ops.swap_in, ops.registered
         self.digest.apply(plan)
         self.step += 1
         return plan
@@ -212,10 +215,11 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> bool:
         """Take the prefix hit and blocks for the first chunk; False (nothing changed) if
         the blocks are not there."""
-        hit = self.cache.lookup(seq.tokens, seq.extra_key)
-        cached = hit.num_device_tokens + hit.num_host_tokens
-        num_new = min(seq.num_tokens - cached, budget)
-        blocks = self.cache.allocate(seq.seq_id, seq.tokens, cached + num_new, seq.extra_key)
+        tokens = seq.tokens
+        hit = self.cache.lookup(tokens, seq.extra_key, seq.chain)
+        num_new = min(seq.num_tokens - hit.num_tokens, budget)
+        blocks = self.cache.allocate(seq.seq_id, tokens, hit.num_tokens + num_new, seq.extra_key,
+                                     seq.chain)
         if blocks is None:
             return False
         took = self.cache.num_cached_tokens(seq.seq_id)

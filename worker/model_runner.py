@@ -80,7 +80,7 @@ class ModelRunner:
         )
         self.block_tables: dict[int, list[int]] = {}
         self.sampling: dict[int, tuple[SamplingParams, int]] = {}
-        self.digest = StateDigest()
+        self.digest = StateDigest(self.num_device_blocks, self.num_host_blocks)
 
     def _profile_num_blocks(self, block_bytes: int) -> int:
         """CUDA: blocks that fit in `gpu_memory_utilization` of the GPU after the weights and

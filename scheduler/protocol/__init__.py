@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler.protocol.digest import StateDigest
+
 SCHEMA_VERSION = 1
 
 
@@ -120,6 +122,10 @@ class StepPlan:
     new_seqs: list[NewSequence] = field(default_factory=list)
     append: list[AppendBlocks] = field(default_factory=list)
     chunks: list[ScheduledChunk] = field(default_factory=list)
+    # (device block, low 64 bits of its block hash): blocks registered in the prefix
+    # index this step. Ranks mirror them (and carry them through swaps) only so the
+    # state digest covers which hash lives in which block or host slot.
+    register: list[tuple[int, int]] = field(default_factory=list)
 
 
 # --- step result: every rank -> scheduler ---------------------------------------
@@ -242,77 +248,7 @@ class Shutdown:
     reason: str = ""
 
 
-# --- shared state digest --------------------------------------------------------
-
-_MASK64 = (1 << 64) - 1
-
-
-def _mix64(x: int) -> int:
-    """splitmix64 finaliser: a fixed, seedless integer hash (same in every process)."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _entry(kind: int, a: int, b: int, c: int) -> int:
-    return _mix64(_mix64(_mix64(kind ^ (a << 8)) ^ b) ^ c)
-
-
-class StateDigest:
-    """Order-independent digest of the cache state a rank mirrors.
-
-    The scheduler keeps one for what it told the ranks, each rank one for what it
-    applied; equal values mean equal state. It is a sum of per-entry hashes, so a
-    step costs O(delta), not O(state): 450K-token block tables are never rehashed.
-    Entries: (sequence, index in table) -> block; host slot -> device block it holds.
-    """
-
-    SEQ_BLOCK = 1
-    HOST_SLOT = 2
-
-    def __init__(self) -> None:
-        self.value = 0
-        self._seq_sums: dict[int, int] = {}
-        self._seq_lens: dict[int, int] = {}
-        self._slots: dict[int, int] = {}
-
-    def add_blocks(self, seq_id: int, block_ids: list[int]) -> None:
-        n = self._seq_lens.get(seq_id, 0)
-        s = 0
-        for i, b in enumerate(block_ids, start=n):
-            s = (s + _entry(self.SEQ_BLOCK, seq_id, i, b)) & _MASK64
-        self._seq_lens[seq_id] = n + len(block_ids)
-        self._seq_sums[seq_id] = (self._seq_sums.get(seq_id, 0) + s) & _MASK64
-        self.value = (self.value + s) & _MASK64
-
-    def close(self, seq_id: int) -> None:
-        s = self._seq_sums.pop(seq_id)
-        del self._seq_lens[seq_id]
-        self.value = (self.value - s) & _MASK64
-
-    def set_slot(self, slot: int, block_id: int) -> None:
-        old = self._slots.get(slot)
-        if old is not None:
-            self.value = (self.value - _entry(self.HOST_SLOT, slot, old, 0)) & _MASK64
-        self._slots[slot] = block_id
-        self.value = (self.value + _entry(self.HOST_SLOT, slot, block_id, 0)) & _MASK64
-
-    def apply(self, plan: StepPlan) -> None:
-        """Advance the digest by a plan, in the order ranks apply it."""
-        for block, slot in plan.swap_out:
-            self.set_slot(slot, block)
-        for seq_id in plan.close:
-            self.close(seq_id)
-        for seq in plan.new_seqs:
-            self.add_blocks(seq.seq_id, seq.block_ids)
-        for app in plan.append:
-            self.add_blocks(app.seq_id, app.block_ids)
-
-    @property
-    def live_seqs(self) -> list[int]:
-        return sorted(self._seq_lens)
-
+__all__ = ["StateDigest"]  # re-exported: ranks and the scheduler share one digest
 
 MESSAGE_TYPES: tuple[type, ...] = (
     EngineConfig,

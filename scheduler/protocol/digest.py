@@ -1,0 +1,118 @@
+"""The state digest every rank returns each step, and the scheduler predicts.
+
+The scheduler keeps one for what it told the ranks, each rank one for what it
+applied; equal values mean equal state, so a rank that missed or misapplied an op
+is caught at the step it happened. It covers
+
+- every live sequence's block table: (sequence, index in table) -> block;
+- which block hash lives in which device block and which host slot (hashes enter
+  through `StepPlan.register` and move with swap_out / swap_in).
+
+It is a sum of per-entry hashes mod 2^64, so a step costs O(delta), not O(state):
+a 450K-token block table is never rehashed. Tier contents are numpy arrays, 8 bytes
+per block or slot, so a full-scale host tier costs a few hundred MB, not GBs of dicts.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from scheduler.protocol import StepPlan
+
+_MASK64 = (1 << 64) - 1
+_U = np.uint64
+
+
+def _mix64(x: int) -> int:
+    """splitmix64 finaliser: a fixed, seedless integer hash (same in every process)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _mix64_np(x: np.ndarray) -> np.ndarray:
+    """The same function over a uint64 array (numpy wraps on overflow)."""
+    with np.errstate(over="ignore"):
+        x = x + _U(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> _U(30))) * _U(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> _U(27))) * _U(0x94D049BB133111EB)
+    return x ^ (x >> _U(31))
+
+
+def _entry(kind: int, a: int, b: int) -> int:
+    return _mix64(_mix64(kind ^ (a << 8)) ^ b)
+
+
+def _entries_sum(kind: int, ids: np.ndarray, hashes: np.ndarray) -> int:
+    """Sum of _entry(kind, id, hash) over pairs whose hash is set (non-zero)."""
+    keep = hashes != 0
+    if not keep.any():
+        return 0
+    ids, hashes = ids[keep].astype(np.uint64), hashes[keep]
+    with np.errstate(over="ignore"):
+        e = _mix64_np(_mix64_np(_U(kind) ^ (ids << _U(8))) ^ hashes)
+        return int(e.sum(dtype=np.uint64))
+
+
+class StateDigest:
+    SEQ_BLOCK = 1
+    DEVICE_HASH = 2
+    HOST_HASH = 3
+
+    def __init__(self, num_device_blocks: int = 0, num_host_blocks: int = 0) -> None:
+        self.value = 0
+        self._seq_sums: dict[int, int] = {}
+        self._seq_lens: dict[int, int] = {}
+        self._block_hash = np.zeros(num_device_blocks, dtype=np.uint64)  # 0: none
+        self._slot_hash = np.zeros(num_host_blocks, dtype=np.uint64)
+
+    def add_blocks(self, seq_id: int, block_ids: list[int]) -> None:
+        n = self._seq_lens.get(seq_id, 0)
+        s = 0
+        for i, b in enumerate(block_ids, start=n):
+            s = (s + _entry(self.SEQ_BLOCK, (seq_id << 32) | i, b)) & _MASK64
+        self._seq_lens[seq_id] = n + len(block_ids)
+        self._seq_sums[seq_id] = (self._seq_sums.get(seq_id, 0) + s) & _MASK64
+        self.value = (self.value + s) & _MASK64
+
+    def close(self, seq_id: int) -> None:
+        s = self._seq_sums.pop(seq_id)
+        del self._seq_lens[seq_id]
+        self.value = (self.value - s) & _MASK64
+
+    def _set(self, kind: int, table: np.ndarray, ids: list[int], hashes: np.ndarray) -> None:
+        idx = np.asarray(ids, dtype=np.int64)
+        assert len(np.unique(idx)) == len(idx), "an op list names a block or slot twice"
+        old = _entries_sum(kind, idx, table[idx])
+        table[idx] = hashes
+        new = _entries_sum(kind, idx, hashes)
+        self.value = (self.value - old + new) & _MASK64
+
+    def apply(self, plan: StepPlan) -> None:
+        """Advance the digest by a plan, in the order ranks apply it."""
+        if plan.swap_out:
+            blocks, slots = zip(*plan.swap_out)
+            self._set(self.HOST_HASH, self._slot_hash, list(slots),
+                      self._block_hash[np.asarray(blocks, dtype=np.int64)])
+        if plan.swap_in:
+            slots, blocks = zip(*plan.swap_in)
+            self._set(self.DEVICE_HASH, self._block_hash, list(blocks),
+                      self._slot_hash[np.asarray(slots, dtype=np.int64)])
+        for seq_id in plan.close:
+            self.close(seq_id)
+        for seq in plan.new_seqs:
+            self.add_blocks(seq.seq_id, seq.block_ids)
+        for app in plan.append:
+            self.add_blocks(app.seq_id, app.block_ids)
+        if plan.register:
+            blocks, hashes = zip(*plan.register)
+            self._set(self.DEVICE_HASH, self._block_hash, list(blocks),
+                      np.asarray(hashes, dtype=np.uint64))
+
+    @property
+    def live_seqs(self) -> list[int]:
+        return sorted(self._seq_lens)
