@@ -40,6 +40,7 @@ class Agent:
     submitted_at: float = 0.0
     first_token_at: float | None = None
     in_flight: bool = False
+    ready_at: float = 0.0  # thinking until then (wall clock)
     output: list[int] = field(default_factory=list)
 
 
@@ -57,12 +58,17 @@ def run_workload(core: EngineCore, args: argparse.Namespace, progress: tqdm) -> 
     prompt_tokens = device_hits = host_hits = 0
     start = time.perf_counter()
     while any(a.turn < args.turns for a in agents) or core.scheduler.has_work():
+        # an agent's pause does not count in its TTFT: it is measured from submission
+        now = time.perf_counter()
         for a in agents:
-            if not a.in_flight and a.turn < args.turns:
+            if not a.in_flight and a.turn < args.turns and now >= a.ready_at:
                 a.in_flight, a.first_token_at, a.output = True, None, []
                 a.submitted_at = time.perf_counter()
                 core.scheduler.add_request(GenerateRequest(
                     f"{a.name}-{a.turn}", list(a.history), args.output_tokens, ignore_eos=True))
+        if not core.scheduler.has_work():
+            time.sleep(0.01)  # every agent is thinking
+            continue
         by_id = {f"{a.name}-{a.turn}": a for a in agents}
         for out in core.step():
             a = by_id[out.request_id]
@@ -78,6 +84,7 @@ def run_workload(core: EngineCore, args: argparse.Namespace, progress: tqdm) -> 
                 a.history = a.history + a.output + tool_result
                 a.turn += 1
                 a.in_flight = False
+                a.ready_at = time.perf_counter() + rng.uniform(0, 2 * args.think_s)
                 progress.update(1)
     wall = time.perf_counter() - start
     return {
@@ -121,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--tool-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--think-s", type=float, default=0.0,
+                   help="mean pause between an agent's turns (uniform 0..2x), so some "
+                        "sessions go idle while others run")
     p.add_argument("--kv-cache-memory", type=int, default=256 << 20)
     p.add_argument("--host-cache-memory", type=int, default=0)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
