@@ -65,6 +65,7 @@ class Scheduler:
         self._by_request: dict[str, Sequence] = {}
         self._next_seq_id = 1
         self._to_close: list[Sequence] = []
+        self._pending_outputs: list[RequestOutput] = []  # decided while planning
         self._model_key = config.model
 
     # --- requests ------------------------------------------------------------------
@@ -175,26 +176,33 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
 
-        # Running sequences first (decodes and unfinished prefills), oldest first;
-        # when blocks run out, the newest running sequence is preempted.
+        # Running sequences first (decodes and unfinished prefills), oldest first.
+        # When blocks run out, the newest running sequence is preempted (it has not
+        # been scheduled in this step yet: the loop goes oldest to newest).
         i = 0
+        num_running_before = len(self.running)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._grow(seq, num_new):
-                victim = self._pick_victim(scheduled)
-                if victim is None:  # alone and out of room: stop it here
-                    self.running.pop(i)
-                    self._finish(seq, "length")
-                    continue
-                self._preempt(victim, plan)
-                continue  # retry the same sequence
-            scheduled.append((seq, num_new))
-            budget -= num_new
-            i += 1
+            grown = self._grow(seq, num_new)
+            while not grown and self.running[-1] is not seq:
+                self._preempt(self.running[-1], plan)
+                grown = self._grow(seq, num_new)
+            if grown:
+                scheduled.append((seq, num_new))
+                budget -= num_new
+                i += 1
+            elif len(self.running) == 1:  # alone and still out of room: it can never fit
+                self.running.pop(i)
+                self._finish(seq, "length")
+                self._pending_outputs.append(self._output(seq))
+            else:
+                self._preempt(seq, plan)
 
-        # Then admit from the queue while budget, sequence slots and blocks last.
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # Then admit from the queue while budget, sequence slots and blocks last; not in
+        # a step that had to preempt (blocks are short: admitting would only thrash).
+        preempted = len(self.running) < num_running_before
+        while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.queue.peek()
             if seq is None or not self._admit(seq, budget):
                 break
@@ -239,23 +247,12 @@ class Scheduler:
         seq.block_ids.extend(blocks)
         return True
 
-    def _pick_victim(self, scheduled: list[tuple[Sequence, int]]) -> Sequence | None:
-        taken = {s.seq_id for s, _ in scheduled}
-        for seq in reversed(self.running):
-            if seq.seq_id not in taken and seq is not self.running[0] or (
-                    len(self.running) > 1 and seq.seq_id not in taken):
-                return seq
-        return None
-
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Recompute later: close it on the ranks now, requeue it in front."""
         self.running.remove(seq)
-        if seq.opened:
-            assert seq.last_step < plan.step
-            self._release(seq)
-            plan.close.append(seq.seq_id)
-        else:
-            self.cache.free(seq.seq_id)
+        assert seq.opened and seq.last_step < plan.step
+        self._release(seq)
+        plan.close.append(seq.seq_id)
         seq.status = SeqStatus.WAITING
         seq.num_computed = 0
         seq.num_preemptions += 1
@@ -285,7 +282,7 @@ class Scheduler:
         """Apply rank 0's sampled tokens of `plan`; return the outputs to stream."""
         by_id = {seq.seq_id: seq for seq in self.running}
         now = time.monotonic()
-        outputs = []
+        outputs, self._pending_outputs = self._pending_outputs, []
         for seq_id, token in sampled:
             seq = by_id.get(seq_id)
             if seq is None:  # aborted while the step ran; its close is already pending

@@ -1,0 +1,144 @@
+"""The scheduler alone (no model, no ranks): admission, limits, batching, close, preemption."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.protocol import EngineConfig, GenerateRequest
+from scheduler.scheduler import EngineLimits, RequestRejected, Scheduler
+
+
+def make(num_blocks: int = 64, **cfg) -> Scheduler:
+    config = EngineConfig(model="/models/m", **cfg)
+    return Scheduler(config, EngineLimits(vocab_size=1000, max_model_len=512,
+                                          eos_token_ids=(3,), num_device_blocks=num_blocks,
+                                          num_host_blocks=0))
+
+
+def req(rid: str, n: int = 20, max_tokens: int = 4, **kw) -> GenerateRequest:
+    return GenerateRequest(rid, list(range(10, 10 + n)), max_tokens, **kw)
+
+
+def run_step(s: Scheduler, token: int = 7):
+    """Plan one step and feed back `token` for every sampled chunk."""
+    plan = s.schedule()
+    outs = s.update(plan, [(c.seq_id, token) for c in plan.chunks if c.sample])
+    return plan, outs
+
+
+@pytest.mark.parametrize("bad,message", [
+    (GenerateRequest("a", [], 4), "empty"),
+    (GenerateRequest("a", [1, 1000], 4), "outside the vocabulary"),
+    (GenerateRequest("a", [1] * 512, 4), "prompt is too long: 512 tokens > 511 maximum"),
+    (GenerateRequest("a", [1, 2], 0), "max_tokens"),
+])
+def test_bad_requests_are_rejected_with_a_message(bad, message):
+    with pytest.raises(RequestRejected, match=message) as err:
+        make().add_request(bad)
+    assert err.value.error_type == "invalid_request"
+
+
+def test_full_queue_rejects_as_overloaded():
+    s = make(max_queued_requests=2)
+    s.add_request(req("a"))
+    s.add_request(req("b"))
+    with pytest.raises(RequestRejected, match="queue is full") as err:
+        s.add_request(req("c"))
+    assert err.value.error_type == "overloaded"
+
+
+def test_prompt_larger_than_the_device_tier_is_refused():
+    with pytest.raises(RequestRejected, match="can never fit"):
+        make(num_blocks=4).add_request(req("big", n=100))
+
+
+def test_token_budget_and_sequence_cap():
+    s = make(max_num_batched_tokens=32, max_num_seqs=2)
+    for i in range(3):
+        s.add_request(req(f"r{i}", n=20))
+    plan, _ = run_step(s)
+    assert sum(len(c.token_ids) for c in plan.chunks) <= 32
+    assert len({c.seq_id for c in plan.chunks}) <= 2
+    assert [len(c.token_ids) for c in plan.chunks] == [20, 12]  # second prompt chunked
+    assert not plan.chunks[1].sample
+    assert len(s.queue) == 1
+
+
+def test_close_is_planned_one_step_after_the_final_token():
+    s = make()
+    s.add_request(req("a", max_tokens=2, ignore_eos=True))
+    p0, _ = run_step(s)
+    p1, outs = run_step(s)
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    sid = p0.new_seqs[0].seq_id
+    assert sid in {c.seq_id for c in p1.chunks} and sid not in p1.close
+    p2, _ = run_step(s)
+    assert p2.close == [sid] and not p2.chunks
+    assert s.cache.usage()["device"]["used"] == 0
+    assert s.cache.usage()["device"]["cached"] == 1  # its full block stays hittable
+    assert not s.has_work()
+
+
+def test_eos_and_stop_token_ids_finish_with_stop():
+    s = make()
+    s.add_request(req("eos", max_tokens=10))
+    s.add_request(req("stop", n=30, max_tokens=10, stop_token_ids=[9], ignore_eos=True))
+    _, outs = run_step(s, token=3)  # EOS: ends "eos"; "stop" ignores EOS
+    done = {o.request_id: o.finish_reason for o in outs if o.finished}
+    assert done == {"eos": "stop"}
+    _, outs = run_step(s, token=9)
+    assert [o.finish_reason for o in outs if o.finished] == ["stop"]
+
+
+def test_abort_while_queued_and_while_running():
+    s = make(max_num_seqs=1)
+    s.add_request(req("run"))
+    s.add_request(req("wait"))
+    run_step(s)
+    out = s.abort_request("wait")
+    assert out.finished and out.finish_reason == "abort"
+    out = s.abort_request("run")
+    assert out.finished and out.finish_reason == "abort"
+    plan, _ = run_step(s)
+    assert len(plan.close) == 1 and not plan.chunks
+    assert s.abort_request("run") is None  # already finished: nothing to do
+
+
+def test_preemption_closes_and_requeues_the_newest():
+    # 5 blocks of 16 tokens: both 30-token prompts fit (2 blocks each), their growth does not
+    s = make(num_blocks=5, max_num_batched_tokens=64)
+    s.add_request(req("old", n=30, max_tokens=40, ignore_eos=True))
+    s.add_request(req("new", n=31, max_tokens=40, ignore_eos=True))
+    first, _ = run_step(s)
+    old_id, new_id = (q.seq_id for q in first.new_seqs)
+    preempted_at = None
+    for _ in range(10):
+        plan, _ = run_step(s)
+        if new_id in plan.close:
+            preempted_at = plan
+            break
+    assert preempted_at is not None, "the newest sequence was never preempted"
+    assert new_id not in {c.seq_id for c in preempted_at.chunks}
+    assert old_id in {c.seq_id for c in preempted_at.chunks}, "the oldest keeps running"
+    assert s.queue.peek().request_id == "new" and s.queue.peek().num_preemptions == 1
+    assert s.queue.peek().num_computed == 0  # recomputed from scratch when readmitted
+    # run everything to the end: both finish, nothing stays referenced
+    finished = set()
+    for _ in range(200):
+        if not s.has_work():
+            break
+        finished |= {o.request_id for o in run_step(s)[1] if o.finished}
+    assert finished == {"old", "new"}
+    assert s.cache.usage()["device"]["used"] == 0
+
+
+def test_a_lone_sequence_that_outgrows_the_tier_stops_with_length():
+    s = make(num_blocks=2, max_num_batched_tokens=64)
+    s.add_request(req("solo", n=30, max_tokens=100, ignore_eos=True))
+    outs = []
+    for _ in range(10):
+        outs += run_step(s)[1]
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    # 32 KV slots: the prompt's 30 and two generated tokens; the third is sampled from
+    # the last slot's logits and needs no slot until it is fed back
+    assert len([o for o in outs if o.token_ids]) == 3

@@ -1,0 +1,94 @@
+"""Sampling, model-config checks and the worker's own guards."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from scheduler.protocol import EngineConfig, NewSequence, SamplingParams, ScheduledChunk, StepPlan
+from worker.distributed import TensorParallelGroup
+from worker.model_config import UnsupportedModelError, load_model_config
+from worker.model_runner import ModelRunner
+from worker.sampler import sample
+
+
+def logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax():
+    lg = logits()
+    assert sample(lg, [SamplingParams()] * 4, [0] * 4, [0] * 4) == lg.argmax(-1).tolist()
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
+    lg = logits()
+    p = SamplingParams(temperature=1.0, seed=123)
+    alone = sample(lg[2:3], [p], [123], [7])
+    batched = sample(lg, [SamplingParams()] * 2 + [p, SamplingParams(1.0)], [0, 0, 123, 5],
+                     [0, 0, 7, 0])
+    assert batched[2] == alone[0]
+    draws = {sample(lg[:1], [SamplingParams(1.0)], [s], [0])[0] for s in range(40)}
+    assert len(draws) > 3, "different seeds should give different tokens"
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    lg = logits(1, 50)[0]
+    top3 = set(lg.topk(3).indices.tolist())
+    for seed in range(30):
+        t = sample(lg[None], [SamplingParams(temperature=2.0, top_k=3)], [seed], [0])[0]
+        assert t in top3
+    probs = torch.softmax(lg, -1)
+    best = int(probs.argmax())
+    tiny_p = float(probs[best]) / 2  # the smallest set reaching it is the top token alone
+    for seed in range(10):
+        assert sample(lg[None], [SamplingParams(1.0, top_p=tiny_p)], [seed], [0])[0] == best
+
+
+def write_config(tmp_path, **fields):
+    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2}
+    base.update(fields)
+    (tmp_path / "config.json").write_text(json.dumps(base))
+    return tmp_path
+
+
+def test_unknown_architecture_is_refused(tmp_path):
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        load_model_config(write_config(tmp_path, architectures=["GPT2LMHeadModel"]))
+
+
+def test_unsupported_rope_scaling_is_refused(tmp_path):
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        load_model_config(write_config(tmp_path, rope_scaling={"rope_type": "yarn",
+                                                                "factor": 4.0}))
+
+
+def test_heads_that_do_not_divide_are_refused(tmp_path):
+    cfg = load_model_config(write_config(tmp_path, num_key_value_heads=2))
+    cfg.check_tensor_parallel(2)
+    with pytest.raises(UnsupportedModelError, match="num_key_value_heads=2 does not divide"):
+        cfg.check_tensor_parallel(4)
+
+
+def test_llama3_rope_scaling_keeps_high_frequencies(tmp_path):
+    cfg = load_model_config(write_config(tmp_path, rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}))
+    plain = load_model_config(write_config(tmp_path, rope_theta=500000.0))
+    scaled, base = cfg.inv_freq(), plain.inv_freq()
+    assert scaled[0] == base[0]  # shortest wavelength untouched
+    assert scaled[-1] == pytest.approx(base[-1] / 8.0)  # longest divided by the factor
+
+
+def test_worker_refuses_token_ids_outside_the_vocabulary(default_model):
+    runner = ModelRunner(EngineConfig(model=str(default_model), dtype="float32",
+                                      kv_cache_memory=8 << 20),
+                         TensorParallelGroup(0, 1), torch.device("cpu"))
+    plan = StepPlan(0, new_seqs=[NewSequence(1, [0])],
+                    chunks=[ScheduledChunk(1, [5, 8192], 0, True)])
+    with pytest.raises(AssertionError, match="outside the vocabulary"):
+        runner.execute(plan)
