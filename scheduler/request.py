@@ -41,6 +41,7 @@ class Sequence:
     # The prompt's block hashes, computed once and extended as tokens arrive: hashing
     # a long prompt is the dominant cost of a lookup.
     chain: BlockHashChain | None = None
+    session_id: str | None = None
 
     @property
     def tokens(self) -> list[int]:

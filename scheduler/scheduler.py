@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from cache.hashing import BlockHashChain, make_extra_key
+from cache.hashing import make_extra_key
 from cache.manager import CacheConfig, KVCacheManager
 from scheduler.protocol import (
     AppendBlocks,
@@ -25,6 +25,7 @@ from scheduler.protocol import (
 )
 from scheduler.queue import QueueFullError, RequestQueue
 from scheduler.request import SeqStatus, Sequence
+from scheduler.session_chains import SessionChains
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Scheduler:
         self._to_close: list[Sequence] = []
         self._pending_outputs: list[RequestOutput] = []  # decided while planning
         self._model_key = config.model
+        self._sessions = SessionChains(config.block_size)
 
     # --- requests ------------------------------------------------------------------
 
@@ -84,8 +86,9 @@ class Scheduler:
             | (frozenset() if req.ignore_eos else frozenset(self.limits.eos_token_ids)),
             extra_key=make_extra_key(self._model_key, req.cache_salt),
         )
+        seq.session_id = req.session_id
         if self.config.enable_prefix_caching:
-            seq.chain = BlockHashChain(self.block_size, seq.extra_key)
+            seq.chain = self._sessions.chain_for(req.session_id, seq.extra_key, seq.prompt)
         try:
             self.queue.push(seq)
         except QueueFullError as exc:
@@ -146,6 +149,8 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        if seq.chain is not None:
+            self._sessions.remember(seq.session_id, seq.extra_key, seq.tokens, seq.chain)
         if seq.opened:
             self._to_close.append(seq)
         else:

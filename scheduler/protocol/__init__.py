@@ -179,6 +179,7 @@ class GenerateRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     cache_salt: str | None = None
+    session_id: str | None = None  # lets the scheduler reuse the session's block hashes
 
 
 @dataclass

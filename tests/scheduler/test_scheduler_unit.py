@@ -142,3 +142,28 @@ def test_a_lone_sequence_that_outgrows_the_tier_stops_with_length():
     # 32 KV slots: the prompt's 30 and two generated tokens; the third is sampled from
     # the last slot's logits and needs no slot until it is fed back
     assert len([o for o in outs if o.token_ids]) == 3
+
+
+def test_a_sessions_next_prompt_reuses_its_hashes():
+    s = make()
+    first = req("t0", n=70, max_tokens=2, ignore_eos=True)
+    first.session_id = "agent-1"
+    s.add_request(first)
+    for _ in range(3):
+        run_step(s)
+    turn2 = GenerateRequest("t1", first.prompt_token_ids + [7, 7] + list(range(500, 540)), 2,
+                            session_id="agent-1")
+    s.add_request(turn2)
+    seq = s.queue.peek()
+    assert seq.chain.num_blocks == 4  # 72 shared tokens: 4 full blocks hashed already
+    fresh = make()
+    fresh.add_request(GenerateRequest("x", turn2.prompt_token_ids, 2))
+    fresh_seq = fresh.queue.peek()
+    fresh_seq.chain.extend(fresh_seq.tokens)
+    seq.chain.extend(seq.tokens)
+    assert seq.chain.digests() == fresh_seq.chain.digests()  # same hashes, less work
+    # an edited history is noticed: only the blocks before the edit are reused
+    edited = list(turn2.prompt_token_ids)
+    edited[20] = 999
+    s.add_request(GenerateRequest("t2", edited, 2, session_id="agent-1"))
+    assert list(s.queue)[-1].chain.num_blocks == 1
