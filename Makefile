@@ -25,7 +25,7 @@ $(INSTALLED): setup.cfg pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	touch $@
 
-$(MODEL)/deepinfer_tiny.json: $(INSTALLED) tools/make_tiny_model.py
+$(MODEL)/deepinfer_tiny.json: $(INSTALLED) tools/make_tiny_model.py tools/tiny_tokenizer.py
 	$(PY) -m tools.make_tiny_model --out $(MODEL)
 
 lint: $(INSTALLED)

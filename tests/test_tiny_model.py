@@ -14,12 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tools.make_tiny_model import (
-    IM_END_TOKEN,
-    SPECIAL_TOKENS,
-    STAMP_NAME,
-    make_tiny_model,
-)
+from tools.make_tiny_model import STAMP_NAME, make_tiny_model
+from tools.tiny_tokenizer import IM_END_TOKEN, SPECIAL_TOKENS
 
 transformers = pytest.importorskip("transformers")
 
