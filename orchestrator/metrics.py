@@ -7,7 +7,7 @@ so the scheduler stays the only owner of its counters.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from scheduler.protocol import EngineStats
@@ -77,6 +77,12 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.engine = EngineCollector()
         self.registry.register(self.engine)
+        self.prefix_breaks = Counter(
+            "deepinfer_prefix_breaks", "Prompts that did not extend their session's previous "
+            "prompt plus output (see the prefix_break log lines)", registry=self.registry)
+
+    def count_prefix_break(self) -> None:
+        self.prefix_breaks.inc()
 
     def render(self, stats: EngineStats | None) -> bytes:
         self.engine.stats = stats
