@@ -7,9 +7,10 @@ torchrun-style (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free loopback
 port), each with cores / ranks torch threads. Every rank builds a `ModelRunner`
 (float32, CPU, torch attention, gloo) and applies the same hand-made step plans,
 so the figures are the worker alone: no scheduler, no sockets. Each timed part
-has a warm-up first and a barrier on both sides. Rank 0 prints its figures as one
-JSON line after a marker; the parent parses that line (nothing is pickled) and
-prints a table.
+has a warm-up first and a barrier on both sides, and runs `--repeats` times; the
+fastest run is reported, since other load on the machine only ever slows a run.
+Rank 0 prints its figures as one JSON line after a marker; the parent parses that
+line (nothing is pickled) and prints a table.
 
 Decode feeds fixed token ids instead of the sampled ones: sampling still runs on
 rank 0, but no token is broadcast back, as the scheduler would do in a real step.
@@ -23,6 +24,7 @@ import json
 import os
 import platform
 import random
+import resource
 import socket
 import subprocess
 import sys
@@ -46,7 +48,7 @@ class BenchArgs:
     decode_prompt_len: int = 128
     decode_steps: int = 32
     batch_sizes: tuple[int, ...] = (1, 16)
-    repeats: int = 3  # timed prefills per chunking; the median is reported
+    repeats: int = 3  # timed runs of each part; the fastest is reported
     warmup_steps: int = 4  # decode steps before the timed ones
     seed: int = 0
 
@@ -60,7 +62,7 @@ class BenchArgs:
 
     @property
     def decode_len(self) -> int:
-        return self.decode_prompt_len + self.warmup_steps + self.decode_steps
+        return self.decode_prompt_len + self.warmup_steps + self.repeats * self.decode_steps
 
 
 # --- one rank ---------------------------------------------------------------------
@@ -150,8 +152,8 @@ class RankBench:
         self.close([seq])
         return dt
 
-    def decode_s(self, batch: int) -> float:
-        """Seconds for decode_steps steps of `batch` sequences, all in one plan per step."""
+    def decode_s(self, batch: int) -> list[float]:
+        """Seconds for decode_steps steps of `batch` sequences (one plan a step), per repeat."""
         from scheduler.protocol import ScheduledChunk
 
         a = self.args
@@ -168,9 +170,11 @@ class RankBench:
                                      for s, t in zip(seqs, tokens)])
 
         steps(p, a.warmup_steps)
-        dt = self.timed(lambda: steps(p + a.warmup_steps, a.decode_steps))
+        first = p + a.warmup_steps
+        times = [self.timed(lambda r=r: steps(first + r * a.decode_steps, a.decode_steps))
+                 for r in range(a.repeats)]
         self.close(seqs)
-        return dt
+        return times
 
     def all_reduce_us(self, rows: int) -> float:
         """Mean microseconds per all-reduce of a [rows, hidden] float32 tensor."""
@@ -179,7 +183,7 @@ class RankBench:
         # Zeros stay zeros under summation (no denormals, no infs), and gloo's
         # speed does not depend on the values.
         x = torch.zeros(rows, self.runner.model_config.hidden_size)
-        iters = max(20, min(1000, (80 << 20) // x.nbytes))
+        iters = max(10, min(300, (30 << 20) // x.nbytes))
         for _ in range(5):
             self.tp.all_reduce(x)
 
@@ -187,19 +191,17 @@ class RankBench:
             for _ in range(iters):
                 self.tp.all_reduce(x)
 
-        return self.timed(run) / iters * 1e6
+        return min(self.timed(run) for _ in range(self.args.repeats)) / iters * 1e6
 
     def run(self) -> dict:
         a = self.args
         prefill: dict[str, float] = {}
         for label, chunk in (("one_chunk", a.prompt_len), ("chunked", a.chunk)):
             self.prefill_s(chunk)  # warm-up
-            times = sorted(self.prefill_s(chunk) for _ in range(a.repeats))
-            prefill[label] = a.prompt_len / times[len(times) // 2]
+            prefill[label] = a.prompt_len / min(self.prefill_s(chunk) for _ in range(a.repeats))
         decode: dict[str, float] = {}
-        for b in a.batch_sizes:
-            self.decode_s(b)  # warm-up
-            decode[str(b)] = b * a.decode_steps / self.decode_s(b)
+        for b in a.batch_sizes:  # decode_s warms up itself
+            decode[str(b)] = b * a.decode_steps / min(self.decode_s(b))
         all_reduce: dict[str, float] = {}
         if self.tp.world_size > 1:
             for rows in sorted({1, *a.batch_sizes, a.chunk, a.prompt_len}):
@@ -295,6 +297,30 @@ def run_world(args: BenchArgs, world_size: int, timeout: float) -> dict:
                        f"{texts[0][1][-3000:]}")
 
 
+def cpu_seconds() -> tuple[float, float] | None:
+    """(busy CPU seconds of the whole machine, CPU seconds of our reaped children); Linux."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq = map(int, f.readline().split()[1:8])
+    except (OSError, ValueError):
+        return None
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    tick = os.sysconf("SC_CLK_TCK")
+    return ((user + nice + system + irq + softirq) / tick,
+            children.ru_utime + children.ru_stime)
+
+
+def timed_world(args: BenchArgs, world_size: int, timeout: float) -> dict:
+    """run_world, plus how many cores other processes kept busy meanwhile (noise)."""
+    t0, c0 = time.monotonic(), cpu_seconds()
+    run = run_world(args, world_size, timeout)
+    c1 = cpu_seconds()
+    if c0 and c1:
+        other = (c1[0] - c0[0]) - (c1[1] - c0[1])
+        run["other_load_cores"] = max(0.0, other / (time.monotonic() - t0))
+    return run
+
+
 def add_shares(run: dict, args: BenchArgs) -> None:
     """Estimate the share of a step spent in all-reduces (measured alone, not in the step)."""
     ar, n = run["all_reduce_us"], run["all_reduces_per_forward"]
@@ -350,6 +376,9 @@ def print_table(runs: list[dict], args: BenchArgs) -> None:
     console = Console(width=max(150, Console().width))
     console.print(table)
     for run in runs:
+        if "other_load_cores" in run:
+            console.print(f"world size {run['world_size']}: other processes kept "
+                          f"{run['other_load_cores']:.2f} cores busy meanwhile")
         if run["all_reduce_share"]:
             shares = ", ".join(f"{k} {v:.0%}" for k, v in run["all_reduce_share"].items())
             console.print(f"world size {run['world_size']}: all-reduce share of a step "
@@ -394,7 +423,10 @@ def main(argv: list[str] | None = None) -> None:
         print("warning: the machine is busy; figures will be noisy", file=sys.stderr)
     runs = []
     for w in tqdm(ns.world_sizes, desc="world sizes", unit="run"):
-        run = run_world(args, w, ns.timeout)
+        try:
+            run = timed_world(args, w, ns.timeout)
+        except RuntimeError as e:
+            sys.exit(f"bench_worker: {e}")
         add_shares(run, args)
         runs.append(run)
     print_table(runs, args)
