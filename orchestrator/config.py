@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.tool_parsers import TOOL_CALL_PARSERS
 from scheduler.protocol import EngineConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -18,6 +19,8 @@ class ServeOptions:
     port: int = 8000
     api_key: str | None = None
     served_model_name: str | None = None
+    max_output_tokens: int = 0  # cap on any request's output tokens; 0: none
+    tool_call_parser: str = "hermes"
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,6 +33,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None)
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-output-tokens", type=int, default=0,
+                   help="cap on any request's output tokens, on top of its max_tokens "
+                        "(0: only the context limits it)")
+    p.add_argument("--tool-call-parser", default="hermes",
+                   choices=TOOL_CALL_PARSERS,
+                   help="how the shim reads tool calls back from the model's output")
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory,
                    help="bytes per rank for the device KV tier")
@@ -78,5 +87,6 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
         torch_threads=args.torch_threads,
         seed=args.seed,
     )
-    serve = ServeOptions(args.host, args.port, args.api_key, args.served_model_name)
+    serve = ServeOptions(args.host, args.port, args.api_key, args.served_model_name,
+                         args.max_output_tokens, args.tool_call_parser)
     return config, serve

@@ -2,81 +2,61 @@
 
     python -m orchestrator.http_server --run-dir DIR --model MODEL_DIR \
         [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME] \
-        [--max-model-len N] [--connect-timeout S]
+        [--max-model-len N] [--max-output-tokens N] [--tool-call-parser hermes] \
+        [--connect-timeout S]
 
-It tokenizes (MODEL_DIR/tokenizer.json), validates, sends token ids to the scheduler
-(ipc://DIR/requests.sock, or the "requests" address in DIR/addresses.json), and
-detokenizes the streamed tokens. Anything it can tell is bad is refused here with an
-OpenAI-shaped error, so it never reaches the engine.
+Endpoints: POST /v1/messages and /v1/messages/count_tokens (Anthropic, `anthropic_api`),
+POST /v1/chat/completions (OpenAI chat, `openai_chat`), POST /v1/completions (OpenAI,
+`openai_api`), GET /v1/models, /health, /metrics.
+
+It renders chat templates (`chat_template`), tokenizes (MODEL_DIR/tokenizer.json),
+validates, sends token ids to the scheduler (ipc://DIR/requests.sock, or the "requests"
+address in DIR/addresses.json), and detokenizes the streamed tokens. Anything it can
+tell is bad is refused here, in the shape of the API the path belongs to, so it never
+reaches the engine.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import hmac
 import json
 import logging
 import sys
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tokenizers import Tokenizer
 
+from orchestrator import anthropic_api, openai_chat
 from orchestrator import openai_api as oai
+from orchestrator.chat_template import ChatTemplate
+from orchestrator.http_common import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    Engine,
+    ServerState,
+    check_auth,
+    error_response,
+    is_anthropic_path,
+    json_result,
+    read_json_object,
+    sse_response,
+    tokenize,
+)
 from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from orchestrator.metrics import Metrics
-from scheduler.protocol import EngineInfo, EngineStats, GenerateRequest, RequestOutput
+from orchestrator.tool_parsers import TOOL_CALL_PARSERS
 
 log = structlog.get_logger()
-T = TypeVar("T")
-# Prompts longer than this are tokenized in a thread so the event loop keeps streaming.
-TOKENIZE_IN_THREAD_CHARS = 20_000
-
-
-class Engine(Protocol):
-    """What the app needs of `EngineClient` (tests pass a stand-in)."""
-
-    @property
-    def connected(self) -> bool: ...
-    @property
-    def info(self) -> EngineInfo: ...
-    async def start(self) -> EngineInfo: ...
-    async def close(self) -> None: ...
-    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]: ...
-    async def stats(self) -> EngineStats: ...
-    async def abort(self, request_id: str, reason: str = "abort") -> None: ...
-
-
-@dataclass
-class ServerState:
-    engine: Engine
-    tokenizer: Tokenizer
-    model_name: str
-    api_key: str | None
-    metrics: Metrics = field(default_factory=Metrics)
-    max_model_len: int = 0  # the limit requests are checked against; set at start-up
-    vocab_size: int = 0
-    created: int = 0
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before the response was ready."""
-
-
-def error_response(err: oai.ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 # --- endpoints ---------------------------------------------------------------------
@@ -89,9 +69,14 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "unavailable"}, status_code=503)
 
 
+async def root(request: Request) -> Response:
+    """Clients probe the base URL (Claude Code sends `HEAD /`)."""
+    return JSONResponse({"status": "ok"})
+
+
 async def metrics(request: Request) -> Response:
     state: ServerState = request.app.state.shim
-    _check_auth(request, state)
+    check_auth(request, state)
     try:
         stats = await state.engine.stats()
     except Exception as exc:  # still serve the shim's own series
@@ -100,23 +85,40 @@ async def metrics(request: Request) -> Response:
     return Response(state.metrics.render(stats), media_type=METRICS_CONTENT_TYPE)
 
 
+def _model_card(state: ServerState) -> dict[str, Any]:
+    """One card both SDKs parse: OpenAI's fields and Anthropic's."""
+    created_at = datetime.fromtimestamp(state.created, timezone.utc).isoformat()
+    return {"id": state.model_name, "object": "model", "created": state.created,
+            "owned_by": "deepinfer", "max_model_len": state.max_model_len,
+            "type": "model", "display_name": state.model_name,
+            "created_at": created_at.replace("+00:00", "Z")}
+
+
 async def list_models(request: Request) -> Response:
     state: ServerState = request.app.state.shim
-    _check_auth(request, state)
-    card = {"id": state.model_name, "object": "model", "created": state.created,
-            "owned_by": "deepinfer", "max_model_len": state.max_model_len}
-    return JSONResponse({"object": "list", "data": [card]})
+    check_auth(request, state)
+    card = _model_card(state)
+    return JSONResponse({"object": "list", "data": [card], "has_more": False,
+                         "first_id": card["id"], "last_id": card["id"]})
+
+
+async def get_model(request: Request) -> Response:
+    state: ServerState = request.app.state.shim
+    check_auth(request, state)
+    if request.path_params["model_id"] != state.model_name:
+        raise oai.ApiError(f"model {request.path_params['model_id']!r} not found (this "
+                           f"engine serves {state.model_name!r})", status=404,
+                           type="not_found_error")
+    return JSONResponse(_model_card(state))
 
 
 async def completions(request: Request) -> Response:
     state: ServerState = request.app.state.shim
-    _check_auth(request, state)
-    body = await _json_body(request)
-    if not isinstance(body, dict):
-        raise oai.ApiError("the request body must be a JSON object")
+    check_auth(request, state)
+    body = await read_json_object(request, state)
     prompt = oai.prompt_input(body)
     if isinstance(prompt, str):
-        prompt_ids = await _tokenize(state.tokenizer, prompt)
+        prompt_ids = await tokenize(state.tokenizer, prompt)
     else:
         prompt_ids = prompt
     params = oai.parse_completion(
@@ -129,114 +131,8 @@ async def completions(request: Request) -> Response:
         state.engine, state.tokenizer, f"cmpl-{uuid.uuid4().hex}", params, state.model_name
     )
     if not params.stream:
-        try:
-            result = await _unless_disconnected(request, run.collect())
-        except ClientGone:
-            run.log_done(finish_reason="abort")
-            return Response(status_code=499)
-        except oai.ApiError as err:
-            run.log_done(finish_reason="error", error=err.message)
-            raise
-        run.log_done()
-        return JSONResponse(result)
-
-    # Wait for the first output before answering 200: an overloaded engine must still
-    # get a 429 with retry-after, which is impossible once the stream has started.
-    chunks = run.sse_chunks()
-    try:
-        first = await _unless_disconnected(request, chunks.__anext__())
-    except ClientGone:
-        await chunks.aclose()
-        run.log_done(finish_reason="abort")
-        return Response(status_code=499)
-    except oai.ApiError as err:
-        await chunks.aclose()
-        run.log_done(finish_reason="error", error=err.message)
-        raise
-    return ClosingStreamingResponse(_prepend(first, chunks), media_type="text/event-stream",
-                                    headers={"cache-control": "no-cache"})
-
-
-# --- helpers -----------------------------------------------------------------------
-
-
-def _check_auth(request: Request, state: ServerState) -> None:
-    if state.api_key is None:
-        return
-    header = request.headers.get("authorization", "")
-    token = header[7:] if header.lower().startswith("bearer ") else request.headers.get(
-        "x-api-key", ""  # the Anthropic SDKs send the key here
-    )
-    if not hmac.compare_digest(token.encode(), state.api_key.encode()):
-        raise oai.ApiError("invalid or missing API key", status=401,
-                           type="authentication_error", code="invalid_api_key")
-
-
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise oai.ApiError(f"the request body is not valid JSON: {exc}") from None
-
-
-async def _tokenize(tokenizer: Tokenizer, text: str) -> list[int]:
-    if len(text) > TOKENIZE_IN_THREAD_CHARS:
-        return (await asyncio.to_thread(tokenizer.encode, text)).ids
-    return tokenizer.encode(text).ids
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (which aborts its request) if the client leaves first.
-
-    Starlette only watches for disconnects while a streaming body is being sent; a
-    request queued for minutes before its first token must be abortable too.
-    """
-
-    async def wait_disconnect() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_disconnect())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)  # let its abort go out
-    if task.cancelled():
-        raise ClientGone()
-    return task.result()
-
-
-async def _prepend(first: str, rest: AsyncGenerator[str, None]) -> AsyncIterator[str]:
-    try:
-        yield first
-        async for chunk in rest:
-            yield chunk
-    finally:
-        await rest.aclose()  # closed from outside, this generator must close `rest` too
-
-
-class ClosingStreamingResponse(StreamingResponse):
-    """Closes its body iterator however the stream ends.
-
-    Depending on the ASGI version, a client disconnect either cancels the stream or
-    makes `send` raise; in the second case the body generator would be left suspended
-    until garbage collection, and the engine would keep generating for nobody.
-    """
-
-    async def stream_response(self, send: Any) -> None:
-        try:
-            await super().stream_response(send)
-        except OSError:
-            pass  # ASGI >= 2.4: the client left; an expected end, not a server error
-        finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
+        return await json_result(request, run.collect(), run.log_done)
+    return await sse_response(request, run.sse_chunks(), run.log_done)
 
 
 # --- the app -------------------------------------------------------------------------
@@ -249,10 +145,18 @@ def build_app(
     model_name: str,
     api_key: str | None = None,
     max_model_len: int = 0,
+    chat_template: ChatTemplate | None = None,
+    tool_call_parser: str = "hermes",
+    max_output_tokens: int = 0,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    ping_interval_s: float = 5.0,
 ) -> Starlette:
     """The ASGI app. `engine` is started by the app's lifespan; `max_model_len` > 0
-    lowers the engine's context limit for requests (it cannot raise it)."""
-    state = ServerState(engine, tokenizer, model_name, api_key)
+    lowers the engine's context limit for requests (it cannot raise it). Without a
+    `chat_template` the chat endpoints answer 400."""
+    state = ServerState(engine, tokenizer, model_name, api_key, chat_template=chat_template,
+                        tool_call_parser=tool_call_parser, max_output_tokens=max_output_tokens,
+                        max_request_bytes=max_request_bytes, ping_interval_s=ping_interval_s)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -262,6 +166,7 @@ def build_app(
             log.error("engine_unavailable", error=str(exc))
             raise
         state.vocab_size = info.vocab_size
+        state.block_size = info.block_size
         state.created = int(time.time())
         state.max_model_len = info.max_model_len
         if max_model_len > 0:
@@ -279,25 +184,32 @@ def build_app(
         assert isinstance(exc, HTTPException)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         msg = f"{request.method} {request.url.path}: {exc.detail}"
-        return error_response(oai.ApiError(msg, status=exc.status_code, type=kind))
+        return error_response(oai.ApiError(msg, status=exc.status_code, type=kind),
+                              anthropic=is_anthropic_path(request.url.path))
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, oai.ApiError)
-        return error_response(exc)
+        return error_response(exc, anthropic=is_anthropic_path(request.url.path))
 
     async def on_internal_error(request: Request, exc: Exception) -> Response:
         if isinstance(exc, ClientDisconnect):  # the client left while we read its body
             return Response(status_code=499)
         log.exception("internal_error", path=request.url.path)
         return error_response(oai.ApiError(f"internal error: {type(exc).__name__}",
-                                           status=500, type="internal_error"))
+                                           status=500, type="internal_error"),
+                              anthropic=is_anthropic_path(request.url.path))
 
     app = Starlette(
         routes=[
+            Route("/", root, methods=["GET", "HEAD"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", openai_chat.chat_completions, methods=["POST"]),
+            Route("/v1/messages", anthropic_api.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", anthropic_api.count_tokens, methods=["POST"]),
         ],
         exception_handlers={
             HTTPException: on_http_error,
@@ -351,6 +263,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-model-len", type=int, default=0, help="0: the engine's")
+    p.add_argument("--max-output-tokens", type=int, default=0,
+                   help="cap on any request's output tokens, on top of its max_tokens "
+                        "(0: only the context limits it)")
+    p.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
+                   help="how tool calls are read back from the model's output")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="larger request bodies get a 413")
     p.add_argument("--connect-timeout", type=float, default=60.0,
                    help="seconds to wait for the scheduler's EngineInfo")
     return p.parse_args(argv)
@@ -382,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
         model_name=args.served_model_name or model_dir.resolve().name,
         api_key=args.api_key,
         max_model_len=args.max_model_len,
+        chat_template=ChatTemplate.from_model_dir(model_dir),
+        tool_call_parser=args.tool_call_parser,
+        max_output_tokens=args.max_output_tokens,
+        max_request_bytes=args.max_request_bytes,
     )
     # log_config=None: uvicorn's records go through the JSON logging set up above.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,

@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                 shim_args += ["--api-key", serve.api_key]
             if serve.served_model_name:
                 shim_args += ["--served-model-name", serve.served_model_name]
+            shim_args += ["--max-output-tokens", str(serve.max_output_tokens),
+                          "--tool-call-parser", serve.tool_call_parser]
             children.append(spawn("shim", shim_args))
         _write_engine_file(run_dir, children, addresses, serve, world_size)
         if args.external_workers:

@@ -81,7 +81,11 @@ class Metrics:
             "deepinfer_prefix_breaks", "Prompts that did not extend their session's previous "
             "prompt plus output (see the prefix_break log lines)", registry=self.registry)
 
-    def count_prefix_break(self) -> None:
+    def count_prefix_break(self, session: str = "", *, request_id: str = "",
+                           num_common_tokens: int = 0, num_prompt_tokens: int = 0,
+                           reason: str = "") -> None:
+        """A session's new prompt does not extend its previous one (details: the
+        prefix_break log line)."""
         self.prefix_breaks.inc()
 
     def render(self, stats: EngineStats | None) -> bytes:

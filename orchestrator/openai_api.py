@@ -11,63 +11,18 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import structlog
 from tokenizers import Tokenizer
 
-from orchestrator.detokenizer import Detokenizer
+from orchestrator.errors import ApiError, engine_error
+from orchestrator.generation import Generation, GenerationParams
 from scheduler.protocol import GenerateRequest, SamplingParams
 
-log = structlog.get_logger()
+__all__ = ["ApiError", "engine_error"]  # re-exported: the API modules' shared errors
 T = TypeVar("T")
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-class ApiError(Exception):
-    """An error to return to the client as `{"error": {...}}` with an HTTP status."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-def engine_error(error_type: str | None, message: str | None) -> ApiError:
-    """Map a scheduler's RequestOutput error to the HTTP error a client expects."""
-    message = message or "the engine failed to serve the request"
-    if error_type == "overloaded":
-        # 429 + retry-after: agents back off and retry instead of failing the task.
-        return ApiError(message, status=429, type="rate_limit_error", code="overloaded",
-                        headers={"retry-after": "1"})
-    if error_type == "invalid_request":
-        return ApiError(message, status=400)
-    return ApiError(message, status=500, type="internal_error")
 
 
 # --- field readers: strict types, OpenAI-shaped errors ----------------------------
@@ -142,19 +97,8 @@ def prompt_input(body: dict[str, Any]) -> str | list[int]:
 # --- the parsed request ---------------------------------------------------------
 
 
-@dataclass
-class CompletionParams:
-    """A validated /v1/completions request, ready to become a GenerateRequest."""
-
-    prompt_token_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    stream: bool = False
-    include_usage: bool = False
-    cache_salt: str | None = None
+# A validated /v1/completions request (the generic request parameters).
+CompletionParams = GenerationParams
 
 
 def parse_completion(
@@ -257,12 +201,8 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 class CompletionRun:
-    """Drives one /v1/completions request through the engine.
-
-    Feeds the engine's tokens to a Detokenizer, ends the request at the first stop
-    string (aborting it at the scheduler with reason "stop"), and keeps the counts
-    for the usage block and the request log.
-    """
+    """Drives one /v1/completions request: a Generation, formatted as OpenAI's text
+    completion (one JSON, or SSE chunks)."""
 
     def __init__(
         self,
@@ -272,62 +212,25 @@ class CompletionRun:
         params: CompletionParams,
         model_name: str,
     ) -> None:
-        self.engine = engine
+        self.gen = Generation(engine, tokenizer, request_id, params)
         self.request_id = request_id
         self.params = params
         self.model_name = model_name
         self.created = int(time.time())
-        self.detok = Detokenizer(
-            tokenizer, stop=params.stop, prompt_token_ids=params.prompt_token_ids
-        )
-        self.token_ids: list[int] = []
-        self.num_cached = 0
-        self.finish_reason: str | None = None
-        self._t0 = time.monotonic()
-        self._logged = False
 
     def generate_request(self) -> GenerateRequest:
-        p = self.params
-        return GenerateRequest(
-            request_id=self.request_id,
-            prompt_token_ids=p.prompt_token_ids,
-            max_tokens=p.max_tokens,
-            sampling=p.sampling,
-            stop_token_ids=p.stop_token_ids,
-            ignore_eos=p.ignore_eos,
-            cache_salt=p.cache_salt,
-        )
+        return self.gen.generate_request()
 
-    async def pieces(self) -> AsyncIterator[tuple[str, list[int]]]:
-        """(new text, new token ids) per engine output; `finish_reason` is set before the
-        last one. Raises ApiError if the engine reports an error."""
-        outputs = self.engine.generate(self.generate_request())
-        try:
-            async for out in outputs:
-                # Cached counts may be on any output (the last may never come after a
-                # stop-string abort): keep the largest seen.
-                cached = out.num_device_cached_tokens + out.num_host_cached_tokens
-                self.num_cached = max(self.num_cached, cached)
-                if out.finish_reason == "error":
-                    raise engine_error(out.error_type, out.error)
-                self.token_ids += out.token_ids
-                delta = self.detok.add(out.token_ids)
-                if delta.stopped:
-                    self.finish_reason = "stop"
-                    await self.engine.abort(self.request_id, "stop")
-                    yield delta.text, out.token_ids
-                    return
-                if out.finished:
-                    tail = self.detok.finish()
-                    self.finish_reason = "stop" if tail.stopped else (out.finish_reason or "stop")
-                    yield delta.text + tail.text, out.token_ids
-                    return
-                yield delta.text, out.token_ids
-        finally:
-            await outputs.aclose()  # aborts the request if it is still running
+    @property
+    def token_ids(self) -> list[int]:
+        return self.gen.token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.gen.finish_reason
 
     def usage(self) -> dict[str, Any]:
-        return usage(len(self.params.prompt_token_ids), len(self.token_ids), self.num_cached)
+        return usage(self.gen.num_prompt_tokens, len(self.gen.token_ids), self.gen.num_cached)
 
     def _response(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
@@ -339,20 +242,20 @@ class CompletionRun:
 
     async def collect(self) -> dict[str, Any]:
         """The non-streaming response."""
-        text = "".join([t async for t, _ in self.pieces()])
+        text = "".join([p.text async for p in self.gen.pieces()])
         return {**self._response([self._choice(text, self.token_ids)]), "usage": self.usage()}
 
     async def sse_chunks(self) -> AsyncIterator[str]:
         """The streaming response, as SSE events. An engine error before the first
         chunk propagates (the caller can still answer with an HTTP error status); after
         it, it is sent as an error event."""
-        pieces = self.pieces()
+        pieces = self.gen.pieces()
         started = False
         try:
             try:
-                async for text, ids in pieces:
+                async for piece in pieces:
                     started = True
-                    chunk = self._response([self._choice(text, ids)])
+                    chunk = self._response([self._choice(piece.text, piece.token_ids)])
                     if self.params.include_usage:
                         chunk["usage"] = None  # as OpenAI: null on all chunks but the last
                     yield sse(chunk)
@@ -371,17 +274,4 @@ class CompletionRun:
 
     def log_done(self, *, finish_reason: str | None = None, error: str | None = None) -> None:
         """One log line per request, whatever way it ended (only the first call logs)."""
-        if self._logged:
-            return
-        self._logged = True
-        log.info(
-            "request_done",
-            request_id=self.request_id,
-            prompt_tokens=len(self.params.prompt_token_ids),
-            cached_tokens=self.num_cached,
-            output_tokens=len(self.token_ids),
-            finish_reason=finish_reason or self.finish_reason or "abort",
-            stream=self.params.stream,
-            duration_s=round(time.monotonic() - self._t0, 4),
-            **({"error": error} if error else {}),
-        )
+        self.gen.log_done(finish_reason=finish_reason, error=error)

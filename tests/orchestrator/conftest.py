@@ -28,3 +28,16 @@ def tokenizer() -> Tokenizer:
     )
     tok.train_from_iterator(CORPUS, trainer=trainer)
     return tok
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(default_model) -> Tokenizer:
+    """The default model's tokenizer: ChatML specials, <|im_end|> = 3, <tool_call> added."""
+    return Tokenizer.from_file(str(default_model / "tokenizer.json"))
+
+
+@pytest.fixture(scope="session")
+def tiny_template(default_model):
+    from orchestrator.chat_template import ChatTemplate
+
+    return ChatTemplate.from_model_dir(default_model)

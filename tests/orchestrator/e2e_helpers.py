@@ -4,17 +4,68 @@
     out = complete(base_url, prompt="Hello", max_tokens=8, temperature=0)
     out["choices"][0]["token_ids"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
     text, token_ids, usage = stream_complete(base_url, prompt=[1, 2, 3], max_tokens=8)
+    engine = Served(model_dir, run_dir)   # deepinfer-run serve, 4 ranks; engine.url
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from tests.conftest import REPO, free_port, subprocess_env
+
 DEFAULT_TIMEOUT_S = 120.0
+
+
+class Served:
+    """`deepinfer-run serve` in a subprocess, its log in a file next to the run dir."""
+
+    def __init__(self, model: Path, run_dir: Path, nproc: int = 4,
+                 extra_args: list[str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.run_dir = run_dir
+        self.log_path = run_dir.parent / f"launcher-{self.port}.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.launcher", "--nproc-per-node", str(nproc),
+             "--run-dir", str(run_dir), "serve", "--model", str(model), "--port", str(self.port),
+             "--dtype", "float32", *(extra_args or [])],
+            cwd=REPO, env=subprocess_env(), stdout=self._log, stderr=subprocess.STDOUT)
+        wait_healthy(self.url, timeout_s=120)
+
+    def pids(self) -> dict[str, int]:
+        engine = json.loads((self.run_dir / "engine.json").read_text())
+        return {p["name"]: p["pid"] for p in engine["processes"]}
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        code = self.proc.wait(timeout=timeout)
+        self._log.close()
+        return code
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie waiting for its (gone) parent counts as gone
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
 class CompletionError(AssertionError):

@@ -22,49 +22,9 @@ import pytest
 import torch
 
 from tests.conftest import REPO, free_port, subprocess_env
-from tests.orchestrator.e2e_helpers import complete, stream_complete, wait_healthy
+from tests.orchestrator.e2e_helpers import Served, alive, complete, stream_complete, wait_healthy
 
 pytestmark = pytest.mark.slow
-
-
-class Served:
-    def __init__(self, model: Path, run_dir: Path, nproc: int = 4) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.run_dir = run_dir
-        self.log_path = run_dir.parent / f"launcher-{self.port}.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.launcher", "--nproc-per-node", str(nproc),
-             "--run-dir", str(run_dir), "serve", "--model", str(model), "--port", str(self.port),
-             "--dtype", "float32"],
-            cwd=REPO, env=subprocess_env(), stdout=self._log, stderr=subprocess.STDOUT)
-        wait_healthy(self.url, timeout_s=120)
-
-    def pids(self) -> dict[str, int]:
-        engine = json.loads((self.run_dir / "engine.json").read_text())
-        return {p["name"]: p["pid"] for p in engine["processes"]}
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text()
-
-    def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        code = self.proc.wait(timeout=timeout)
-        self._log.close()
-        return code
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie waiting for its (gone) parent counts as gone
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
 @pytest.fixture(scope="module")

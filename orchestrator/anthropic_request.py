@@ -1,0 +1,251 @@
+"""Anthropic Messages requests -> ChatRequest: validation and normalisation.
+
+Lenient where Claude Code needs it, strict where a mistake would be silent:
+
+- unknown fields, unknown block types and `anthropic-beta` values are ignored (any 400
+  makes Claude Code retry with features stripped, one by one);
+- `role: "system"` turns inside `messages` are kept where they are;
+- `cache_control` is never rendered, and content given as a string or as a list of
+  text blocks renders the same, so moving markers do not move the prefix;
+- the billing header (first system block) is dropped: it changes every session;
+- wrong types, empty `messages`, unknown roles and images (this engine serves text
+  models) are 400 `invalid_request_error`s that say which field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from orchestrator.chat_run import ChatRequest, session_key
+from orchestrator.chat_template import Message, join_text, strip_billing_header
+from orchestrator.errors import ApiError, describe
+from scheduler.protocol import SamplingParams
+
+ROLES = ("user", "assistant", "system")
+UNSUPPORTED_BLOCKS = ("image", "document")
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(message, param=param)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_number(v):
+        raise _bad(f"{name}: Input should be a number, got {describe(v)}", name)
+    if not lo <= v <= hi:
+        raise _bad(f"{name}: must be between {lo:g} and {hi:g}, got {v}", name)
+    return float(v)
+
+
+def _texts(content: Any, where: str) -> list[str]:
+    """The texts of a string or a list of blocks (text blocks only; images refused,
+    other block types skipped)."""
+    if isinstance(content, str):
+        return [content]
+    if not isinstance(content, list):
+        raise _bad(f"{where}: Input should be a string or a list of content blocks")
+    out = []
+    for i, block in enumerate(content):
+        kind = _block_type(block, f"{where}.{i}")
+        if kind == "text":
+            text = block.get("text")
+            if not isinstance(text, str):
+                raise _bad(f"{where}.{i}.text: Input should be a string")
+            out.append(text)
+    return out
+
+
+def _block_type(block: Any, where: str) -> str:
+    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+        raise _bad(f"{where}: each content block must be an object with a 'type'")
+    kind = block["type"]
+    if kind in UNSUPPORTED_BLOCKS:
+        raise _bad(f"{where}: {kind} content is not supported: this engine serves a "
+                   "text-only model")
+    return kind
+
+
+def system_messages(system: Any) -> list[Message]:
+    if system is None:
+        return []
+    if isinstance(system, str):
+        texts = [system]
+    else:
+        texts = _texts(system, "system")
+    texts = strip_billing_header(texts)
+    return [{"role": "system", "content": join_text(texts)}] if texts else []
+
+
+def _user_messages(content: Any, where: str) -> list[Message]:
+    """A user turn: its tool_result blocks become `tool` messages, in order, between
+    the user texts before and after them."""
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content: Input should be a string or a list of content blocks")
+    out: list[Message] = []
+    texts: list[str] = []
+    for i, block in enumerate(content):
+        kind = _block_type(block, f"{where}.content.{i}")
+        if kind == "text":
+            texts += _texts([block], f"{where}.content")
+        elif kind == "tool_result":
+            if texts:
+                out.append({"role": "user", "content": join_text(texts)})
+                texts = []
+            tool_use_id = block.get("tool_use_id")
+            if not isinstance(tool_use_id, str):
+                raise _bad(f"{where}.content.{i}.tool_use_id: Field required")
+            result = block.get("content")
+            result_texts = [] if result is None else _texts(result, f"{where}.content.{i}.content")
+            out.append({"role": "tool", "tool_call_id": tool_use_id,
+                        "content": join_text(result_texts)})
+    if texts or not out:
+        out.append({"role": "user", "content": join_text(texts)})
+    return out
+
+
+def _assistant_message(content: Any, where: str) -> Message:
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content: Input should be a string or a list of content blocks")
+    texts: list[str] = []
+    thinking: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for i, block in enumerate(content):
+        kind = _block_type(block, f"{where}.content.{i}")
+        if kind == "text":
+            texts += _texts([block], f"{where}.content")
+        elif kind == "thinking":
+            if isinstance(block.get("thinking"), str):
+                thinking.append(block["thinking"])
+        elif kind == "tool_use":
+            name, args = block.get("name"), block.get("input", {})
+            if not isinstance(name, str) or not isinstance(args, dict):
+                raise _bad(f"{where}.content.{i}: tool_use needs a string 'name' and an "
+                           "object 'input'")
+            calls.append({"id": str(block.get("id", "")), "type": "function",
+                          "function": {"name": name, "arguments": args}})
+    msg: Message = {"role": "assistant", "content": join_text(texts)}
+    if calls:
+        msg["tool_calls"] = calls
+    if thinking:
+        msg["reasoning_content"] = join_text(thinking)
+    return msg
+
+
+def convert_messages(messages: Any) -> list[Message]:
+    if not isinstance(messages, list):
+        raise _bad("messages: Input should be a list", "messages")
+    if not messages:
+        raise _bad("messages: at least one message is required", "messages")
+    out: list[Message] = []
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(m, dict):
+            raise _bad(f"{where}: Input should be an object", "messages")
+        role = m.get("role")
+        if role not in ROLES:
+            raise _bad(f"{where}.role: Input should be 'user', 'assistant' or 'system', got "
+                       f"{describe(role)}", "messages")
+        if "content" not in m:
+            raise _bad(f"{where}.content: Field required", "messages")
+        if role == "user":
+            out += _user_messages(m["content"], where)
+        elif role == "assistant":
+            out.append(_assistant_message(m["content"], where))
+        else:
+            out.append({"role": "system",
+                        "content": join_text(_texts(m["content"], f"{where}.content"))})
+    return out
+
+
+def convert_tools(tools: Any) -> list[dict[str, Any]]:
+    """Client tools in the form HF chat templates expect. Anthropic's server tools
+    (typed, without an input_schema: web search, ...) cannot run here and are left out."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise _bad("tools: Input should be a list", "tools")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+            raise _bad(f"tools.{i}: each tool needs a string 'name'", "tools")
+        schema = tool.get("input_schema")
+        if schema is None and tool.get("type") not in (None, "custom"):
+            continue
+        if not isinstance(schema, dict):
+            raise _bad(f"tools.{i}.input_schema: Input should be an object", "tools")
+        function: dict[str, Any] = {"name": tool["name"]}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        function["parameters"] = schema
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def parse_messages_request(body: dict[str, Any], headers: Any, *,
+                           count_only: bool = False) -> ChatRequest:
+    """Validate a /v1/messages (or count_tokens) body."""
+    model = body.get("model", "")
+    if not isinstance(model, str):
+        raise _bad(f"model: Input should be a string, got {describe(model)}", "model")
+    max_tokens = body.get("max_tokens")
+    if not count_only:
+        if max_tokens is None:
+            raise _bad("max_tokens: Field required", "max_tokens")
+        if not _is_int(max_tokens) or max_tokens < 1:
+            raise _bad(f"max_tokens: must be a positive integer, got {describe(max_tokens)}",
+                       "max_tokens")
+    messages = system_messages(body.get("system")) + convert_messages(body.get("messages"))
+    tools = convert_tools(body.get("tools"))
+    choice = body.get("tool_choice")
+    parse_calls = not (isinstance(choice, dict) and choice.get("type") == "none")
+
+    stop = body.get("stop_sequences")
+    if stop is None:
+        stop = []
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise _bad("stop_sequences: Input should be a list of strings", "stop_sequences")
+    top_k = body.get("top_k")
+    if top_k is not None and (not _is_int(top_k) or top_k < 0):
+        raise _bad(f"top_k: must be a non-negative integer, got {describe(top_k)}", "top_k")
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    sampling = SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                              top_p=top_p if top_p > 0 else 1.0, top_k=top_k or 0)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad(f"stream: Input should be a boolean, got {describe(stream)}", "stream")
+
+    metadata = body.get("metadata")
+    user_id = metadata.get("user_id") if isinstance(metadata, dict) else None
+    explicit = headers.get("x-claude-code-session-id") or (
+        user_id if isinstance(user_id, str) else None)
+    return ChatRequest(
+        messages=messages,
+        tools=tools,
+        parse_tool_calls=parse_calls,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=[s for s in stop if s],
+        stream=stream,
+        session=session_key(explicit, model, messages, tools),
+        model=model,
+    )
+
+
+def tool_input_json(arguments: dict[str, Any]) -> str:
+    return json.dumps(arguments, ensure_ascii=False)

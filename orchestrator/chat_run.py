@@ -1,0 +1,153 @@
+"""The part of a chat request both chat APIs share (Anthropic Messages, OpenAI chat):
+render the conversation, tokenize it so the session's prefix keeps matching, check it
+fits, and turn the engine's text into text and tool-call events.
+
+    request (API-specific parse) -> ChatRequest -> prepare_chat() -> ChatRun
+    ChatRun.events(): TextEvent | ToolCall, then ChatRun.done() records the turn
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.chat_template import Message
+from orchestrator.errors import ApiError
+from orchestrator.generation import Generation, GenerationParams
+from orchestrator.http_common import TOKENIZE_IN_THREAD_CHARS, ServerState, tokenize
+from orchestrator.tool_parsers import Event, ToolCall, ToolParser, make_tool_parser
+from scheduler.protocol import SamplingParams
+
+
+@dataclass
+class ChatRequest:
+    """A chat request in API-neutral form (the API modules build it)."""
+
+    messages: list[Message]
+    tools: list[dict[str, Any]] = field(default_factory=list)  # HF format
+    parse_tool_calls: bool = True  # False: tool_choice "none"
+    max_tokens: int | None = None  # None: all the room left
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    session: str = ""
+    model: str = ""  # as the client named it
+
+
+def session_key(explicit: str | None, model: str, messages: list[Message],
+                tools: list[dict[str, Any]]) -> str:
+    """The prefix tracker's session: the client's session id if it sent one, else a
+    digest of the conversation's start (system prompt, first turn, tool names)."""
+    if explicit:
+        return f"{model}|{explicit}"
+    first_turn = next((i for i, m in enumerate(messages) if m["role"] != "system"), 0)
+    head = [m.get("content", "") for m in messages[: first_turn + 1]]
+    names = [t.get("function", {}).get("name") for t in tools]
+    digest = hashlib.blake2b(json.dumps([head, names]).encode(), digest_size=8).hexdigest()
+    return f"{model}|conv-{digest}"
+
+
+@dataclass
+class ChatPrompt:
+    text: str
+    token_ids: list[int]
+
+
+async def render_prompt(state: ServerState, req: ChatRequest) -> str:
+    if state.chat_template is None:
+        raise ApiError("this model has no chat template (tokenizer_config.json), so it "
+                       "serves /v1/completions only")
+    template = state.chat_template
+    if sum(len(m.get("content") or "") for m in req.messages) > TOKENIZE_IN_THREAD_CHARS:
+        return await asyncio.to_thread(template.render, req.messages, req.tools)
+    return template.render(req.messages, req.tools)
+
+
+async def prompt_token_ids(state: ServerState, session: str, text: str,
+                           request_id: str = "") -> list[int]:
+    """Tokenize, reusing the session's previous token ids where the text extends it."""
+    base, rest = state.tracker.splice(session, text)
+    ids = base + await tokenize(state.tokenizer, rest, add_special_tokens=False)
+    state.tracker.check(session, ids, request_id=request_id)
+    return ids
+
+
+def output_budget(state: ServerState, num_prompt: int, requested: int | None) -> int:
+    """max_tokens clamped to the room the context leaves (Claude Code asks for 128000)
+    and to --max-output-tokens. A prompt that leaves no room is refused with the
+    message Claude Code recognises."""
+    limit = state.max_model_len
+    if num_prompt >= limit:
+        raise ApiError(f"prompt is too long: {num_prompt} tokens > {limit - 1} maximum",
+                       param="messages", code="context_length_exceeded")
+    budget = limit - num_prompt
+    if requested is not None:
+        budget = min(budget, requested)
+    if state.max_output_tokens > 0:
+        budget = min(budget, state.max_output_tokens)
+    return budget
+
+
+class ChatRun:
+    """One chat request through the engine: a Generation plus a tool-call parser."""
+
+    def __init__(self, state: ServerState, req: ChatRequest, prompt: ChatPrompt,
+                 request_id: str, *, api: str) -> None:
+        self.state = state
+        self.req = req
+        self.prompt = prompt
+        params = GenerationParams(
+            prompt_token_ids=prompt.token_ids,
+            max_tokens=output_budget(state, len(prompt.token_ids), req.max_tokens),
+            sampling=req.sampling,
+            stop=req.stop,
+            stream=req.stream,
+            include_usage=req.include_usage,
+            session_id=req.session,
+        )
+        self.gen = Generation(state.engine, state.tokenizer, request_id, params, api=api)
+        parser_name = state.tool_call_parser if req.tools and req.parse_tool_calls else "none"
+        self.parser: ToolParser = make_tool_parser(parser_name)
+        self.num_tool_calls = 0
+        self._recorded = False
+
+    async def events(self) -> AsyncIterator[Event]:
+        async for piece in self.gen.pieces():
+            for event in self.parser.feed(piece.text):
+                yield self._count(event)
+        for event in self.parser.finish():
+            yield self._count(event)
+        self._record()
+
+    def _count(self, event: Event) -> Event:
+        if isinstance(event, ToolCall):
+            self.num_tool_calls += 1
+        return event
+
+    def _record(self) -> None:
+        """Remember the turn for the session's next prompt (only a completed one: the
+        client has all of its text)."""
+        if self._recorded or self.gen.finish_reason not in ("stop", "length"):
+            return
+        self._recorded = True
+        self.state.tracker.record(
+            self.req.session, self.prompt.token_ids, self.prompt.text, self.gen.token_ids,
+            output_sent_whole=self.gen.stop_string is None)
+
+    def log_done(self, *, finish_reason: str | None = None, error: str | None = None) -> None:
+        self.gen.log_fields["tool_calls"] = self.num_tool_calls
+        self.gen.log_done(finish_reason=finish_reason, error=error)
+
+
+async def prepare_chat(state: ServerState, req: ChatRequest, request_id: str, *,
+                       api: str) -> ChatRun:
+    if not state.engine.connected:
+        raise ApiError("the engine is not available", status=503, type="service_unavailable")
+    text = await render_prompt(state, req)
+    ids = await prompt_token_ids(state, req.session, text, request_id)
+    return ChatRun(state, req, ChatPrompt(text, ids), request_id, api=api)

@@ -1,0 +1,186 @@
+"""Driving one request through the engine, whatever API it came from.
+
+`Generation` sends a `GenerateRequest`, feeds the streamed tokens to a `Detokenizer`,
+ends the request at the first stop string (aborting it at the scheduler with reason
+"stop"), and keeps the counts every API reports: prompt tokens, tokens served from
+each cache tier, output tokens, the finish reason. It writes the one log line per
+request. The API modules only format what it yields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import structlog
+from tokenizers import Tokenizer
+
+from orchestrator.detokenizer import Detokenizer
+from orchestrator.errors import engine_error
+from scheduler.protocol import GenerateRequest, SamplingParams
+
+log = structlog.get_logger()
+T = TypeVar("T")
+
+
+@dataclass
+class GenerationParams:
+    """A validated request, ready to become a GenerateRequest."""
+
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    cache_salt: str | None = None
+    session_id: str | None = None  # lets the scheduler reuse the session's block hashes
+
+
+@dataclass
+class Piece:
+    text: str  # new text, safe to send (stop strings and partial characters held back)
+    token_ids: list[int]  # the engine's new tokens (may run past a stop string)
+
+
+class Generation:
+    """One request to the engine, from GenerateRequest to text pieces and counts.
+
+    `finish_reason` is "stop" (EOS, a stop token or a stop string; `stop_string` says
+    which string), "length", "abort" or "error" once `pieces()` is done.
+    """
+
+    def __init__(
+        self,
+        engine: Any,  # EngineClient, or anything with its generate/abort
+        tokenizer: Tokenizer,
+        request_id: str,
+        params: GenerationParams,
+        *,
+        api: str = "completions",
+    ) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.params = params
+        self.api = api
+        self.detok = Detokenizer(
+            tokenizer, stop=params.stop, prompt_token_ids=params.prompt_token_ids
+        )
+        self.token_ids: list[int] = []
+        self.num_device_cached = 0
+        self.num_host_cached = 0
+        self.finish_reason: str | None = None
+        self.log_fields: dict[str, Any] = {}  # extra fields for the request_done line
+        self._t0 = time.monotonic()
+        self._logged = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.params.prompt_token_ids)
+
+    @property
+    def num_cached(self) -> int:
+        return self.num_device_cached + self.num_host_cached
+
+    @property
+    def stop_string(self) -> str | None:
+        return self.detok.matcher.matched
+
+    def cache_creation_tokens(self, block_size: int) -> int:
+        """Prompt tokens computed by this request and written to full (cacheable)
+        blocks: the full blocks of the prompt minus those served from cache."""
+        full = self.num_prompt_tokens // block_size * block_size if block_size > 0 else 0
+        return max(0, full - self.num_cached)
+
+    def generate_request(self) -> GenerateRequest:
+        p = self.params
+        return GenerateRequest(
+            request_id=self.request_id,
+            prompt_token_ids=p.prompt_token_ids,
+            max_tokens=p.max_tokens,
+            sampling=p.sampling,
+            stop_token_ids=p.stop_token_ids,
+            ignore_eos=p.ignore_eos,
+            cache_salt=p.cache_salt,
+            session_id=p.session_id,
+        )
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """A Piece per engine output; `finish_reason` is set before the last one.
+        Raises ApiError if the engine reports an error."""
+        outputs = self.engine.generate(self.generate_request())
+        try:
+            async for out in outputs:
+                # Cached counts may be on any output (the last may never come after a
+                # stop-string abort; a preempted sequence may hit less the second time):
+                # keep the largest seen.
+                if out.num_device_cached_tokens + out.num_host_cached_tokens > self.num_cached:
+                    self.num_device_cached = out.num_device_cached_tokens
+                    self.num_host_cached = out.num_host_cached_tokens
+                if out.finish_reason == "error":
+                    raise engine_error(out.error_type, out.error)
+                self.token_ids += out.token_ids
+                delta = self.detok.add(out.token_ids)
+                if delta.stopped:
+                    self.finish_reason = "stop"
+                    await self.engine.abort(self.request_id, "stop")
+                    yield Piece(delta.text, out.token_ids)
+                    return
+                if out.finished:
+                    tail = self.detok.finish()
+                    self.finish_reason = "stop" if tail.stopped else (out.finish_reason or "stop")
+                    yield Piece(delta.text + tail.text, out.token_ids)
+                    return
+                yield Piece(delta.text, out.token_ids)
+        finally:
+            await outputs.aclose()  # aborts the request if it is still running
+
+    def log_done(self, *, finish_reason: str | None = None, error: str | None = None) -> None:
+        """One log line per request, whatever way it ended (only the first call logs)."""
+        if self._logged:
+            return
+        self._logged = True
+        log.info(
+            "request_done",
+            request_id=self.request_id,
+            api=self.api,
+            prompt_tokens=self.num_prompt_tokens,
+            cached_tokens=self.num_cached,
+            output_tokens=len(self.token_ids),
+            finish_reason=finish_reason or self.finish_reason or "abort",
+            stream=self.params.stream,
+            duration_s=round(time.monotonic() - self._t0, 4),
+            **self.log_fields,
+            **({"error": error} if error else {}),
+        )
+
+
+async def with_keepalive(items: AsyncIterator[T], interval_s: float) -> AsyncIterator[T | None]:
+    """`items`, with a None between them whenever `interval_s` passes without one (the
+    caller sends a keep-alive). The pending item is never cancelled by the timer."""
+    it = aiter(items)
+    pending: asyncio.Future[T] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({pending}, timeout=interval_s)
+            if not done:
+                yield None
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            finally:
+                pending = None
+            yield item
+    finally:
+        if pending is not None:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)

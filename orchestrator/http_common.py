@@ -1,0 +1,223 @@
+"""What every HTTP endpoint of the shim shares: its state, auth, body reading, and
+the plumbing that ties a response's life to the client's connection."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from tokenizers import Tokenizer
+
+from orchestrator.chat_template import ChatTemplate
+from orchestrator.errors import ApiError
+from orchestrator.metrics import Metrics
+from orchestrator.prefix_tracker import PrefixTracker
+from scheduler.protocol import EngineInfo, EngineStats, GenerateRequest, RequestOutput
+
+T = TypeVar("T")
+# Prompts longer than this are tokenized (and rendered) in a thread so the event loop
+# keeps streaming other requests.
+TOKENIZE_IN_THREAD_CHARS = 20_000
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024  # Anthropic's own limit for /v1/messages
+
+
+class Engine(Protocol):
+    """What the app needs of `EngineClient` (tests pass a stand-in)."""
+
+    @property
+    def connected(self) -> bool: ...
+    @property
+    def info(self) -> EngineInfo: ...
+    async def start(self) -> EngineInfo: ...
+    async def close(self) -> None: ...
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]: ...
+    async def stats(self) -> EngineStats: ...
+    async def abort(self, request_id: str, reason: str = "abort") -> None: ...
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    tokenizer: Tokenizer
+    model_name: str
+    api_key: str | None
+    metrics: Metrics = field(default_factory=Metrics)
+    max_model_len: int = 0  # the limit requests are checked against; set at start-up
+    vocab_size: int = 0
+    block_size: int = 16
+    created: int = 0
+    chat_template: ChatTemplate | None = None
+    tool_call_parser: str = "hermes"
+    max_output_tokens: int = 0  # server-side cap on any request's output; 0: none
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    ping_interval_s: float = 5.0  # SSE keep-alive while a request waits for tokens
+    tracker: PrefixTracker = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tracker = PrefixTracker(self.tokenizer, on_break=self.metrics.count_prefix_break)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the response was ready."""
+
+
+def shim_state(request: Request) -> ServerState:
+    return request.app.state.shim
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def error_response(err: ApiError, *, anthropic: bool = False) -> JSONResponse:
+    if anthropic:
+        return JSONResponse(err.anthropic_body(), status_code=err.anthropic_status,
+                            headers=err.headers)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def check_auth(request: Request, state: ServerState) -> None:
+    """`--api-key`: required as `Authorization: Bearer KEY` (OpenAI clients) or
+    `x-api-key: KEY` (Anthropic clients)."""
+    if state.api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    token = header[7:] if header.lower().startswith("bearer ") else request.headers.get(
+        "x-api-key", ""
+    )
+    if not hmac.compare_digest(token.encode(), state.api_key.encode()):
+        raise ApiError("invalid or missing API key", status=401,
+                       type="authentication_error", code="invalid_api_key")
+
+
+async def read_json_object(request: Request, state: ServerState) -> dict[str, Any]:
+    """The body as a JSON object; 413 past `max_request_bytes`, 400 if not JSON."""
+    limit = state.max_request_bytes
+    too_large = ApiError(f"the request body is larger than {limit} bytes", status=413,
+                         type="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    return body
+
+
+async def tokenize(tokenizer: Tokenizer, text: str, *,
+                   add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text` (chat prompts: add_special_tokens=False, the template
+    already wrote them)."""
+    if len(text) > TOKENIZE_IN_THREAD_CHARS:
+        enc = await asyncio.to_thread(tokenizer.encode, text,
+                                      add_special_tokens=add_special_tokens)
+    else:
+        enc = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return enc.ids
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts its request) if the client leaves first.
+
+    Starlette only watches for disconnects while a streaming body is being sent; a
+    request queued for minutes before its first token must be abortable too.
+    """
+
+    async def wait_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # let its abort go out
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def prepend(first: str, rest: AsyncGenerator[str, None]) -> AsyncIterator[str]:
+    try:
+        yield first
+        async for chunk in rest:
+            yield chunk
+    finally:
+        await rest.aclose()  # closed from outside, this generator must close `rest` too
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """Closes its body iterator however the stream ends.
+
+    Depending on the ASGI version, a client disconnect either cancels the stream or
+    makes `send` raise; in the second case the body generator would be left suspended
+    until garbage collection, and the engine would keep generating for nobody.
+    """
+
+    async def stream_response(self, send: Any) -> None:
+        try:
+            await super().stream_response(send)
+        except OSError:
+            pass  # ASGI >= 2.4: the client left; an expected end, not a server error
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+async def sse_response(
+    request: Request,
+    chunks: AsyncGenerator[str, None],
+    on_end: Callable[..., None],
+) -> Response:
+    """Answer with an SSE stream, but only once its first chunk is ready: an error
+    before it (an overloaded engine, a prompt the scheduler refuses) still gets its
+    HTTP status, which is impossible once the stream has started. `on_end` is the
+    request's log_done."""
+    try:
+        first = await unless_disconnected(request, chunks.__anext__())
+    except ClientGone:
+        await chunks.aclose()
+        on_end(finish_reason="abort")
+        return Response(status_code=499)
+    except ApiError as err:
+        await chunks.aclose()
+        on_end(finish_reason="error", error=err.message)
+        raise
+    return ClosingStreamingResponse(prepend(first, chunks), media_type="text/event-stream",
+                                    headers={"cache-control": "no-cache"})
+
+
+async def json_result(request: Request, work: Awaitable[dict[str, Any]],
+                      on_end: Callable[..., None]) -> Response:
+    """The non-streaming answer: `work`'s JSON, aborted if the client leaves first."""
+    try:
+        result = await unless_disconnected(request, work)
+    except ClientGone:
+        on_end(finish_reason="abort")
+        return Response(status_code=499)
+    except ApiError as err:
+        on_end(finish_reason="error", error=err.message)
+        raise
+    on_end()
+    return JSONResponse(result)

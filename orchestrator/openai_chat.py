@@ -1,0 +1,257 @@
+"""OpenAI chat API: `POST /v1/chat/completions`, streaming (data-only SSE ending in
+`data: [DONE]`, as OpenAI sends it) or not, with tools and cached-token usage."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from orchestrator.chat_run import ChatRequest, ChatRun, prepare_chat, session_key
+from orchestrator.chat_template import Message, join_text
+from orchestrator.errors import ApiError, describe
+from orchestrator.http_common import check_auth, json_result, read_json_object, shim_state
+from orchestrator.http_common import sse_response as start_sse
+from orchestrator.openai_api import SSE_DONE, sse, usage
+from orchestrator.tool_parsers import TextEvent, ToolCall
+from scheduler.protocol import SamplingParams
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(message, param=param)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise _bad(f"'{name}' must be a number, got {describe(v)}", name)
+    return float(v)
+
+
+def _content(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"'{where}.content' must be a string or a list of parts", "messages")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
+            kind = part.get("type") if isinstance(part, dict) else describe(part)
+            raise _bad(f"'{where}.content': {kind} parts are not supported: this engine "
+                       "serves a text-only model", "messages")
+        if not isinstance(part.get("text"), str):
+            raise _bad(f"'{where}.content': a text part needs a string 'text'", "messages")
+        texts.append(part["text"])
+    return join_text(texts)
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise _bad(f"'{where}.tool_calls' must be a list", "messages")
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad(f"'{where}.tool_calls': each call needs a function name", "messages")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):  # OpenAI sends a JSON string; templates want the object
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                pass
+        out.append({"id": str(call.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def convert_messages(messages: Any) -> list[Message]:
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list", "messages")
+    out: list[Message] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(f"'{where}' must be an object", "messages")
+        role = ROLES.get(m.get("role"))  # type: ignore[arg-type]
+        if role is None:
+            raise _bad(f"'{where}.role' must be one of {sorted(ROLES)}, got "
+                       f"{describe(m.get('role'))}", "messages")
+        msg: Message = {"role": role, "content": _content(m.get("content"), where)}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
+        if role == "tool":
+            msg["tool_call_id"] = str(m.get("tool_call_id", ""))
+        if role == "assistant" and isinstance(m.get("reasoning_content"), str):
+            msg["reasoning_content"] = m["reasoning_content"]
+        out.append(msg)
+    return out
+
+
+def convert_tools(tools: Any) -> list[dict[str, Any]]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise _bad("'tools' must be a list", "tools")
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad("'tools': each tool needs {'type': 'function', 'function': {'name'...}}",
+                       "tools")
+    return tools
+
+
+def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
+    model = body.get("model", "")
+    if not isinstance(model, str):
+        raise _bad(f"'model' must be a string, got {describe(model)}", "model")
+    for name, bad in (("n", body.get("n") not in (None, 1)),
+                      ("logprobs", body.get("logprobs") not in (None, False))):
+        if bad:
+            raise ApiError(f"'{name}' = {describe(body[name])} is not supported", param=name,
+                           code="unsupported")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+        raise _bad(f"'max_tokens' must be a positive integer, got {describe(max_tokens)}",
+                   "max_tokens")
+    temperature, top_p = _number(body, "temperature", 1.0), _number(body, "top_p", 1.0)
+    if not 0 <= temperature <= 2:
+        raise _bad("'temperature' must be in [0, 2]", "temperature")
+    if not 0 < top_p <= 1:
+        raise _bad("'top_p' must be in (0, 1]", "top_p")
+    top_k, seed = body.get("top_k"), body.get("seed")
+    if top_k is not None and (not _is_int(top_k) or top_k < -1):
+        raise _bad("'top_k' must be an integer >= -1", "top_k")
+    if seed is not None and not _is_int(seed):
+        raise _bad("'seed' must be an integer", "seed")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise _bad("'stop' must be a string or a list of strings", "stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise _bad("'stream_options' must be an object", "stream_options")
+    messages = convert_messages(body.get("messages"))
+    tools = convert_tools(body.get("tools"))
+    user = body.get("user") if isinstance(body.get("user"), str) else None
+    explicit = headers.get("x-session-id") or headers.get("x-claude-code-session-id") or user
+    return ChatRequest(
+        messages=messages,
+        tools=tools,
+        parse_tool_calls=body.get("tool_choice") != "none",
+        max_tokens=max_tokens,
+        sampling=SamplingParams(temperature=temperature, top_p=top_p,
+                                top_k=max(top_k or 0, 0), seed=seed),
+        stop=[s for s in stop if s],
+        stream=stream,
+        include_usage=options.get("include_usage") is True,
+        session=session_key(explicit, model, messages, tools),
+        model=model,
+    )
+
+
+def _finish_reason(run: ChatRun) -> str:
+    if run.gen.finish_reason == "length":
+        return "length"
+    return "tool_calls" if run.num_tool_calls else "stop"
+
+
+def _tool_call(event: ToolCall, index: int | None = None) -> dict[str, Any]:
+    call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": event.name,
+                         "arguments": json.dumps(event.arguments, ensure_ascii=False)}}
+    return call if index is None else {"index": index, **call}
+
+
+def _usage(run: ChatRun) -> dict[str, Any]:
+    return usage(run.gen.num_prompt_tokens, len(run.gen.token_ids), run.gen.num_cached)
+
+
+async def collect(run: ChatRun, base: dict[str, Any]) -> dict[str, Any]:
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    async for event in run.events():
+        if isinstance(event, ToolCall):
+            calls.append(_tool_call(event))
+        else:
+            texts.append(event.text)
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+    if calls:
+        message["tool_calls"] = calls
+    choice = {"index": 0, "message": message, "logprobs": None,
+              "finish_reason": _finish_reason(run)}
+    return {**base, "object": "chat.completion", "choices": [choice], "usage": _usage(run)}
+
+
+async def stream(run: ChatRun, base: dict[str, Any]) -> AsyncIterator[str]:
+    base = {**base, "object": "chat.completion.chunk"}
+    with_usage = run.req.include_usage
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        c = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                  "finish_reason": finish}]}
+        if with_usage:
+            c["usage"] = None  # as OpenAI: null on all chunks but the last
+        return sse(c)
+
+    events = run.events()
+    started = False
+    num_calls = 0
+    try:
+        async for event in events:
+            if not started:
+                started = True
+                yield chunk({"role": "assistant", "content": ""})
+            if isinstance(event, TextEvent):
+                if event.text:
+                    yield chunk({"content": event.text})
+            else:
+                yield chunk({"tool_calls": [_tool_call(event, num_calls)]})
+                num_calls += 1
+    except ApiError as err:
+        run.log_done(finish_reason="error", error=err.message)
+        if not started:
+            raise
+        yield sse(err.body())
+        yield SSE_DONE
+        return
+    finally:
+        await events.aclose()
+        run.log_done()
+    if not started:
+        yield chunk({"role": "assistant", "content": ""})
+    yield chunk({}, _finish_reason(run))
+    if with_usage:
+        yield sse({**base, "choices": [], "usage": _usage(run)})
+    yield SSE_DONE
+
+
+async def chat_completions(request: Request) -> Response:
+    state = shim_state(request)
+    check_auth(request, state)
+    body = await read_json_object(request, state)
+    req = parse_chat_request(body, request.headers)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    run = await prepare_chat(state, req, request_id, api="chat")
+    base = {"id": request_id, "created": int(time.time()), "model": req.model or state.model_name}
+    if not req.stream:
+        return await json_result(request, collect(run, base), run.log_done)
+    return await start_sse(request, stream(run, base), run.log_done)

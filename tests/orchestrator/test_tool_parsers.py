@@ -1,0 +1,117 @@
+"""Tool-call parsers on scripted model output: every way of cutting the stream into
+chunks gives the same events, and a malformed call comes back as the model's text."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from orchestrator.tool_parsers import (
+    Event,
+    HermesParser,
+    Llama3JsonParser,
+    TextEvent,
+    ToolCall,
+    make_tool_parser,
+)
+
+
+def run(parser_name: str, chunks: list[str]) -> list[Event]:
+    """Feed chunks; merge adjacent text events (chunking may split text anywhere)."""
+    parser = make_tool_parser(parser_name)
+    events: list[Event] = []
+    for c in chunks:
+        events += parser.feed(c)
+    events += parser.finish()
+    merged: list[Event] = []
+    for e in events:
+        if isinstance(e, TextEvent) and merged and isinstance(merged[-1], TextEvent):
+            merged[-1] = TextEvent(merged[-1].text + e.text)
+        elif not (isinstance(e, TextEvent) and not e.text):
+            merged.append(e)
+    return merged
+
+
+def chunkings(text: str, seed: int = 0) -> list[list[str]]:
+    """Whole, char by char, every two-way split, and random cuts."""
+    rng = random.Random(seed)
+    ways = [[text], list(text)]
+    ways += [[text[:i], text[i:]] for i in range(1, len(text))]
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 6)))
+        ways.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+    return ways
+
+
+CALL = '<tool_call>\n{"name": "Bash", "arguments": {"command": "ls -la"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("Just text, no calls.", [TextEvent("Just text, no calls.")]),
+    (CALL, [ToolCall("Bash", {"command": "ls -la"})]),
+    ("Let me look.\n" + CALL,
+     [TextEvent("Let me look."), ToolCall("Bash", {"command": "ls -la"})]),
+    (CALL + "\n" + CALL.replace("ls -la", "pwd") + "\n",
+     [ToolCall("Bash", {"command": "ls -la"}), ToolCall("Bash", {"command": "pwd"})]),
+    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>',
+     [ToolCall("f", {"a": 1})]),
+    ('<tool_call>{"name": "f"}</tool_call>', [ToolCall("f", {})]),
+    # unterminated but complete JSON: the model stopped at EOS before the closing tag
+    ('<tool_call>\n{"name": "f", "arguments": {"x": [1, 2]}}\n',
+     [ToolCall("f", {"x": [1, 2]})]),
+    ("a <tool b <tools> c </tool_call>", [TextEvent("a <tool b <tools> c </tool_call>")]),
+    ("trailing space stays  ", [TextEvent("trailing space stays  ")]),
+])
+def test_hermes(text: str, expected: list[Event]) -> None:
+    for chunks in chunkings(text):
+        assert run("hermes", chunks) == expected, chunks
+
+
+@pytest.mark.parametrize("bad", [
+    "<tool_call>{not json}</tool_call>",
+    "Hi\n<tool_call>\n{\"name\": 3, \"arguments\": {}}\n</tool_call>",
+    '<tool_call>{"arguments": {}}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": "not json"}</tool_call>',
+    "<tool_call>\n{\"name\": \"f\", \"argu",  # cut off by max_tokens
+])
+def test_hermes_malformed_call_is_the_models_text(bad: str) -> None:
+    for chunks in chunkings(bad):
+        assert run("hermes", chunks) == [TextEvent(bad)], chunks
+
+
+def test_hermes_streams_text_before_the_call_completes() -> None:
+    p = HermesParser()
+    assert p.feed("Hello wor") == [TextEvent("Hello wor")]
+    assert p.feed("ld <tool") == [TextEvent("ld")]  # " <tool" may start a call: held
+    assert p.feed("_call>{\"name\": \"f\", ") == []
+    assert p.feed('"arguments": {}}</tool_call>') == [ToolCall("f", {})]
+    assert p.finish() == []
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}',
+     [ToolCall("get_weather", {"city": "Paris"})]),
+    ('  <|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}',
+     [ToolCall("a", {}), ToolCall("b", {"x": 1})]),
+    ("The answer is 4.", [TextEvent("The answer is 4.")]),
+    ('{"not": "a call"}', [TextEvent('{"not": "a call"}')]),
+    ('{"name": "f", "parameters": {', [TextEvent('{"name": "f", "parameters": {')]),
+])
+def test_llama3_json(text: str, expected: list[Event]) -> None:
+    for chunks in chunkings(text):
+        assert run("llama3_json", chunks) == expected, chunks
+
+
+def test_llama3_text_streams_at_once() -> None:
+    p = Llama3JsonParser()
+    assert p.feed("  ") == []
+    assert p.feed("Sure") == [TextEvent("  Sure")]
+    assert p.feed(", here.") == [TextEvent(", here.")]
+
+
+def test_none_and_unknown() -> None:
+    assert run("none", [CALL]) == [TextEvent(CALL)]
+    with pytest.raises(ValueError, match="unknown tool call parser"):
+        make_tool_parser("xml")
