@@ -43,13 +43,23 @@ class Sequence:
     chain: BlockHashChain | None = None
     session_id: str | None = None
 
+    def __post_init__(self) -> None:
+        # prompt + output in one list, appended in place: a 450K-token prompt must not
+        # be copied every time a step slices it or the cache hashes it.
+        self._tokens = list(self.prompt)
+
+    def append_output(self, token: int) -> None:
+        self.output.append(token)
+        self._tokens.append(token)
+
     @property
     def tokens(self) -> list[int]:
-        return self.prompt + self.output
+        """Every token of the sequence (prompt + output); do not modify."""
+        return self._tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
+        return len(self._tokens)
 
     @property
     def in_prefill(self) -> bool:

@@ -130,6 +130,10 @@ class Scheduler:
         self._finish(seq, reason)
         return self._output(seq)
 
+    def sequence(self, request_id: str) -> Sequence | None:
+        """The live (or just finished, not yet closed) sequence of a request."""
+        return self._by_request.get(request_id)
+
     def has_work(self) -> bool:
         return bool(self.running or len(self.queue) or self._to_close)
 
@@ -292,7 +296,7 @@ class Scheduler:
             seq = by_id.get(seq_id)
             if seq is None:  # aborted while the step ran; its close is already pending
                 continue
-            seq.output.append(token)
+            seq.append_output(token)
             seq.first_token_time = seq.first_token_time or now
             reason = self._stop_reason(seq, token)
             if reason is not None:
