@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler.protocol.control import CONTROL_MESSAGE_TYPES
 from scheduler.protocol.digest import StateDigest
 
 SCHEMA_VERSION = 1
@@ -218,6 +219,16 @@ class StatsRequest:
 
 
 @dataclass
+class HistogramData:
+    """A histogram kept by the scheduler: counts per bucket (upper bounds `bounds`, the
+    last bucket is +Inf, so len(counts) == len(bounds) + 1), not cumulative."""
+
+    bounds: list[float]
+    counts: list[int]
+    sum: float = 0.0
+
+
+@dataclass
 class EngineStats:
     """Counters are totals since start; gauges are the current values."""
 
@@ -230,6 +241,9 @@ class EngineStats:
     kv_bytes_per_block: int
     cache: dict[str, int]  # cache.stats.CacheStats counters
     usage: dict[str, dict[str, int]]  # tier -> capacity/used/cached/free, in blocks
+    # queue_seconds, step_seconds, step_prefill_tokens, step_decode_tokens
+    histograms: dict[str, HistogramData] = field(default_factory=dict)
+    num_digest_mismatches: int = 0
 
 
 @dataclass
@@ -267,6 +281,8 @@ MESSAGE_TYPES: tuple[type, ...] = (
     ClientHello,
     EngineInfo,
     StatsRequest,
+    HistogramData,
     EngineStats,
     Shutdown,
+    *CONTROL_MESSAGE_TYPES,
 )

@@ -9,6 +9,7 @@ data crosses the wire: no pickle, no code.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 import typing
 from functools import cache
@@ -47,7 +48,10 @@ def _to_plain(value: Any) -> Any:
 
 @cache
 def _field_types(cls: type) -> list[tuple[str, Any]]:
-    hints = typing.get_type_hints(cls, vars(protocol))
+    # Names resolve in the protocol package, then in the class's own module (the
+    # control channel's messages live in scheduler/protocol/control.py).
+    namespace = {**vars(protocol), **vars(sys.modules[cls.__module__])}
+    hints = typing.get_type_hints(cls, namespace)
     return [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
 
 

@@ -58,6 +58,19 @@ def _entries_sum(kind: int, ids: np.ndarray, hashes: np.ndarray) -> int:
         return int(e.sum(dtype=np.uint64))
 
 
+def table_digest(seq_id: int, block_ids: list[int] | np.ndarray) -> int:
+    """What `StateDigest.add_blocks` adds for this whole table, computed from the table
+    itself: the inspect CLI compares a rank's real tables with the scheduler's mirror."""
+    n = len(block_ids)
+    if n == 0:
+        return 0
+    a = np.arange(n, dtype=np.uint64) | _U((seq_id << 32) & _MASK64)
+    b = np.asarray(block_ids, dtype=np.int64).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        e = _mix64_np(_mix64_np(_U(StateDigest.SEQ_BLOCK) ^ (a << _U(8))) ^ b)
+        return int(e.sum(dtype=np.uint64))
+
+
 class StateDigest:
     SEQ_BLOCK = 1
     DEVICE_HASH = 2
@@ -116,3 +129,27 @@ class StateDigest:
     @property
     def live_seqs(self) -> list[int]:
         return sorted(self._seq_lens)
+
+    # --- views for inspection (read from another thread: copies, never iterators) ---
+
+    def tables(self) -> dict[int, tuple[int, int]]:
+        """seq id -> (number of blocks, table digest) of every live table."""
+        lens, sums = dict(self._seq_lens), dict(self._seq_sums)
+        return {sid: (n, sums.get(sid, 0)) for sid, n in lens.items()}
+
+    def tier_hashes(self, tier: str) -> np.ndarray:
+        """The hash held by each device block or host slot (0: none); do not modify."""
+        return self._block_hash if tier == "device" else self._slot_hash
+
+    def tier_digests(self, chunk: int = 1 << 20) -> dict[str, int]:
+        """Per tier, the digest's part for which hash lives in which block or slot
+        (in chunks: a full-scale host tier has tens of millions of slots)."""
+        out = {}
+        for tier, kind in (("device", self.DEVICE_HASH), ("host", self.HOST_HASH)):
+            table, total = self.tier_hashes(tier), 0
+            for start in range(0, len(table), chunk):
+                part = table[start:start + chunk].copy()
+                ids = np.arange(start, start + len(part))
+                total = (total + _entries_sum(kind, ids, part)) & _MASK64
+            out[tier] = total
+        return out

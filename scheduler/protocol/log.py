@@ -1,5 +1,7 @@
-"""Structured logs for every process: one JSON event per line on stderr, bound with the
-process's role (and rank for workers); events of a step carry `step`."""
+"""Structured logs for every process: one JSON event per line on stderr (a readable
+console rendering when stderr is a terminal), bound with the process's role (and rank
+for workers); events of a step carry `step` (bound with structlog's contextvars by
+the step loops)."""
 
 from __future__ import annotations
 
@@ -10,15 +12,25 @@ import sys
 import structlog
 
 
+def renderers(stream=None) -> list:
+    """JSON for files and pipes (what the launcher and log shippers read); colours
+    for a person at a terminal. DEEPINFER_LOG_FORMAT=json|console overrides."""
+    stream = stream or sys.stderr
+    fmt = os.environ.get("DEEPINFER_LOG_FORMAT", "")
+    if fmt == "console" or (fmt != "json" and stream.isatty()):
+        return [structlog.dev.ConsoleRenderer(colors=stream.isatty())]  # formats exceptions
+    return [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+
+
 def configure_logging(role: str, rank: int | None = None, level: str | None = None):
     level = level or os.environ.get("DEEPINFER_LOG_LEVEL", "INFO")
+    structlog.contextvars.clear_contextvars()
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
+            *renderers(sys.stderr),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
