@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from orchestrator.config import REPO, add_serve_arguments, build_config
+from scheduler.protocol.control_server import CONTROL_DIR_ENV, control_address
 from scheduler.protocol.log import configure_logging
 
 STOP_GRACE_S = 5.0
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 "RANK": str(rank), "LOCAL_RANK": str(local_rank),
                 "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(args.nproc_per_node),
                 "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(master_port),
+                CONTROL_DIR_ENV: str(run_dir),  # its control socket, even over tcp://
             }))
         if head:
             shim_args = ["orchestrator.http_server", "--run-dir", str(run_dir),
@@ -155,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
             shim_args += ["--max-output-tokens", str(serve.max_output_tokens),
                           "--tool-call-parser", serve.tool_call_parser]
             children.append(spawn("shim", shim_args))
-        _write_engine_file(run_dir, children, addresses, serve, world_size)
+        local_ranks = range(args.node_rank * args.nproc_per_node,
+                            (args.node_rank + 1) * args.nproc_per_node)
+        _write_engine_file(run_dir, children, addresses, serve, world_size, local_ranks)
         if args.external_workers:
             log.info("waiting_for_external_workers", world_size=world_size,
                      command=f"torchrun --nproc-per-node {args.nproc_per_node} "
@@ -184,14 +188,19 @@ def _supervise(children: list[Child], stop_reason: dict, log) -> int:
 
 
 def _write_engine_file(run_dir: Path, children: list[Child], addresses: dict, serve,
-                       world_size: int) -> None:
-    """A small JSON for the inspect CLI: who runs where."""
+                       world_size: int, local_ranks: range) -> None:
+    """A small JSON for the inspect CLI: who runs where, and the control sockets of the
+    scheduler and of this node's ranks (ranks started by torchrun use the same paths)."""
     engine = {
         "launcher_pid": os.getpid(),
         "world_size": world_size,
         "addresses": addresses,
         "http": f"http://{serve.host}:{serve.port}",
         "processes": [{"name": c.name, "pid": c.proc.pid} for c in children],
+        "control": {
+            "scheduler": control_address(run_dir, "scheduler"),
+            "ranks": {str(r): control_address(run_dir, f"rank{r}") for r in local_ranks},
+        },
     }
     (run_dir / "engine.json").write_text(json.dumps(engine, indent=2))
 

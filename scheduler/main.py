@@ -16,6 +16,7 @@ import zmq
 from rich.console import Console
 from rich.table import Table
 
+from scheduler.control import SchedulerControl
 from scheduler.engine import EngineCore, RankDivergenceError, limits_from_ready
 from scheduler.executor import WorkerFailure, ZmqExecutor
 from scheduler.protocol import (
@@ -29,17 +30,22 @@ from scheduler.protocol import (
     StatsRequest,
     codec,
 )
+from scheduler.protocol.control import PrefixBreak
+from scheduler.protocol.control_server import control_address
 from scheduler.protocol.log import configure_logging
 from scheduler.scheduler import EngineLimits, RequestRejected, Scheduler
+from scheduler.telemetry import Telemetry
 
 IDLE_POLL_MS = 50
 
 
 class SchedulerServer:
-    def __init__(self, core: EngineCore, info: EngineInfo, requests_addr: str, log) -> None:
+    def __init__(self, core: EngineCore, info: EngineInfo, requests_addr: str, log,
+                 telemetry: Telemetry | None = None) -> None:
         self.core = core
         self.info = info
         self.log = log
+        self.telemetry = telemetry or Telemetry(log)
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 500)  # let the goodbye reach the shim
         self._sock.bind(requests_addr)
@@ -75,15 +81,26 @@ class SchedulerServer:
             self._clients.add(identity)
             self._sock.send_multipart([identity, codec.encode(self.info)])
         elif isinstance(msg, StatsRequest):
-            self._sock.send_multipart([identity, codec.encode(self.core.stats())])
+            stats = self.core.stats()
+            stats.histograms = self.telemetry.histograms()
+            stats.num_digest_mismatches = self.telemetry.num_digest_mismatches
+            self._sock.send_multipart([identity, codec.encode(stats)])
         elif isinstance(msg, GenerateRequest):
             try:
                 sched.add_request(msg)
                 self._owners[msg.request_id] = identity
+                self.telemetry.request_added(sched._by_request[msg.request_id])
             except RequestRejected as exc:
+                # the request's one log line: it ends here
+                self.log.info("request_rejected", request_id=msg.request_id,
+                              session=msg.session_id,
+                              prompt_tokens=len(msg.prompt_token_ids),
+                              error_type=exc.error_type, error=str(exc))
                 err = RequestOutput(msg.request_id, finished=True, finish_reason="error",
                                     error=str(exc), error_type=exc.error_type)
                 self._sock.send_multipart([identity, codec.encode(err)])
+        elif isinstance(msg, PrefixBreak):
+            self.telemetry.prefix_break(msg)
         elif isinstance(msg, AbortRequest):
             out = sched.abort_request(msg.request_id, msg.reason)
             if out is not None:
@@ -93,6 +110,8 @@ class SchedulerServer:
 
     def _send(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
+            if out.finished:
+                self.telemetry.request_done(out)
             identity = self._owners.get(out.request_id)
             if identity is None:
                 continue
@@ -145,23 +164,30 @@ def main(argv: list[str] | None = None) -> int:
              device_tokens=limits.num_device_blocks * config.block_size,
              host_blocks=limits.num_host_blocks,
              host_tokens=limits.num_host_blocks * config.block_size)
-    core = EngineCore(Scheduler(config, limits), executor)
+    telemetry = Telemetry(log)
+    core = EngineCore(Scheduler(config, limits), telemetry.wrap(executor))
     info = EngineInfo(
         model=config.model, vocab_size=limits.vocab_size, max_model_len=limits.max_model_len,
         eos_token_ids=list(limits.eos_token_ids), block_size=config.block_size,
         num_device_blocks=limits.num_device_blocks, num_host_blocks=limits.num_host_blocks,
         world_size=config.world_size,
     )
-    server = SchedulerServer(core, info, addresses["requests"], log)
+    server = SchedulerServer(core, info, addresses["requests"], log, telemetry)
+    control = SchedulerControl(core.scheduler, telemetry,
+                               control_address(args.run_dir, "scheduler"), log)
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)
-    log.info("scheduler_ready", world_size=config.world_size, requests=addresses["requests"])
+    log.info("scheduler_ready", world_size=config.world_size, requests=addresses["requests"],
+             control=control.server.address)
     try:
         server.run()
     except (RankDivergenceError, WorkerFailure, AssertionError) as exc:
-        log.error("engine_failed", step=core.scheduler.step, error=str(exc))
+        telemetry.failed(str(exc), digest_mismatch=isinstance(exc, RankDivergenceError))
+        log.error("engine_failed", error=str(exc))
         server.fail_all(f"engine failed: {exc}")
         return 1
+    finally:
+        control.close()
     server.say_goodbye("the engine is stopping")
     executor.shutdown()
     log.info("scheduler_stopped")

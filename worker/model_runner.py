@@ -9,6 +9,7 @@ applies the same plans holds the same state (checked through `StateDigest`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,9 @@ class ModelRunner:
         self.block_tables: dict[int, list[int]] = {}
         self.sampling: dict[int, tuple[SamplingParams, int]] = {}
         self.digest = StateDigest(self.num_device_blocks, self.num_host_blocks)
+        # Called once a plan's cache ops and table deltas are in, before its forward pass
+        # (the rank's control thread marks the step there; test-only faults hook in too).
+        self.on_applied: Callable[[StepPlan], None] | None = None
 
     def _profile_num_blocks(self, block_bytes: int) -> int:
         """CUDA: blocks that fit in `gpu_memory_utilization` of the GPU after the weights and
@@ -115,6 +119,8 @@ class ModelRunner:
         self._apply_cache_ops(plan)
         self._apply_table_deltas(plan)
         self.digest.apply(plan)
+        if self.on_applied is not None:
+            self.on_applied(plan)
         if not plan.chunks:
             return StepOutput([], self.digest.value, 0.0)
 

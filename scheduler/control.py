@@ -1,0 +1,178 @@
+"""The scheduler's control thread: its view of the engine, for `deepinfer-inspect`.
+
+Answers are built on the control thread from the live scheduler, through copies
+(`list(...)`, `dict(...)` are single atomic operations under the GIL), so they come
+while the loop waits for a stuck rank. A value may be one step newer than another
+in the same answer; `inspect check` compares only answers taken at one step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+
+from scheduler.protocol.control import (
+    CacheRequest,
+    CacheView,
+    ControlError,
+    QueuedRequest,
+    RunningSeq,
+    SchedulerSnapshot,
+    SeqRequest,
+    SeqTable,
+    SeqView,
+    SessionCache,
+    SnapshotRequest,
+    StacksRequest,
+    TierContents,
+    TierRequest,
+    TraceReply,
+    TraceRequest,
+)
+from scheduler.protocol.control_server import ControlServer, stack_dump
+from scheduler.request import Sequence
+from scheduler.scheduler import Scheduler
+from scheduler.telemetry import Telemetry
+
+MAX_TIER_SLICE = 1 << 20
+TOP_SESSIONS = 10
+
+
+class SchedulerControl:
+    def __init__(self, scheduler: Scheduler, telemetry: Telemetry, address: str,
+                 log=None) -> None:
+        self.scheduler = scheduler
+        self.telemetry = telemetry
+        self.server = ControlServer(address, self.handle, log).start()
+
+    def close(self) -> None:
+        self.server.close()
+
+    def handle(self, request: object) -> object:
+        if isinstance(request, SnapshotRequest):
+            return self.snapshot(request.detail)
+        if isinstance(request, SeqRequest):
+            return self.seq_view(request)
+        if isinstance(request, TierRequest):
+            hashes = self.scheduler.digest.tier_hashes(request.tier)
+            stop = min(request.stop, len(hashes), request.start + MAX_TIER_SLICE)
+            return TierContents(request.tier, request.start,
+                                hashes[request.start:stop].tolist())
+        if isinstance(request, TraceRequest):
+            return TraceReply(list(self.telemetry.trace)[-max(0, request.num_steps):])
+        if isinstance(request, CacheRequest):
+            return self.cache_view(request.num_requests)
+        if isinstance(request, StacksRequest):
+            return stack_dump("scheduler", -1, request.all_threads)
+        return ControlError(f"the scheduler does not answer {type(request).__name__}")
+
+    # --- the snapshot ---------------------------------------------------------------
+
+    def snapshot(self, detail: bool = False) -> SchedulerSnapshot:
+        sched, tel, cfg = self.scheduler, self.telemetry, self.scheduler.config
+        now = time.monotonic()
+        # Read the step before the state it describes: if a plan lands in between, the
+        # state is newer than `step`, which `check` sees as a moving engine and retries.
+        step = sched.step - 1
+        trace = list(tel.trace)
+        running = list(sched.running)
+        waiting = list(sched.queue)
+        if tel.last_error:
+            state = "failed"
+        else:
+            state = "stepping" if tel.stepping else "idle"
+        return SchedulerSnapshot(
+            pid=os.getpid(), step=step, state=state,
+            seconds_since_step=now - tel.t_step_end,
+            seconds_in_step=now - tel.t_step_start if tel.stepping else 0.0,
+            expected_digest=sched.digest.value, max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_queued_requests=cfg.max_queued_requests,
+            num_waiting=len(waiting), num_running=len(running),
+            seqs=[SeqTable(sid, n, d) for sid, (n, d) in sorted(sched.digest.tables().items())],
+            running=[_running(s, now) for s in running],
+            waiting=self._waiting(waiting, len(running), trace, now),
+            pending_closes=[s.seq_id for s in list(sched._to_close)],
+            last_plan=trace[-1] if trace else None,
+            usage=sched.cache.usage(),
+            tier_digests=sched.digest.tier_digests() if detail else {},
+            cache={k: int(v) for k, v in dict(vars(sched.cache.stats)).items()},
+            last_error=tel.last_error,
+        )
+
+    def _waiting(self, waiting: list[Sequence], num_running: int, trace: list,
+                 now: float) -> list[QueuedRequest]:
+        """Why the queue's head did not get in at the last step (everyone behind it waits
+        for the same reason: the queue is first come, first served)."""
+        cfg = self.scheduler.config
+        last = trace[-1] if trace else None
+        wall_now = time.time()
+        out = []
+        for i, seq in enumerate(waiting):
+            if last is None or wall_now - (now - seq.arrival) > last.time:
+                reason = "arrived"  # not yet seen by a step
+            elif num_running >= cfg.max_num_seqs:
+                reason = "max_num_seqs"
+            elif last.num_prefill_tokens + last.num_decode_tokens >= cfg.max_num_batched_tokens:
+                reason = "token_budget"
+            else:
+                reason = "no_blocks"
+            out.append(QueuedRequest(seq.request_id, seq.seq_id, i, now - seq.arrival,
+                                     len(seq.prompt), seq.num_preemptions, reason))
+        return out
+
+    # --- one sequence -------------------------------------------------------------------
+
+    def _find(self, request: SeqRequest) -> Sequence | None:
+        sched = self.scheduler
+        if request.request_id:
+            return dict(sched._by_request).get(request.request_id)
+        for seq in list(sched.running) + list(sched._to_close) + list(sched.queue):
+            if seq.seq_id == request.seq_id:
+                return seq
+        return None
+
+    def seq_view(self, request: SeqRequest) -> SeqView:
+        seq = self._find(request)
+        if seq is None:
+            return SeqView("scheduler", -1, request.seq_id, found=False,
+                           request_id=request.request_id)
+        return SeqView(
+            "scheduler", -1, seq.seq_id, found=seq.opened,
+            block_ids=list(seq.block_ids)[:seq.num_sent_blocks] if seq.opened else [],
+            num_tokens=seq.num_computed, request_id=seq.request_id, status=seq.status.value,
+            num_prompt_tokens=len(seq.prompt), num_device_cached_tokens=seq.num_device_cached,
+            num_host_cached_tokens=seq.num_host_cached)
+
+    # --- the prefix cache ---------------------------------------------------------------
+
+    def cache_view(self, num_requests: int) -> CacheView:
+        records = list(self.telemetry.recent)
+        last = records[-num_requests:] if num_requests > 0 else []
+        sessions: dict[str, SessionCache] = defaultdict(lambda: SessionCache("", 0, 0, 0))
+        for r in records:
+            s = sessions[r.session or r.request_id]
+            s.session = r.session or f"(request {r.request_id})"
+            s.num_requests += 1
+            s.num_prompt_tokens += r.num_prompt_tokens
+            s.num_cached_tokens += r.num_device_cached_tokens + r.num_host_cached_tokens
+        top = sorted(sessions.values(), key=lambda s: -s.num_cached_tokens)[:TOP_SESSIONS]
+        cache = self.scheduler.cache
+        return CacheView(
+            num_requests=len(last),
+            num_queried_tokens=sum(r.num_prompt_tokens for r in last),
+            num_device_hit_tokens=sum(r.num_device_cached_tokens for r in last),
+            num_host_hit_tokens=sum(r.num_host_cached_tokens for r in last),
+            totals={k: int(v) for k, v in dict(vars(cache.stats)).items()},
+            usage=cache.usage(), sessions=top,
+            prefix_breaks=list(self.telemetry.prefix_breaks), recent=last[-10:])
+
+
+def _running(seq: Sequence, now: float) -> RunningSeq:
+    return RunningSeq(
+        seq_id=seq.seq_id, request_id=seq.request_id, status=seq.status.value,
+        num_prompt_tokens=len(seq.prompt), num_output_tokens=len(seq.output),
+        num_computed_tokens=seq.num_computed, num_blocks=len(seq.block_ids),
+        num_device_cached_tokens=seq.num_device_cached,
+        num_host_cached_tokens=seq.num_host_cached, age_s=now - seq.arrival)

@@ -1,0 +1,182 @@
+"""What the scheduler records about its own work, for metrics, logs and inspection.
+
+- every step plan, summarised, in a ring (`deepinfer-inspect trace`), and whether a
+  step is in flight (wrapping the executor, so the engine loop is untouched);
+- histograms of queue wait, step time and tokens per step (`/metrics`);
+- every request from arrival to its end, logged once at its end with its token
+  counts, cached tokens per tier and latencies, and kept in a ring for `inspect cache`;
+- the prefix breaks the shim reports.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from collections import deque
+from dataclasses import dataclass
+
+import structlog
+
+from scheduler.executor import Executor
+from scheduler.protocol import HistogramData, RequestOutput, StepPlan, StepResult
+from scheduler.protocol.control import ChunkSummary, PlanSummary, PrefixBreak, RequestRecord
+from scheduler.request import Sequence
+
+TRACE_STEPS = 256
+RECENT_REQUESTS = 1000
+RECENT_BREAKS = 64
+
+
+class Histogram:
+    def __init__(self, bounds: list[float]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last bucket is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def data(self) -> HistogramData:
+        return HistogramData(list(self.bounds), list(self.counts), self.sum)
+
+
+SECONDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300]
+TOKENS = [0, 1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 65536]
+
+
+@dataclass
+class _Tracked:
+    seq: Sequence
+    admitted: float | None = None
+
+
+class Telemetry:
+    def __init__(self, log=None) -> None:
+        self.log = log or structlog.get_logger()
+        self.trace: deque[PlanSummary] = deque(maxlen=TRACE_STEPS)
+        self.recent: deque[RequestRecord] = deque(maxlen=RECENT_REQUESTS)
+        self.prefix_breaks: deque[PrefixBreak] = deque(maxlen=RECENT_BREAKS)
+        self.hist = {"queue_seconds": Histogram(SECONDS), "step_seconds": Histogram(SECONDS),
+                     "step_prefill_tokens": Histogram(TOKENS),
+                     "step_decode_tokens": Histogram(TOKENS)}
+        self.stepping = False
+        self.t_step_start = 0.0
+        self.t_step_end = time.monotonic()
+        self.last_error: str | None = None
+        self.num_digest_mismatches = 0
+        self._by_request: dict[str, _Tracked] = {}
+        self._by_seq: dict[int, _Tracked] = {}
+
+    def wrap(self, executor: Executor) -> Executor:
+        return _ObservedExecutor(executor, self)
+
+    def histograms(self) -> dict[str, HistogramData]:
+        return {name: h.data() for name, h in self.hist.items()}
+
+    # --- steps (from the executor wrapper) --------------------------------------------
+
+    def on_step_start(self, plan: StepPlan) -> None:
+        structlog.contextvars.bind_contextvars(step=plan.step)
+        now = time.monotonic()
+        for new in plan.new_seqs:
+            tracked = self._by_seq.get(new.seq_id)
+            if tracked is not None and tracked.admitted is None:  # not a re-admission
+                tracked.admitted = now
+                self.hist["queue_seconds"].observe(now - tracked.seq.arrival)
+        self.trace.append(summarize(plan))
+        self.t_step_start, self.stepping = now, True
+
+    def on_step_end(self) -> None:
+        now = time.monotonic()
+        summary = self.trace[-1]
+        summary.duration_s = now - self.t_step_start
+        self.hist["step_seconds"].observe(summary.duration_s)
+        self.hist["step_prefill_tokens"].observe(summary.num_prefill_tokens)
+        self.hist["step_decode_tokens"].observe(summary.num_decode_tokens)
+        self.t_step_end, self.stepping = now, False
+
+    def failed(self, error: str, digest_mismatch: bool = False) -> None:
+        self.last_error = error
+        self.num_digest_mismatches += digest_mismatch
+
+    # --- requests (from the server loop) ------------------------------------------------
+
+    def request_added(self, seq: Sequence) -> None:
+        tracked = _Tracked(seq)
+        self._by_request[seq.request_id] = tracked
+        self._by_seq[seq.seq_id] = tracked
+
+    def request_done(self, out: RequestOutput) -> None:
+        """Log a request once, at its end (the output with finished=True)."""
+        tracked = self._by_request.pop(out.request_id, None)
+        if tracked is None:  # rejected at arrival: logged there
+            return
+        seq = tracked.seq
+        self._by_seq.pop(seq.seq_id, None)
+        now = time.monotonic()
+        first = seq.first_token_time
+        num_out = len(seq.output)
+        record = RequestRecord(
+            request_id=seq.request_id, session=seq.session_id or "",
+            finish_reason=out.finish_reason or "", num_prompt_tokens=len(seq.prompt),
+            num_output_tokens=num_out, num_device_cached_tokens=seq.num_device_cached,
+            num_host_cached_tokens=seq.num_host_cached,
+            queue_s=(tracked.admitted or now) - seq.arrival,
+            ttft_s=(first - seq.arrival) if first else 0.0, e2e_s=now - seq.arrival)
+        self.recent.append(record)
+        itl = (now - first) / (num_out - 1) if first and num_out > 1 else 0.0
+        log = self.log.warning if out.finish_reason == "error" else self.log.info
+        log("request_done", request_id=record.request_id, session=record.session or None,
+            finish_reason=record.finish_reason, prompt_tokens=record.num_prompt_tokens,
+            output_tokens=num_out, device_cached_tokens=record.num_device_cached_tokens,
+            host_cached_tokens=record.num_host_cached_tokens,
+            preemptions=seq.num_preemptions, queue_s=round(record.queue_s, 4),
+            ttft_s=round(record.ttft_s, 4), itl_s=round(itl, 5), e2e_s=round(record.e2e_s, 4),
+            **({"error": out.error} if out.error else {}))
+
+    def prefix_break(self, report: PrefixBreak) -> None:
+        report.time = report.time or time.time()
+        self.prefix_breaks.append(report)
+        self.log.info("prefix_break", session=report.session, request_id=report.request_id,
+                      common_tokens=report.num_common_tokens,
+                      prompt_tokens=report.num_prompt_tokens, reason=report.reason)
+
+
+def summarize(plan: StepPlan) -> PlanSummary:
+    chunks = [ChunkSummary(c.seq_id, c.start_pos, len(c.token_ids), c.sample)
+              for c in plan.chunks]
+    decode = sum(1 for c in chunks if c.num_tokens == 1 and c.sample)
+    return PlanSummary(
+        step=plan.step, time=time.time(), duration_s=0.0, close=list(plan.close),
+        new_seqs=[s.seq_id for s in plan.new_seqs],
+        num_append_blocks=sum(len(a.block_ids) for a in plan.append),
+        num_new_blocks=sum(len(s.block_ids) for s in plan.new_seqs),
+        num_swap_out=len(plan.swap_out), num_swap_in=len(plan.swap_in),
+        num_register=len(plan.register),
+        num_prefill_tokens=sum(c.num_tokens for c in chunks) - decode,
+        num_decode_tokens=decode, chunks=chunks)
+
+
+class _ObservedExecutor:
+    """Passes every call through; marks each step's start and end on the telemetry."""
+
+    def __init__(self, inner: Executor, telemetry: Telemetry) -> None:
+        self.inner = inner
+        self.telemetry = telemetry
+
+    def start(self):
+        return self.inner.start()
+
+    def step(self, plan: StepPlan) -> list[StepResult]:
+        self.telemetry.on_step_start(plan)
+        try:
+            return self.inner.step(plan)
+        except Exception as exc:
+            self.telemetry.failed(f"step {plan.step}: {exc}")
+            raise
+        finally:
+            self.telemetry.on_step_end()
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()

@@ -1,0 +1,66 @@
+"""A rank's control thread and the scheduler's telemetry, without processes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from structlog.testing import capture_logs
+
+from scheduler.protocol import NewSequence, RequestOutput, SamplingParams, StateDigest, StepPlan
+from scheduler.protocol.control import SeqRequest, SnapshotRequest, StacksRequest
+from scheduler.protocol.control_server import ask
+from scheduler.protocol.digest import table_digest
+from scheduler.request import Sequence
+from scheduler.telemetry import Telemetry
+from worker.control import RankControl
+
+
+def test_rank_control_reports_its_real_tables(tmp_path):
+    digest = StateDigest(8, 4)
+    plan = StepPlan(0, new_seqs=[NewSequence(1, [0, 1]), NewSequence(2, [5])],
+                    register=[(0, 77), (3, 78)])
+    digest.apply(plan)
+    runner = SimpleNamespace(block_tables={1: [0, 1], 2: [5]}, digest=digest, device="cpu")
+    control = RankControl(runner, 2, 4, f"ipc://{tmp_path}/rank2.sock")
+    try:
+        control.applied(plan)
+        snap = ask(control.server.address, SnapshotRequest(detail=True))
+        assert (snap.rank, snap.step, snap.state) == (2, 0, "forward")
+        assert [(s.seq_id, s.num_blocks) for s in snap.seqs] == [(1, 2), (2, 1)]
+        assert snap.seqs[0].table_digest == digest.tables()[1][1]
+        # block 3 holds a hash and no table uses it: cached
+        assert snap.usage["device"] == {"capacity": 8, "used": 3, "cached": 1, "free": 4}
+        runner.block_tables[1][1] = 6  # a table the plans never said: the digest cannot see it
+        snap = ask(control.server.address, SnapshotRequest(detail=True))
+        assert snap.seqs[0].table_digest == table_digest(1, [0, 6]) != digest.tables()[1][1]
+        control.finished(digest.value)
+        assert ask(control.server.address, SeqRequest(1)).block_ids == [0, 6]
+        assert not ask(control.server.address, SeqRequest(9)).found
+        assert "MainThread" in ask(control.server.address, StacksRequest()).threads
+    finally:
+        control.close()
+
+
+def test_telemetry_logs_each_request_once_with_its_latencies():
+    telemetry = Telemetry()
+    seq = Sequence(seq_id=1, request_id="r1", prompt=list(range(40)), max_tokens=2,
+                   sampling=SamplingParams(), stop_token_ids=frozenset(), extra_key=b"",
+                   session_id="s1")
+    seq.num_device_cached = 32
+    telemetry.request_added(seq)
+    plan = StepPlan(0, new_seqs=[NewSequence(1, [0, 1, 2])])
+    telemetry.wrap(SimpleNamespace(step=lambda p: [])).step(plan)
+    seq.append_output(7)
+    seq.append_output(8)
+    seq.arrival -= 0.05  # arrived 50 ms ago, first token 10 ms later
+    seq.first_token_time = seq.arrival + 0.01
+    with capture_logs() as logs:
+        telemetry.request_done(RequestOutput("r1", [8], finished=True, finish_reason="length"))
+        telemetry.request_done(RequestOutput("r1", [], finished=True, finish_reason="length"))
+    (done,) = [e for e in logs if e["event"] == "request_done"]
+    assert done["session"] == "s1" and done["prompt_tokens"] == 40
+    assert done["output_tokens"] == 2 and done["device_cached_tokens"] == 32
+    assert done["ttft_s"] >= 0 and done["queue_s"] >= 0 and done["e2e_s"] >= done["ttft_s"]
+    hist = telemetry.histograms()
+    assert sum(hist["queue_seconds"].counts) == 1 and sum(hist["step_seconds"].counts) == 1
+    assert telemetry.trace[-1].new_seqs == [1] and telemetry.recent[-1].session == "s1"
