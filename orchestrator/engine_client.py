@@ -10,6 +10,7 @@ Message flow:
     shim  -> GenerateRequest(...)          one per request
     shim  <- RequestOutput(...)*           new tokens; the last has finished=True
     shim  -> AbortRequest(id, reason)      client gone ("abort") or stop string ("stop")
+    shim  -> PrefixBreak(...)              a report for inspection (no answer)
     shim  <- Shutdown(reason)              the engine is going away: every request fails
 
 One background task reads the socket and routes each RequestOutput to the queue of
@@ -21,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import zmq
@@ -38,6 +39,9 @@ from scheduler.protocol import (
     StatsRequest,
 )
 from scheduler.protocol.codec import ProtocolError, decode, encode
+
+if TYPE_CHECKING:
+    from orchestrator.metrics import Metrics, RequestTimer
 
 log = structlog.get_logger()
 
@@ -70,6 +74,14 @@ class EngineClient:
         self._shutdown_reason: str | None = None
         self._stats: asyncio.Future[EngineStats] | None = None
         self._stats_lock = asyncio.Lock()
+        self._metrics: Metrics | None = None
+        self._timers: dict[str, RequestTimer] = {}  # request id -> its latency timer
+
+    def attach_metrics(self, metrics: Metrics) -> None:
+        """Observe every request's latencies into `metrics`, and forward the prefix
+        breaks it counts to the scheduler (for `deepinfer-inspect cache`)."""
+        self._metrics = metrics
+        metrics.reporter = self._send_nowait
 
     # --- lifecycle ------------------------------------------------------------
 
@@ -149,16 +161,23 @@ class EngineClient:
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         # Register before sending: an output must never arrive for an unknown id.
         self._streams[rid] = queue
+        timer = self._metrics.track(len(request.prompt_token_ids)) if self._metrics else None
+        if timer is not None:
+            self._timers[rid] = timer
         try:
             await self._send(request)
             while True:
                 out = await queue.get()
                 if out.finished:
                     self._streams.pop(rid, None)
+                if timer is not None:
+                    timer.output(out)
                 yield out
                 if out.finished:
                     return
         finally:
+            if self._timers.pop(rid, None) is not None:
+                timer.end("abort")  # a no-op when it ended with its last output or abort()
             # Still registered: the consumer left before the end (or the send failed).
             # Sent without awaiting: inside a cancelled task an await would raise again.
             if self._streams.pop(rid, None) is not None:
@@ -167,6 +186,9 @@ class EngineClient:
     async def abort(self, request_id: str, reason: str = "abort") -> None:
         """Stop a request. Its outputs are dropped from now on, and a generate()
         still iterating it will not send a second abort when it closes."""
+        timer = self._timers.get(request_id)
+        if timer is not None:
+            timer.end(reason)
         if self._streams.pop(request_id, None) is not None:
             await self._send(AbortRequest(request_id=request_id, reason=reason))
 

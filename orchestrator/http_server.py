@@ -157,6 +157,8 @@ def build_app(
     state = ServerState(engine, tokenizer, model_name, api_key, chat_template=chat_template,
                         tool_call_parser=tool_call_parser, max_output_tokens=max_output_tokens,
                         max_request_bytes=max_request_bytes, ping_interval_s=ping_interval_s)
+    if hasattr(engine, "attach_metrics"):  # TTFT/ITL are observed where outputs arrive
+        engine.attach_metrics(state.metrics)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -1,16 +1,28 @@
 """Prometheus metrics served by the shim at /metrics.
 
-Engine figures (queue, steps, prefix cache, tier usage) come from the scheduler as
-one `EngineStats` snapshot per scrape; they are exported through a custom collector
-so the scheduler stays the only owner of its counters.
+Engine figures (queue, steps, prefix cache, tier usage, the scheduler's histograms)
+come from the scheduler as one `EngineStats` snapshot per scrape; they are exported
+through a custom collector so the scheduler stays the only owner of its counters.
+Latencies a client sees (time to first token, inter-token latency) are observed here,
+where outputs arrive (`RequestTimer`, driven by the engine client), and so are the
+prefix breaks the shim detects.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+import time
+from collections import deque
+from collections.abc import Callable
 
-from scheduler.protocol import EngineStats
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+
+from scheduler.protocol import EngineStats, HistogramData, RequestOutput
+from scheduler.protocol.control import PrefixBreak
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -19,6 +31,19 @@ _CACHE_COUNTERS = {
     "num_swap_in_blocks": ("kv_swap_in_blocks", "Blocks copied host -> device"),
     "num_swap_out_blocks": ("kv_swap_out_blocks", "Blocks copied device -> host"),
 }
+# EngineStats.histograms key -> (name, help, label value for a `kind` label or None)
+_HISTOGRAMS = {
+    "queue_seconds": ("deepinfer_request_queue_time_seconds",
+                      "Time from arrival to first admission", None),
+    "step_seconds": ("deepinfer_step_duration_seconds",
+                     "Time from sending a step plan to every rank's answer", None),
+    "step_prefill_tokens": ("deepinfer_step_tokens", "Tokens run per step", "prefill"),
+    "step_decode_tokens": ("deepinfer_step_tokens", "Tokens run per step", "decode"),
+}
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0, 300.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
+               1.0, 2.5)
 
 
 class EngineCollector:
@@ -62,6 +87,27 @@ class EngineCollector:
             for state in ("used", "cached", "free", "capacity"):
                 blocks.add_metric([tier, state], usage.get(state, 0))
         yield blocks
+        yield _counter("deepinfer_rank_digest_mismatches",
+                       "Steps where a rank's state digest differed from the scheduler's",
+                       s.num_digest_mismatches)
+        yield from _histograms(s.histograms)
+
+
+def _histograms(data: dict[str, HistogramData]):
+    families: dict[str, HistogramMetricFamily] = {}
+    for key, (name, doc, kind) in _HISTOGRAMS.items():
+        h = data.get(key)
+        if h is None:
+            continue
+        if name not in families:
+            families[name] = HistogramMetricFamily(name, doc,
+                                                    labels=["kind"] if kind else None)
+        cumulative, buckets = 0, []
+        for bound, count in zip([*h.bounds, float("inf")], h.counts):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+        families[name].add_metric([kind] if kind else [], buckets, h.sum)
+    yield from families.values()
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -77,17 +123,83 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.engine = EngineCollector()
         self.registry.register(self.engine)
+        r = self.registry
+        self.ttft = Histogram("deepinfer_time_to_first_token_seconds",
+                              "Time from sending a request to its first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("deepinfer_inter_token_latency_seconds",
+                             "Time between output tokens of a request (per token)",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("deepinfer_request_duration_seconds",
+                             "Time from sending a request to its end",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("deepinfer_requests", "Requests ended, by finish reason",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("deepinfer_prompt_tokens", "Prompt tokens of ended requests",
+                                     registry=r)
+        self.generation_tokens = Counter("deepinfer_generation_tokens",
+                                         "Tokens generated", registry=r)
         self.prefix_breaks = Counter(
             "deepinfer_prefix_breaks", "Prompts that did not extend their session's previous "
-            "prompt plus output (see the prefix_break log lines)", registry=self.registry)
-
-    def count_prefix_break(self, session: str = "", *, request_id: str = "",
-                           num_common_tokens: int = 0, num_prompt_tokens: int = 0,
-                           reason: str = "") -> None:
-        """A session's new prompt does not extend its previous one (details: the
-        prefix_break log line)."""
-        self.prefix_breaks.inc()
+            "prompt plus output (see the prefix_break log lines)", registry=r)
+        self.recent_prefix_breaks: deque[PrefixBreak] = deque(maxlen=64)
+        # Set by the engine client: forwards each prefix break to the scheduler, so that
+        # `deepinfer-inspect cache` lists them next to the cache they explain.
+        self.reporter: Callable[[object], None] | None = None
 
     def render(self, stats: EngineStats | None) -> bytes:
         self.engine.stats = stats
         return generate_latest(self.registry)
+
+    def track(self, num_prompt_tokens: int = 0) -> RequestTimer:
+        """A timer for one request, started now (call just before sending it)."""
+        return RequestTimer(self, num_prompt_tokens)
+
+    def count_prefix_break(self, session: str = "", *, request_id: str = "",
+                           num_common_tokens: int = 0, num_prompt_tokens: int = 0,
+                           reason: str = "") -> None:
+        """A session's new prompt does not extend its previous one (the details are
+        optional: they are kept for `deepinfer-inspect cache`)."""
+        self.prefix_breaks.inc()
+        report = PrefixBreak(session, request_id, num_common_tokens, num_prompt_tokens,
+                             reason, time.time())
+        self.recent_prefix_breaks.append(report)
+        if self.reporter is not None:
+            self.reporter(report)
+
+
+class RequestTimer:
+    """Observes one request's latencies as its outputs arrive."""
+
+    def __init__(self, metrics: Metrics, num_prompt_tokens: int = 0) -> None:
+        self.metrics = metrics
+        self.num_prompt_tokens = num_prompt_tokens
+        self.t0 = time.monotonic()
+        self.last: float | None = None  # when the previous token arrived
+        self.num_tokens = 0
+        self.done = False
+
+    def output(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        n = len(out.token_ids)
+        if n:
+            m = self.metrics
+            if self.last is None:
+                m.ttft.observe(now - self.t0)
+            else:
+                for _ in range(n):  # tokens batched in one output share the gap
+                    m.itl.observe((now - self.last) / n)
+            self.last = now
+            self.num_tokens += n
+        if out.finished:
+            self.end(out.finish_reason or "stop", out.num_prompt_tokens)
+
+    def end(self, finish_reason: str, num_prompt_tokens: int = 0) -> None:
+        if self.done:
+            return
+        self.done = True
+        m = self.metrics
+        m.e2e.observe(time.monotonic() - self.t0)
+        m.requests.labels(finish_reason).inc()
+        m.prompt_tokens.inc(num_prompt_tokens or self.num_prompt_tokens)
+        m.generation_tokens.inc(self.num_tokens)
