@@ -58,13 +58,14 @@ def _entries_sum(kind: int, ids: np.ndarray, hashes: np.ndarray) -> int:
         return int(e.sum(dtype=np.uint64))
 
 
-def table_digest(seq_id: int, block_ids: list[int] | np.ndarray) -> int:
-    """What `StateDigest.add_blocks` adds for this whole table, computed from the table
-    itself: the inspect CLI compares a rank's real tables with the scheduler's mirror."""
+def table_digest(seq_id: int, block_ids: list[int] | np.ndarray, start: int = 0) -> int:
+    """What `StateDigest.add_blocks` adds for these table entries (positions start,
+    start+1, ...), vectorised: new 28K-block tables cost microseconds, not a Python loop.
+    The inspect CLI also uses it to compare a rank's real tables with the mirror."""
     n = len(block_ids)
     if n == 0:
         return 0
-    a = np.arange(n, dtype=np.uint64) | _U((seq_id << 32) & _MASK64)
+    a = np.arange(start, start + n, dtype=np.uint64) | _U((seq_id << 32) & _MASK64)
     b = np.asarray(block_ids, dtype=np.int64).astype(np.uint64)
     with np.errstate(over="ignore"):
         e = _mix64_np(_mix64_np(_U(StateDigest.SEQ_BLOCK) ^ (a << _U(8))) ^ b)
@@ -85,9 +86,12 @@ class StateDigest:
 
     def add_blocks(self, seq_id: int, block_ids: list[int]) -> None:
         n = self._seq_lens.get(seq_id, 0)
-        s = 0
-        for i, b in enumerate(block_ids, start=n):
-            s = (s + _entry(self.SEQ_BLOCK, (seq_id << 32) | i, b)) & _MASK64
+        if len(block_ids) > 8:
+            s = table_digest(seq_id, block_ids, start=n)
+        else:  # a decode step appends one block: plain ints are cheaper than numpy
+            s = 0
+            for i, b in enumerate(block_ids, start=n):
+                s = (s + _entry(self.SEQ_BLOCK, (seq_id << 32) | i, b)) & _MASK64
         self._seq_lens[seq_id] = n + len(block_ids)
         self._seq_sums[seq_id] = (self._seq_sums.get(seq_id, 0) + s) & _MASK64
         self.value = (self.value + s) & _MASK64

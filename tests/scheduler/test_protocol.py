@@ -96,3 +96,14 @@ def test_digest_returns_to_empty():
     assert d.value != 0
     d.apply(StepPlan(1, close=[9]))
     assert d.value == 0
+
+
+@given(seq_id=st.integers(0, 2**40), start=st.integers(0, 2**31 - 100),
+       blocks=st.lists(ints, min_size=1, max_size=40))
+def test_vectorised_table_digest_equals_the_scalar_one(seq_id, start, blocks):
+    from scheduler.protocol.digest import _MASK64, _entry, table_digest
+
+    scalar = 0
+    for i, b in enumerate(blocks, start=start):
+        scalar = (scalar + _entry(StateDigest.SEQ_BLOCK, (seq_id << 32) | i, b)) & _MASK64
+    assert table_digest(seq_id, blocks, start) == scalar
