@@ -110,7 +110,7 @@ class Scenario:
     agents: int = 100
     context_tokens: int = 450_000  # each agent's conversation at the start
     shared_tokens: int = 20_000  # system prompt + tools, the same for every agent
-    turns: int = 4
+    turns: int = 6
     turn_tokens: int = 2_000  # new tokens per turn (tool results, user text)
     output_tokens: int = 200
     active_wait_s: float = 5.0  # mean pause between turns of an active agent
@@ -121,13 +121,20 @@ class Scenario:
     # are of a running system whose sessions were already cached, so by default the
     # report counts steady-state turns (the first turn still runs and fills the cache).
     count_first_turn: bool = False
-    vocab_size: int = 100_000  # token ids are drawn below this
+    # Developers keep several sessions open and switch between them after a break, so
+    # more context is alive than the device tier holds (the host tier's reason to be).
+    sessions_per_agent: int = 3
+    # Token ids are drawn below this. Ids under 256 are shared small ints in CPython, so
+    # hundreds of 450K-token histories fit in memory; block hashes stay distinct.
+    vocab_size: int = 256
 
 
 @dataclass
 class AgentState:
-    history: list[int]
+    sessions: list[list[int]]  # each session's history; the agent works on one at a time
     ready_at: float
+    current: int = 0
+    session_turns: list[int] = field(default_factory=list)
     turn: int = 0
     request: str | None = None
     submitted_at: float = 0.0
@@ -141,8 +148,10 @@ def run_scenario(core: EngineCore, sc: Scenario, clock, progress: tqdm | None = 
     token_rng = np.random.default_rng(sc.seed)  # 45M random token ids: numpy, not a loop
     tok = lambda n: token_rng.integers(1, sc.vocab_size, n).tolist()  # noqa: E731
     shared = tok(sc.shared_tokens)
-    agents = [AgentState(shared + tok(sc.context_tokens - sc.shared_tokens),
-                         ready_at=rng.uniform(0, sc.active_wait_s)) for _ in range(sc.agents)]
+    agents = [AgentState([shared + tok(sc.context_tokens - sc.shared_tokens)
+                          for _ in range(sc.sessions_per_agent)],
+                         ready_at=rng.uniform(0, sc.active_wait_s),
+                         session_turns=[0] * sc.sessions_per_agent) for _ in range(sc.agents)]
     by_request: dict[str, AgentState] = {}
     ttfts, cpu_per_step = [], []
     prompt = device = host = 0
@@ -154,8 +163,9 @@ def run_scenario(core: EngineCore, sc: Scenario, clock, progress: tqdm | None = 
             if a.request is None and a.turn < sc.turns and a.ready_at <= now:
                 a.request, a.submitted_at, a.output, a.ttft = f"a{i}-t{a.turn}", now, [], None
                 by_request[a.request] = a
-                sched.add_request(GenerateRequest(a.request, list(a.history), sc.output_tokens,
-                                                  ignore_eos=True, session_id=f"agent{i}"))
+                sched.add_request(GenerateRequest(
+                    a.request, list(a.sessions[a.current]), sc.output_tokens, ignore_eos=True,
+                    session_id=f"agent{i}-s{a.current}"))
         if not sched.has_work():  # everyone is thinking: jump to the next arrival
             _advance(core, min(a.ready_at for a in agents if a.turn < sc.turns))
             continue
@@ -165,7 +175,7 @@ def run_scenario(core: EngineCore, sc: Scenario, clock, progress: tqdm | None = 
         now = clock()
         for out in outputs:
             a = by_request[out.request_id]
-            counted = a.turn > 0 or sc.count_first_turn
+            counted = a.session_turns[a.current] > 0 or sc.count_first_turn
             if a.ttft is None and out.token_ids:
                 a.ttft = now - a.submitted_at
                 if counted:
@@ -179,9 +189,13 @@ def run_scenario(core: EngineCore, sc: Scenario, clock, progress: tqdm | None = 
                 device += out.num_device_cached_tokens
                 host += out.num_host_cached_tokens
             if out.finished:
-                wait = sc.idle_wait_s if rng.random() < sc.idle_share else sc.active_wait_s
-                a.history = a.history + a.output + tok(sc.turn_tokens)
+                idle = rng.random() < sc.idle_share
+                a.sessions[a.current] = a.sessions[a.current] + a.output + tok(sc.turn_tokens)
+                a.session_turns[a.current] += 1
                 a.turn, a.request = a.turn + 1, None
+                if idle:  # back from a break, the developer may pick up another session
+                    a.current = rng.randrange(sc.sessions_per_agent)
+                wait = sc.idle_wait_s if idle else sc.active_wait_s
                 a.ready_at = now + rng.expovariate(1 / wait)
                 if progress is not None:
                     progress.update(1)

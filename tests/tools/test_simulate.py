@@ -10,7 +10,7 @@ from tools.simulate import CostModel, Scenario, main, run_scenario, simulate
 
 SMALL = Scenario(agents=3, context_tokens=400, shared_tokens=160, turns=3, turn_tokens=40,
                  output_tokens=6, active_wait_s=0.01, idle_wait_s=0.05, idle_share=0.2,
-                 vocab_size=8000, count_first_turn=True)
+                 vocab_size=8000, count_first_turn=True, sessions_per_agent=2)
 
 
 def test_simulation_runs_end_to_end_on_small_settings(capsys):
