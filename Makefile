@@ -8,7 +8,8 @@ INSTALLED := $(VENV)/.deepinfer-installed
 TORCH_CPU := torch==2.13.0+cpu
 PYTEST_ARGS ?=
 
-.PHONY: install test lint serve bench-worker bench-engine bench-agents bench-index clean
+.PHONY: install test lint serve bench-worker bench-engine bench-agents bench-index clean \
+	e2e-claude-code
 
 install: $(INSTALLED) $(MODEL)/deepinfer_tiny.json
 
@@ -48,6 +49,10 @@ bench-agents: install
 
 bench-index: install
 	$(PY) -m tools.bench_index
+
+# The Claude Code CLI (npm) against the engine; needs npm and network. Not in `make test`.
+e2e-claude-code: install
+	$(PY) -m tests.orchestrator.claude_code_e2e
 
 clean:
 	rm -rf $(VENV) models *.egg-info .pytest_cache .ruff_cache .hypothesis

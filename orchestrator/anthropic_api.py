@@ -66,12 +66,21 @@ def usage(run: ChatRun) -> dict[str, int]:
 
 
 def stop_reason(run: ChatRun) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence)."""
+    """(stop_reason, stop_sequence).
+
+    An output cut by length says which limit cut it: the request's own max_tokens
+    ("max_tokens": Claude Code then asks the model to continue, and fails after a few
+    tries), the end of the context ("model_context_window_exceeded"), or the server's
+    --max-output-tokens, which is the operator's limit on a turn and ends it
+    ("end_turn"), so agents carry on with the shorter answer instead of failing."""
     gen = run.gen
     if gen.stop_string is not None:
         return "stop_sequence", gen.stop_string
     if gen.finish_reason == "length":
-        return "max_tokens", None
+        by = run.limited_by
+        if by == "server":
+            return "end_turn", None
+        return ("max_tokens" if by == "request" else "model_context_window_exceeded"), None
     if run.num_tool_calls:
         return "tool_use", None
     return "end_turn", None

@@ -77,20 +77,22 @@ async def prompt_token_ids(state: ServerState, session: str, text: str,
     return ids
 
 
-def output_budget(state: ServerState, num_prompt: int, requested: int | None) -> int:
-    """max_tokens clamped to the room the context leaves (Claude Code asks for 128000)
-    and to --max-output-tokens. A prompt that leaves no room is refused with the
-    message Claude Code recognises."""
+def output_budget(state: ServerState, num_prompt: int, requested: int | None) -> tuple[int, str]:
+    """(max_tokens, the limit that set it: "request", "context" or "server").
+
+    The request's max_tokens is clamped to the room the context leaves (Claude Code
+    asks for 128000) and to --max-output-tokens. A prompt that leaves no room is
+    refused with the message Claude Code recognises."""
     limit = state.max_model_len
     if num_prompt >= limit:
         raise ApiError(f"prompt is too long: {num_prompt} tokens > {limit - 1} maximum",
                        param="messages", code="context_length_exceeded")
-    budget = limit - num_prompt
-    if requested is not None:
-        budget = min(budget, requested)
-    if state.max_output_tokens > 0:
-        budget = min(budget, state.max_output_tokens)
-    return budget
+    budget, by = limit - num_prompt, "context"
+    if requested is not None and requested <= budget:
+        budget, by = requested, "request"
+    if 0 < state.max_output_tokens < budget:
+        budget, by = state.max_output_tokens, "server"
+    return budget, by
 
 
 class ChatRun:
@@ -101,9 +103,11 @@ class ChatRun:
         self.state = state
         self.req = req
         self.prompt = prompt
+        max_tokens, self.limited_by = output_budget(state, len(prompt.token_ids),
+                                                    req.max_tokens)
         params = GenerationParams(
             prompt_token_ids=prompt.token_ids,
-            max_tokens=output_budget(state, len(prompt.token_ids), req.max_tokens),
+            max_tokens=max_tokens,
             sampling=req.sampling,
             stop=req.stop,
             stream=req.stream,
@@ -141,6 +145,7 @@ class ChatRun:
 
     def log_done(self, *, finish_reason: str | None = None, error: str | None = None) -> None:
         self.gen.log_fields["tool_calls"] = self.num_tool_calls
+        self.gen.log_fields["max_tokens_set_by"] = self.limited_by
         self.gen.log_done(finish_reason=finish_reason, error=error)
 
 

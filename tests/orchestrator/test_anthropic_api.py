@@ -169,6 +169,27 @@ def test_stop_reasons(sdk, engine) -> None:
     assert engine.aborted[-1][1] == "stop"
 
 
+def test_length_stop_reason_names_the_limit(engine, tiny_tokenizer, tiny_template) -> None:
+    """The request's max_tokens -> "max_tokens"; the server's --max-output-tokens ends the
+    turn ("end_turn": Claude Code treats "max_tokens" as its own limit exceeded and
+    fails); the end of the context -> "model_context_window_exceeded"."""
+    long = "one two three four five six seven eight nine ten " * 4
+    engine.max_model_len = 64
+    with make_client(engine, tiny_tokenizer, tiny_template, max_output_tokens=5) as c:
+        reasons = []
+        for max_tokens in (3, 128000):
+            engine.script(long, eos=False)
+            r = post(c, {"messages": HELLO, "max_tokens": max_tokens})
+            reasons.append((r.json()["stop_reason"], r.json()["usage"]["output_tokens"]))
+        assert reasons == [("max_tokens", 3), ("end_turn", 5)]
+    with make_client(engine, tiny_tokenizer, tiny_template) as c:
+        engine.script(long, eos=False)
+        r = post(c, {"messages": HELLO, "max_tokens": 128000})
+    n = len(engine.requests[-1].prompt_token_ids)
+    assert r.json()["stop_reason"] == "model_context_window_exceeded"
+    assert r.json()["usage"]["output_tokens"] == 64 - n
+
+
 def test_ping_while_waiting(engine, tiny_tokenizer, tiny_template) -> None:
     engine.script("slow", delay_s=0.3)
     with make_client(engine, tiny_tokenizer, tiny_template, ping_interval_s=0.1) as c:
@@ -259,6 +280,20 @@ def test_unknown_fields_and_blocks_are_ignored(client, engine) -> None:
         {"type": "search_result", "source": "x"}]}],
         "brand_new_option": {"a": 1}, "container": None, "service_tier": "auto"})
     assert r.status_code == 200, r.text
+
+
+def test_thinking_blocks_with_signatures_are_accepted(client, engine) -> None:
+    """Claude Code echoes a previous turn's thinking (with its signature) back."""
+    engine.script("ok")
+    r = post(client, {"thinking": {"type": "enabled", "budget_tokens": 1024}, "messages": [
+        *HELLO,
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Let me think.", "signature": "c2lnbmF0dXJl"},
+            {"type": "redacted_thinking", "data": "ZW5jcnlwdGVk"},
+            {"type": "text", "text": "Hello."}]},
+        {"role": "user", "content": "again"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["content"][0]["text"] == "ok"
 
 
 def test_invalid_json_and_oversize_body(engine, tiny_tokenizer, tiny_template) -> None:
