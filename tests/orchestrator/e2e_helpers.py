@@ -29,7 +29,7 @@ class Served:
     """`deepinfer-run serve` in a subprocess, its log in a file next to the run dir."""
 
     def __init__(self, model: Path, run_dir: Path, nproc: int = 4,
-                 extra_args: list[str] | None = None) -> None:
+                 extra_args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.run_dir = run_dir
@@ -39,8 +39,13 @@ class Served:
             [sys.executable, "-m", "orchestrator.launcher", "--nproc-per-node", str(nproc),
              "--run-dir", str(run_dir), "serve", "--model", str(model), "--port", str(self.port),
              "--dtype", "float32", *(extra_args or [])],
-            cwd=REPO, env=subprocess_env(), stdout=self._log, stderr=subprocess.STDOUT)
-        wait_healthy(self.url, timeout_s=120)
+            cwd=REPO, env=subprocess_env(**(env or {})), stdout=self._log,
+            stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(self.url, timeout_s=180)
+        except Exception:
+            self.stop(signal.SIGKILL)
+            raise
 
     def pids(self) -> dict[str, int]:
         engine = json.loads((self.run_dir / "engine.json").read_text())
@@ -53,7 +58,11 @@ class Served:
     def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        code = self.proc.wait(timeout=timeout)
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
         self._log.close()
         return code
 
