@@ -8,8 +8,8 @@ INSTALLED := $(VENV)/.deepinfer-installed
 TORCH_CPU := torch==2.13.0+cpu
 PYTEST_ARGS ?=
 
-.PHONY: install test lint serve bench-worker bench-engine bench-agents bench-index clean \
-	e2e-claude-code
+.PHONY: install test lint serve bench-worker bench-engine bench-agents bench-index simulate \
+	clean e2e-claude-code
 
 install: $(INSTALLED) $(MODEL)/deepinfer_tiny.json
 
@@ -49,6 +49,9 @@ bench-agents: install
 
 bench-index: install
 	$(PY) -m tools.bench_index
+
+simulate: install
+	$(PY) -m tools.simulate
 
 # The Claude Code CLI (npm) against the engine; needs npm and network. Not in `make test`.
 e2e-claude-code: install
