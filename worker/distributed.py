@@ -97,3 +97,10 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def shutdown_tensor_parallel() -> None:
+    """Tear the process group down before exit: left to interpreter shutdown, gloo's
+    threads can be destroyed while joinable and abort the process (SIGABRT)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

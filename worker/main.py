@@ -29,7 +29,13 @@ from scheduler.protocol import (
 from scheduler.protocol.control_server import control_address, control_dir_for
 from scheduler.protocol.log import configure_logging
 from worker.control import RankControl
-from worker.distributed import RankInfo, init_tensor_parallel, resolve_device, set_torch_threads
+from worker.distributed import (
+    RankInfo,
+    init_tensor_parallel,
+    resolve_device,
+    set_torch_threads,
+    shutdown_tensor_parallel,
+)
 from worker.inprocess import ready_message
 from worker.model_runner import ModelRunner
 
@@ -83,10 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     runner.on_applied = _step_hooks(runner, control, control_dir, info.rank, log)
     sock.send(codec.encode(ready_message(runner, info.rank)))
     try:
-        return serve(sock, runner, info.rank, log, control)
+        code = serve(sock, runner, info.rank, log, control)
     finally:
         if control is not None:
             control.close()
+    if code == 0:  # a clean stop: every rank got Shutdown after the same last step
+        shutdown_tensor_parallel()
+    return code
 
 
 def serve(sock: zmq.Socket, runner: ModelRunner, rank: int, log,

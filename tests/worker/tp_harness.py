@@ -15,7 +15,12 @@ import torch
 from safetensors.torch import save_file
 
 from scheduler.protocol import EngineConfig, NewSequence, ScheduledChunk, StepPlan
-from worker.distributed import RankInfo, init_tensor_parallel, set_torch_threads
+from worker.distributed import (
+    RankInfo,
+    init_tensor_parallel,
+    set_torch_threads,
+    shutdown_tensor_parallel,
+)
 from worker.model_runner import ModelRunner
 
 
@@ -61,6 +66,9 @@ def main() -> None:
                    "tokens": torch.tensor(tokens)}, args["out"])
     with open(f"{args['out']}.digest{info.rank}", "w") as f:
         f.write(str(runner.digest.value))
+    if info.world_size > 1:
+        torch.distributed.barrier()  # every rank is past its last collective
+    shutdown_tensor_parallel()
 
 
 if __name__ == "__main__":
