@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cache import tier_ops
 from cache.free_list import FreeList
 from cache.hash_index import HashIndex
 from cache.lru import LruQueue
@@ -105,21 +106,11 @@ class DevicePool:
 
     def drop_cached(self) -> int:
         """Forget every cached block (not busy ones); they become free. Returns the count."""
-        ids = np.flatnonzero(self.lru.present).astype(np.int32)
-        ids = ids[~self.busy[ids]]
-        self.lru.remove(ids)
-        self.index.remove(ids)
-        self.free.push(ids)
-        return len(ids)
+        return tier_ops.drop_cached(self.index, self.lru, self.free, self.busy)
 
     def preload(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Mark free blocks as cached under these hashes (absent, distinct): for tools and
-        restores, when the KV is known to be in those blocks."""
-        assert len(lo) <= self.free.count
-        ids = self.free.pop(len(lo))
-        self.index.insert(ids, lo, hi)
-        self.lru.push(ids)
-        return ids
+        """Mark free blocks as cached under these hashes (see tier_ops.preload)."""
+        return tier_ops.preload(self.index, self.lru, self.free, lo, hi)
 
     def check(self) -> None:
         rc = self.refcount

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cache import tier_ops
 from cache.free_list import FreeList
 from cache.hash_index import HashIndex
 from cache.lru import LruQueue
@@ -77,20 +78,12 @@ class HostPool:
         self.pin(slots)
 
     def drop_cached(self) -> int:
-        ids = np.flatnonzero(self.lru.present).astype(np.int32)
-        ids = ids[~self.pinned[ids]]
-        self.lru.remove(ids)
-        self.index.remove(ids)
-        self.free.push(ids)
-        return len(ids)
+        """Forget every cached slot (not pinned ones); they become free. Returns the count."""
+        return tier_ops.drop_cached(self.index, self.lru, self.free, self.pinned)
 
     def preload(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Mark free slots as holding these hashes (absent, distinct): tools and restores."""
-        assert len(lo) <= self.free.count
-        ids = self.free.pop(len(lo))
-        self.index.insert(ids, lo, hi)
-        self.lru.push(ids)
-        return ids
+        """Mark free slots as holding these hashes (see tier_ops.preload)."""
+        return tier_ops.preload(self.index, self.lru, self.free, lo, hi)
 
     def check(self) -> None:
         free = self.free.is_free
