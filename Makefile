@@ -26,7 +26,8 @@ $(INSTALLED): setup.cfg pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	touch $@
 
-$(MODEL)/deepinfer_tiny.json: $(INSTALLED) tools/make_tiny_model.py tools/tiny_tokenizer.py
+$(MODEL)/deepinfer_tiny.json: $(INSTALLED) tools/make_tiny_model.py tools/tiny_tokenizer.py \
+		tools/tiny_spec.py
 	$(PY) -m tools.make_tiny_model --out $(MODEL)
 
 lint: $(INSTALLED)
