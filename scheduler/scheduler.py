@@ -104,10 +104,10 @@ class Scheduler:
             raise RequestRejected("the prompt is empty")
         if n >= limit:
             raise RequestRejected(f"prompt is too long: {n} tokens > {limit - 1} maximum")
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.limits.vocab_size]
-        if bad:
-            raise RequestRejected(
-                f"token id {bad[0]} is outside the vocabulary [0, {self.limits.vocab_size})")
+        ids, vocab = req.prompt_token_ids, self.limits.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:  # C-speed scan; find the culprit only if needed
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise RequestRejected(f"token id {bad} is outside the vocabulary [0, {vocab})")
         if req.max_tokens < 1:
             raise RequestRejected("max_tokens must be at least 1")
         if -(-n // self.block_size) > self.limits.num_device_blocks:

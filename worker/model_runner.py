@@ -186,9 +186,11 @@ class ModelRunner:
                 f"seq {chunk.seq_id}: {ctx} tokens need {num_pages} blocks, table has {len(table)}"
             )
             ids.extend(chunk.token_ids)
-            pos = range(chunk.start_pos, ctx)
-            positions.extend(pos)
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            positions.extend(range(chunk.start_pos, ctx))
+            for b in range(chunk.start_pos // bs, (ctx - 1) // bs + 1):  # per block, not token
+                offset = table[b] * bs - b * bs  # slot of position p in block b: offset + p
+                slots.extend(range(offset + max(chunk.start_pos, b * bs),
+                                   offset + min(ctx, (b + 1) * bs)))
             qo_indptr.append(qo_indptr[-1] + n)
             kv_indices.extend(table[:num_pages])
             kv_indptr.append(len(kv_indices))
@@ -197,7 +199,7 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
         # The embedding must never see an id outside the vocabulary (the
         # scheduler rejects them first; this is the worker's own guard).
-        assert all(0 <= t < self.vocab_size for t in ids), "token id outside the vocabulary"
+        assert 0 <= min(ids) and max(ids) < self.vocab_size, "token id outside the vocabulary"
         as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
         meta = AttentionMetadata(
             as_i32(qo_indptr), as_i32(kv_indptr), as_i32(kv_indices), as_i32(last_page_len), bs
