@@ -36,7 +36,7 @@ from orchestrator.chat_run import ChatRun, prepare_chat, render_prompt
 from orchestrator.errors import ApiError
 from orchestrator.generation import with_keepalive
 from orchestrator.http_common import (
-    check_auth,
+    admit,
     json_result,
     read_json_object,
     shim_state,
@@ -180,7 +180,7 @@ async def stream(run: ChatRun, msg_id: str, model: str,
 
 async def messages(request: Request) -> Response:
     state = shim_state(request)
-    check_auth(request, state)
+    admit(request, state)
     body = await read_json_object(request, state)
     req = parse_messages_request(body, request.headers)
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
@@ -194,7 +194,7 @@ async def messages(request: Request) -> Response:
 
 async def count_tokens(request: Request) -> Response:
     state = shim_state(request)
-    check_auth(request, state)
+    admit(request, state)
     body = await read_json_object(request, state)
     req = parse_messages_request(body, request.headers, count_only=True)
     text = await render_prompt(state, req)

@@ -21,6 +21,7 @@ class ServeOptions:
     served_model_name: str | None = None
     max_output_tokens: int = 0  # cap on any request's output tokens; 0: none
     tool_call_parser: str = "hermes"
+    self_check_tokens: int = 0  # > 0: run the prefix-cache gate at start-up, this long
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +40,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default="hermes",
                    choices=TOOL_CALL_PARSERS,
                    help="how the shim reads tool calls back from the model's output")
+    p.add_argument("--self-check", action="store_true",
+                   help="before accepting traffic, run the prefix-cache gate (deepinfer-verify) "
+                        "against this engine; refuse to start if it fails")
+    p.add_argument("--self-check-tokens", type=int, default=1024,
+                   help="the self-check's document length, in tokens")
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory,
                    help="bytes per rank for the device KV tier")
@@ -88,5 +94,6 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
         seed=args.seed,
     )
     serve = ServeOptions(args.host, args.port, args.api_key, args.served_model_name,
-                         args.max_output_tokens, args.tool_call_parser)
+                         args.max_output_tokens, args.tool_call_parser,
+                         args.self_check_tokens if args.self_check else 0)
     return config, serve

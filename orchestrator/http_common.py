@@ -25,6 +25,7 @@ T = TypeVar("T")
 # keeps streaming other requests.
 TOKENIZE_IN_THREAD_CHARS = 20_000
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024  # Anthropic's own limit for /v1/messages
+SELF_CHECK_HEADER = "x-deepinfer-self-check"
 
 
 class Engine(Protocol):
@@ -57,6 +58,11 @@ class ServerState:
     max_output_tokens: int = 0  # server-side cap on any request's output; 0: none
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     ping_interval_s: float = 5.0  # SSE keep-alive while a request waits for tokens
+    # While set, every endpoint but /health and /metrics answers 503 + retry-after with
+    # this reason (the start-up self-check is running; the engine is restarting).
+    unavailable: str | None = None
+    retry_after_s: int = 5
+    self_check_secret: str | None = None  # the self-check's own requests pass the gate
     tracker: PrefixTracker = field(init=False)
 
     def __post_init__(self) -> None:
@@ -94,6 +100,21 @@ def check_auth(request: Request, state: ServerState) -> None:
     if not hmac.compare_digest(token.encode(), state.api_key.encode()):
         raise ApiError("invalid or missing API key", status=401,
                        type="authentication_error", code="invalid_api_key")
+
+
+def admit(request: Request, state: ServerState) -> None:
+    """What every endpoint but /health and /metrics checks first: the API key, then
+    whether the shim takes traffic now."""
+    check_auth(request, state)
+    if state.unavailable is None:
+        return
+    secret = state.self_check_secret
+    if secret and hmac.compare_digest(request.headers.get(SELF_CHECK_HEADER, "").encode(),
+                                      secret.encode()):
+        return
+    raise ApiError(f"the engine is not accepting requests yet: {state.unavailable}",
+                   status=503, type="service_unavailable",
+                   headers={"retry-after": str(state.retry_after_s)})
 
 
 async def read_json_object(request: Request, state: ServerState) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from orchestrator.http_common import (
     DEFAULT_MAX_REQUEST_BYTES,
     Engine,
     ServerState,
+    admit,
     check_auth,
     error_response,
     is_anthropic_path,
@@ -64,6 +65,9 @@ log = structlog.get_logger()
 
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.shim
+    if state.unavailable is not None:
+        return JSONResponse({"status": "unavailable", "reason": state.unavailable},
+                            status_code=503, headers={"retry-after": str(state.retry_after_s)})
     if state.engine.connected:
         return JSONResponse({"status": "ok"})
     return JSONResponse({"status": "unavailable"}, status_code=503)
@@ -76,7 +80,7 @@ async def root(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     state: ServerState = request.app.state.shim
-    check_auth(request, state)
+    check_auth(request, state)  # scraped during the self-check and restarts too
     try:
         stats = await state.engine.stats()
     except Exception as exc:  # still serve the shim's own series
@@ -90,13 +94,14 @@ def _model_card(state: ServerState) -> dict[str, Any]:
     created_at = datetime.fromtimestamp(state.created, timezone.utc).isoformat()
     return {"id": state.model_name, "object": "model", "created": state.created,
             "owned_by": "deepinfer", "max_model_len": state.max_model_len,
+            "block_size": state.block_size,
             "type": "model", "display_name": state.model_name,
             "created_at": created_at.replace("+00:00", "Z")}
 
 
 async def list_models(request: Request) -> Response:
     state: ServerState = request.app.state.shim
-    check_auth(request, state)
+    admit(request, state)
     card = _model_card(state)
     return JSONResponse({"object": "list", "data": [card], "has_more": False,
                          "first_id": card["id"], "last_id": card["id"]})
@@ -104,7 +109,7 @@ async def list_models(request: Request) -> Response:
 
 async def get_model(request: Request) -> Response:
     state: ServerState = request.app.state.shim
-    check_auth(request, state)
+    admit(request, state)
     if request.path_params["model_id"] != state.model_name:
         raise oai.ApiError(f"model {request.path_params['model_id']!r} not found (this "
                            f"engine serves {state.model_name!r})", status=404,
@@ -114,7 +119,7 @@ async def get_model(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     state: ServerState = request.app.state.shim
-    check_auth(request, state)
+    admit(request, state)
     body = await read_json_object(request, state)
     prompt = oai.prompt_input(body)
     if isinstance(prompt, str):
@@ -274,6 +279,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="larger request bodies get a 413")
     p.add_argument("--connect-timeout", type=float, default=60.0,
                    help="seconds to wait for the scheduler's EngineInfo")
+    p.add_argument("--self-check", action="store_true",
+                   help="run the prefix-cache gate (deepinfer-verify) against this shim before "
+                        "accepting traffic; exit 3 if it fails")
+    p.add_argument("--self-check-tokens", type=int, default=1024,
+                   help="the self-check's document length, in tokens")
     return p.parse_args(argv)
 
 
@@ -290,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from orchestrator.engine_client import EngineClient
+    from orchestrator.self_check import SELF_CHECK_FAILED, SelfCheck
 
     args = parse_args(argv)
     configure_logging("shim")
@@ -312,7 +323,14 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
                             access_log=False, lifespan="on", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
+    check = None
+    if args.self_check:
+        check = SelfCheck(server, app.state.shim, args.host, args.port, args.api_key,
+                          args.self_check_tokens)
+        check.start()
     server.run()
+    if check is not None and check.failed:
+        return SELF_CHECK_FAILED
     # uvicorn exits quietly with started=False when the lifespan (engine start) failed.
     return 0 if server.started else 1
 

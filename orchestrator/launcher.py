@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                 shim_args += ["--served-model-name", serve.served_model_name]
             shim_args += ["--max-output-tokens", str(serve.max_output_tokens),
                           "--tool-call-parser", serve.tool_call_parser]
+            if serve.self_check_tokens:
+                shim_args += ["--self-check", "--self-check-tokens", str(serve.self_check_tokens)]
             children.append(spawn("shim", shim_args))
         local_ranks = range(args.node_rank * args.nproc_per_node,
                             (args.node_rank + 1) * args.nproc_per_node)

@@ -15,7 +15,7 @@ from starlette.responses import Response
 from orchestrator.chat_run import ChatRequest, ChatRun, prepare_chat, session_key
 from orchestrator.chat_template import Message, join_text
 from orchestrator.errors import ApiError, describe
-from orchestrator.http_common import check_auth, json_result, read_json_object, shim_state
+from orchestrator.http_common import admit, json_result, read_json_object, shim_state
 from orchestrator.http_common import sse_response as start_sse
 from orchestrator.openai_api import SSE_DONE, sse, usage
 from orchestrator.tool_parsers import TextEvent, ToolCall
@@ -246,7 +246,7 @@ async def stream(run: ChatRun, base: dict[str, Any]) -> AsyncIterator[str]:
 
 async def chat_completions(request: Request) -> Response:
     state = shim_state(request)
-    check_auth(request, state)
+    admit(request, state)
     body = await read_json_object(request, state)
     req = parse_chat_request(body, request.headers)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -189,3 +189,27 @@ def test_requests_address(tmp_path: Any) -> None:
     assert requests_address(tmp_path) == f"ipc://{tmp_path.resolve()}/requests.sock"
     (tmp_path / "addresses.json").write_text('{"requests": "tcp://10.0.0.1:9002"}')
     assert requests_address(tmp_path) == "tcp://10.0.0.1:9002"
+
+
+def test_unavailable_shim_answers_503_in_each_api_shape(client: TestClient) -> None:
+    """While the start-up self-check (or a restart) runs, traffic is refused with a
+    retry-after, /health says why, and only the self-check's own requests pass."""
+    from orchestrator.http_common import SELF_CHECK_HEADER
+
+    state = client.app.state.shim
+    state.unavailable, state.self_check_secret = "the start-up self-check is running", "s3cret"
+    health = client.get("/health")
+    assert health.status_code == 503 and health.json()["reason"] == state.unavailable
+    r = client.post("/v1/completions", json={"prompt": "hi"})
+    assert_openai_error(r, 503, "service_unavailable")
+    assert r.headers["retry-after"] == str(state.retry_after_s)
+    r = client.post("/v1/messages", json={"max_tokens": 4, "messages": []})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "api_error"
+    assert r.headers["retry-after"]
+    assert client.get("/v1/models").status_code == 503
+    assert client.get("/v1/models", headers={SELF_CHECK_HEADER: "wrong"}).status_code == 503
+    assert client.get("/v1/models", headers={SELF_CHECK_HEADER: "s3cret"}).status_code == 200
+    assert client.get("/metrics").status_code == 200
+    state.unavailable = None
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/v1/models").json()["data"][0]["block_size"] == 16
