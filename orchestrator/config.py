@@ -62,7 +62,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
+    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                   help="requests waiting beyond this are refused: 529 overloaded_error "
+                        "(Anthropic) / 429 (OpenAI), with retry-after")
+    p.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens,
+                   help="the same bound on the waiting requests' prompt tokens (0: none)")
+    p.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
+                   help="seconds a step may take before a rank that has not answered is "
+                        "declared hung and the engine stops")
     p.add_argument("--attention-backend", default=d.attention_backend,
                    choices=["auto", "torch", "flashinfer"])
     p.add_argument("--torch-threads", type=int, default=d.torch_threads)
@@ -89,6 +96,8 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        step_timeout_s=args.step_timeout,
         attention_backend=args.attention_backend,
         torch_threads=args.torch_threads,
         seed=args.seed,

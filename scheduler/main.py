@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     addresses = json.loads((args.run_dir / "addresses.json").read_text())
     log = configure_logging("scheduler")
 
-    executor = ZmqExecutor(addresses["workers"], config)
+    executor = ZmqExecutor(addresses["workers"], config, step_timeout_s=config.step_timeout_s)
     try:
         limits = limits_from_ready(executor.start())
     except WorkerFailure as exc:

@@ -42,6 +42,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_queued_requests: int = 256
+    max_queued_tokens: int = 0  # prompt tokens waiting, all requests together; 0: no limit
+    step_timeout_s: float = 300.0  # a rank that answers no step within this is hung
     attention_backend: str = "auto"  # auto | torch | flashinfer
     torch_threads: int = 0  # 0: cores / local ranks
     seed: int = 0
@@ -59,6 +61,10 @@ class EngineConfig:
             raise ValueError("world_size must be >= 1")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
+        if self.max_queued_requests < 1 or self.max_queued_tokens < 0:
+            raise ValueError("max_queued_requests must be >= 1 and max_queued_tokens >= 0")
+        if self.step_timeout_s <= 0:
+            raise ValueError("step_timeout_s must be > 0")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
 
