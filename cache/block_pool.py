@@ -23,6 +23,7 @@ class DevicePool:
         assert num_blocks > 0
         self.num_blocks = num_blocks
         self.refcount = np.zeros(num_blocks, dtype=np.int32)
+        self.num_refs = 0  # refcount.sum(), kept as it changes: checked every step
         self.index = HashIndex(num_blocks)
         self.lru = LruQueue(num_blocks)  # exactly the cached blocks
         self.free = FreeList(num_blocks)
@@ -58,6 +59,7 @@ class DevicePool:
         """A prefix hit: one more sequence uses these registered blocks."""
         assert self.index.is_registered(blocks).all(), "hit on an unregistered block"
         self.refcount[blocks] += 1
+        self.num_refs += len(blocks)
         self.lru.remove(blocks)
 
     def unref(self, blocks: np.ndarray) -> None:
@@ -68,6 +70,7 @@ class DevicePool:
             return
         assert (self.refcount[blocks] > 0).all(), "block released with refcount 0"
         self.refcount[blocks] -= 1
+        self.num_refs -= len(blocks)
         zero = blocks[self.refcount[blocks] == 0]
         registered = self.index.is_registered(zero)
         self.lru.push(zero[registered])
@@ -87,6 +90,7 @@ class DevicePool:
         blocks = np.concatenate([got, evicted])
         assert (self.refcount[blocks] == 0).all(), "a referenced block was handed out"
         self.refcount[blocks] = 1
+        self.num_refs += k
         return blocks, evicted, lo, hi
 
     def register(self, blocks: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
@@ -124,5 +128,6 @@ class DevicePool:
         assert (rc[cached] == 0).all() and registered[cached].all()
         assert ((rc > 0) == ~(free | cached)).all()
         assert self.num_used + self.num_cached + self.num_free == self.num_blocks
+        assert self.num_refs == int(rc.sum())
         self.lru.check()
         self.index.check()

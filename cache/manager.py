@@ -37,6 +37,10 @@ from cache.stats import CacheStats
 WRITE_POLICIES = ("write_back", "write_through")
 
 
+class CacheAccountingError(RuntimeError):
+    """Block bookkeeping is inconsistent: serving on would read or free the wrong KV."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class CacheConfig:
     num_device_blocks: int
@@ -282,6 +286,33 @@ class KVCacheManager:
         db, dk = snap(self.device.index)
         hs, hk = snap(self.host.index)
         return CacheDigest(db, dk, hs, hk)
+
+    def check_accounting(self, live_seq_ids: set[int]) -> None:
+        """The cheap check run on every step in production: O(live sequences), no
+        asserts (it must survive `python -O`). `live_seq_ids` are the sequences the
+        caller holds open; anything else holding blocks is a leak. Raises
+        CacheAccountingError."""
+        d, h = self.device, self.host
+        problems = []
+        if set(self._seqs) != live_seq_ids:
+            leaked = sorted(set(self._seqs) - live_seq_ids)[:8]
+            unknown = sorted(live_seq_ids - set(self._seqs))[:8]
+            problems.append(f"sequences holding blocks {leaked} not open; open {unknown} "
+                            "holding none")
+        held = sum(len(s.blocks) for s in self._seqs.values())
+        if held != d.num_refs:
+            problems.append(f"block tables hold {held} references, refcounts sum to "
+                            f"{d.num_refs}")
+        if d.num_used > held or (d.num_used == 0) != (held == 0):
+            problems.append(f"{d.num_used} device blocks in use for {held} references")
+        if d.num_free < 0 or d.num_cached < 0 or d.num_used < 0:
+            problems.append(f"device counts free {d.num_free} cached {d.num_cached} "
+                            f"used {d.num_used}")
+        if h.free.count + h.lru.count != h.num_slots:
+            problems.append(f"host slots: {h.free.count} free + {h.lru.count} cached != "
+                            f"{h.num_slots}")
+        if problems:
+            raise CacheAccountingError("; ".join(problems))
 
     def check_invariants(self) -> None:
         """O(capacity) consistency check, for tests and debug builds."""

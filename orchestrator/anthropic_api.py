@@ -39,6 +39,7 @@ from orchestrator.http_common import (
     admit,
     json_result,
     read_json_object,
+    scheduling_hints,
     shim_state,
     sse_response,
     tokenize,
@@ -184,7 +185,8 @@ async def messages(request: Request) -> Response:
     body = await read_json_object(request, state)
     req = parse_messages_request(body, request.headers)
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
-    run = await prepare_chat(state, req, msg_id, api="anthropic")
+    run = await prepare_chat(state, req, msg_id, api="anthropic",
+                             hints=scheduling_hints(request, state))
     model = req.model or state.model_name
     if not req.stream:
         return await json_result(request, collect(run, msg_id, model), run.log_done)

@@ -18,9 +18,16 @@ from typing import Any
 from orchestrator.chat_template import Message
 from orchestrator.errors import ApiError
 from orchestrator.generation import Generation, GenerationParams
-from orchestrator.http_common import TOKENIZE_IN_THREAD_CHARS, ServerState, tokenize
+from orchestrator.http_common import (
+    TOKENIZE_IN_THREAD_CHARS,
+    SchedulingHints,
+    ServerState,
+    tokenize,
+)
 from orchestrator.tool_parsers import Event, ToolCall, ToolParser, make_tool_parser
 from scheduler.protocol import SamplingParams
+
+NO_HINTS = SchedulingHints()
 
 
 @dataclass
@@ -99,7 +106,8 @@ class ChatRun:
     """One chat request through the engine: a Generation plus a tool-call parser."""
 
     def __init__(self, state: ServerState, req: ChatRequest, prompt: ChatPrompt,
-                 request_id: str, *, api: str) -> None:
+                 request_id: str, *, api: str,
+                 hints: SchedulingHints = NO_HINTS) -> None:
         self.state = state
         self.req = req
         self.prompt = prompt
@@ -113,6 +121,8 @@ class ChatRun:
             stream=req.stream,
             include_usage=req.include_usage,
             session_id=req.session,
+            priority=hints.priority,
+            timeout_s=hints.timeout_s,
         )
         self.gen = Generation(state.engine, state.tokenizer, request_id, params, api=api)
         parser_name = state.tool_call_parser if req.tools and req.parse_tool_calls else "none"
@@ -150,9 +160,9 @@ class ChatRun:
 
 
 async def prepare_chat(state: ServerState, req: ChatRequest, request_id: str, *,
-                       api: str) -> ChatRun:
+                       api: str, hints: SchedulingHints = NO_HINTS) -> ChatRun:
     if not state.engine.connected:
         raise ApiError("the engine is not available", status=503, type="service_unavailable")
     text = await render_prompt(state, req)
     ids = await prompt_token_ids(state, req.session, text, request_id)
-    return ChatRun(state, req, ChatPrompt(text, ids), request_id, api=api)
+    return ChatRun(state, req, ChatPrompt(text, ids), request_id, api=api, hints=hints)

@@ -22,6 +22,7 @@ class ServeOptions:
     max_output_tokens: int = 0  # cap on any request's output tokens; 0: none
     tool_call_parser: str = "hermes"
     self_check_tokens: int = 0  # > 0: run the prefix-cache gate at start-up, this long
+    request_timeout_s: float = 0.0  # default per-request deadline; 0: none
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,6 +41,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default="hermes",
                    choices=TOOL_CALL_PARSERS,
                    help="how the shim reads tool calls back from the model's output")
+    p.add_argument("--request-timeout", type=float, default=0.0,
+                   help="default deadline of every request, in seconds (0: none); a request "
+                        "may set its own with the x-request-timeout header")
     p.add_argument("--self-check", action="store_true",
                    help="before accepting traffic, run the prefix-cache gate (deepinfer-verify) "
                         "against this engine; refuse to start if it fails")
@@ -104,5 +108,6 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
     )
     serve = ServeOptions(args.host, args.port, args.api_key, args.served_model_name,
                          args.max_output_tokens, args.tool_call_parser,
-                         args.self_check_tokens if args.self_check else 0)
+                         args.self_check_tokens if args.self_check else 0,
+                         args.request_timeout)
     return config, serve

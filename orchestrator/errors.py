@@ -85,6 +85,8 @@ def engine_error(error_type: str | None, message: str | None) -> ApiError:
                         headers={"retry-after": "1"})
     if error_type == "invalid_request":
         return ApiError(message, status=400)
+    if error_type == "timeout":  # the request's own deadline (x-request-timeout)
+        return ApiError(message, status=408, type="timeout_error", code="deadline_exceeded")
     return ApiError(message, status=500, type="internal_error")
 
 

@@ -40,6 +40,8 @@ class GenerationParams:
     include_usage: bool = False
     cache_salt: str | None = None
     session_id: str | None = None  # lets the scheduler reuse the session's block hashes
+    priority: int = 0
+    timeout_s: float | None = None
 
 
 @dataclass
@@ -108,6 +110,8 @@ class Generation:
             ignore_eos=p.ignore_eos,
             cache_salt=p.cache_salt,
             session_id=p.session_id,
+            priority=p.priority,
+            timeout_s=p.timeout_s,
         )
 
     async def pieces(self) -> AsyncIterator[Piece]:

@@ -26,6 +26,8 @@ T = TypeVar("T")
 TOKENIZE_IN_THREAD_CHARS = 20_000
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024  # Anthropic's own limit for /v1/messages
 SELF_CHECK_HEADER = "x-deepinfer-self-check"
+PRIORITY_HEADER = "x-deepinfer-priority"
+TIMEOUT_HEADER = "x-request-timeout"
 
 
 class Engine(Protocol):
@@ -63,6 +65,7 @@ class ServerState:
     unavailable: str | None = None
     retry_after_s: int = 5
     self_check_secret: str | None = None  # the self-check's own requests pass the gate
+    request_timeout_s: float = 0.0  # default deadline of every request; 0: none
     tracker: PrefixTracker = field(init=False)
 
     def __post_init__(self) -> None:
@@ -115,6 +118,34 @@ def admit(request: Request, state: ServerState) -> None:
     raise ApiError(f"the engine is not accepting requests yet: {state.unavailable}",
                    status=503, type="service_unavailable",
                    headers={"retry-after": str(state.retry_after_s)})
+
+
+@dataclass(frozen=True)
+class SchedulingHints:
+    """How the scheduler should treat a request, from its headers (either API)."""
+
+    priority: int = 0  # x-deepinfer-priority: admission order, lower first
+    timeout_s: float | None = None  # x-request-timeout, else the server's default
+
+
+def scheduling_hints(request: Request, state: ServerState) -> SchedulingHints:
+    def number(name: str, kind: type) -> Any:
+        raw = request.headers.get(name)
+        if raw is None:
+            return None
+        try:
+            value = kind(raw)
+        except ValueError:
+            raise ApiError(f"header {name}: not a valid {kind.__name__}: {raw[:40]!r}") from None
+        return value
+
+    priority = number(PRIORITY_HEADER, int)
+    timeout = number(TIMEOUT_HEADER, float)
+    if priority is not None and not -(2**31) <= priority < 2**31:
+        raise ApiError(f"header {PRIORITY_HEADER}: out of range")
+    if timeout is not None and not 0 < timeout < 1e9:  # NaN fails too
+        raise ApiError(f"header {TIMEOUT_HEADER}: must be a number of seconds > 0")
+    return SchedulingHints(priority or 0, timeout or (state.request_timeout_s or None))
 
 
 async def read_json_object(request: Request, state: ServerState) -> dict[str, Any]:

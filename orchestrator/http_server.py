@@ -51,6 +51,7 @@ from orchestrator.http_common import (
     is_anthropic_path,
     json_result,
     read_json_object,
+    scheduling_hints,
     sse_response,
     tokenize,
 )
@@ -129,6 +130,8 @@ async def completions(request: Request) -> Response:
     params = oai.parse_completion(
         body, prompt_ids, vocab_size=state.vocab_size, max_model_len=state.max_model_len
     )
+    hints = scheduling_hints(request, state)
+    params.priority, params.timeout_s = hints.priority, hints.timeout_s
     if not state.engine.connected:
         raise oai.ApiError("the engine is not available", status=503, type="service_unavailable")
 
@@ -155,13 +158,15 @@ def build_app(
     max_output_tokens: int = 0,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     ping_interval_s: float = 5.0,
+    request_timeout_s: float = 0.0,
 ) -> Starlette:
     """The ASGI app. `engine` is started by the app's lifespan; `max_model_len` > 0
     lowers the engine's context limit for requests (it cannot raise it). Without a
     `chat_template` the chat endpoints answer 400."""
     state = ServerState(engine, tokenizer, model_name, api_key, chat_template=chat_template,
                         tool_call_parser=tool_call_parser, max_output_tokens=max_output_tokens,
-                        max_request_bytes=max_request_bytes, ping_interval_s=ping_interval_s)
+                        max_request_bytes=max_request_bytes, ping_interval_s=ping_interval_s,
+                        request_timeout_s=request_timeout_s)
     if hasattr(engine, "attach_metrics"):  # TTFT/ITL are observed where outputs arrive
         engine.attach_metrics(state.metrics)
 
@@ -279,6 +284,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="larger request bodies get a 413")
     p.add_argument("--connect-timeout", type=float, default=60.0,
                    help="seconds to wait for the scheduler's EngineInfo")
+    p.add_argument("--request-timeout", type=float, default=0.0,
+                   help="default deadline of every request, in seconds (0: none); a request "
+                        "may set its own with the x-request-timeout header")
     p.add_argument("--self-check", action="store_true",
                    help="run the prefix-cache gate (deepinfer-verify) against this shim before "
                         "accepting traffic; exit 3 if it fails")
@@ -318,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         tool_call_parser=args.tool_call_parser,
         max_output_tokens=args.max_output_tokens,
         max_request_bytes=args.max_request_bytes,
+        request_timeout_s=args.request_timeout,
     )
     # log_config=None: uvicorn's records go through the JSON logging set up above.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,

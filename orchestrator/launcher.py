@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                 shim_args += ["--served-model-name", serve.served_model_name]
             shim_args += ["--max-output-tokens", str(serve.max_output_tokens),
                           "--tool-call-parser", serve.tool_call_parser]
+            if serve.request_timeout_s:
+                shim_args += ["--request-timeout", str(serve.request_timeout_s)]
             if serve.self_check_tokens:
                 shim_args += ["--self-check", "--self-check-tokens", str(serve.self_check_tokens)]
             children.append(spawn("shim", shim_args))

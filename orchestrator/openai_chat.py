@@ -15,7 +15,13 @@ from starlette.responses import Response
 from orchestrator.chat_run import ChatRequest, ChatRun, prepare_chat, session_key
 from orchestrator.chat_template import Message, join_text
 from orchestrator.errors import ApiError, describe
-from orchestrator.http_common import admit, json_result, read_json_object, shim_state
+from orchestrator.http_common import (
+    admit,
+    json_result,
+    read_json_object,
+    scheduling_hints,
+    shim_state,
+)
 from orchestrator.http_common import sse_response as start_sse
 from orchestrator.openai_api import SSE_DONE, sse, usage
 from orchestrator.tool_parsers import TextEvent, ToolCall
@@ -250,7 +256,8 @@ async def chat_completions(request: Request) -> Response:
     body = await read_json_object(request, state)
     req = parse_chat_request(body, request.headers)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    run = await prepare_chat(state, req, request_id, api="chat")
+    run = await prepare_chat(state, req, request_id, api="chat",
+                             hints=scheduling_hints(request, state))
     base = {"id": request_id, "created": int(time.time()), "model": req.model or state.model_name}
     if not req.stream:
         return await json_result(request, collect(run, base), run.log_done)

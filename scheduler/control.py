@@ -104,7 +104,8 @@ class SchedulerControl:
     def _waiting(self, waiting: list[Sequence], num_running: int, trace: list,
                  now: float) -> list[QueuedRequest]:
         """Why the queue's head did not get in at the last step (everyone behind it waits
-        for the same reason: the queue is first come, first served)."""
+        for the same reason: admission stops at the first request that does not fit;
+        `waiting` is in arrival order, the order of admission is scheduler/queue.py's)."""
         cfg = self.scheduler.config
         last = trace[-1] if trace else None
         wall_now = time.time()

@@ -5,13 +5,29 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from cache.manager import CacheAccountingError
 from scheduler.executor import Executor
 from scheduler.protocol import EngineStats, RequestOutput, StepResult
 from scheduler.scheduler import EngineLimits, Scheduler
 
+# The full O(capacity) cache check runs this often; the O(live sequences) accounting
+# check and the rank digests run on every step.
+FULL_CHECK_EVERY_STEPS = 1000
+
 
 class RankDivergenceError(RuntimeError):
     """Ranks hold different cache state: never serve past this."""
+
+
+def check_cache(scheduler: Scheduler, step: int) -> None:
+    """The invariant checks that stay on in production; a violation stops the engine
+    (CacheAccountingError) rather than serving wrong KV."""
+    scheduler.check_accounting()
+    if step % FULL_CHECK_EVERY_STEPS == FULL_CHECK_EVERY_STEPS - 1:
+        try:
+            scheduler.cache.check_invariants()
+        except AssertionError as exc:
+            raise CacheAccountingError(f"cache invariant broken at step {step}: {exc}") from exc
 
 
 @dataclass
@@ -68,6 +84,7 @@ class EngineCore:
         t2 = time.perf_counter()
         check_digests(plan.step, self.scheduler.digest.value, results)
         outputs = self.scheduler.update(plan, results[0].sampled)
+        check_cache(self.scheduler, plan.step)
         t3 = time.perf_counter()
         tm = self.timings
         tm.schedule, tm.execute, tm.update = t1 - t0, t2 - t1, t3 - t2

@@ -16,6 +16,7 @@ import zmq
 from rich.console import Console
 from rich.table import Table
 
+from cache.manager import CacheAccountingError
 from scheduler.control import SchedulerControl
 from scheduler.engine import EngineCore, RankDivergenceError, limits_from_ready
 from scheduler.executor import WorkerFailure, ZmqExecutor
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
              control=control.server.address)
     try:
         server.run()
-    except (RankDivergenceError, WorkerFailure, AssertionError) as exc:
+    except (RankDivergenceError, WorkerFailure, CacheAccountingError, AssertionError) as exc:
         telemetry.failed(str(exc), digest_mismatch=isinstance(exc, RankDivergenceError))
         log.error("engine_failed", error=str(exc))
         server.fail_all(f"engine failed: {exc}")

@@ -42,6 +42,10 @@ class Sequence:
     # a long prompt is the dominant cost of a lookup.
     chain: BlockHashChain | None = None
     session_id: str | None = None
+    priority: int = 0  # admission order: lower first
+    deadline: float | None = None  # time.monotonic() past which it ends with "timeout"
+    error: str | None = None  # why it ended, when it ended with an error
+    error_type: str | None = None
 
     def __post_init__(self) -> None:
         # prompt + output in one list, appended in place: a 450K-token prompt must not

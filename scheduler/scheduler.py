@@ -8,6 +8,7 @@ Workers decide nothing; this class and `cache/` decide everything.
 
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass
 
@@ -58,7 +59,7 @@ class Scheduler:
             write_policy=config.kv_write_policy,
             enable_prefix_caching=config.enable_prefix_caching,
         ))
-        self.queue = RequestQueue(config.max_queued_requests)
+        self.queue = RequestQueue(config.max_queued_requests, config.max_queued_tokens)
         self.running: list[Sequence] = []
         self.step = 0
         # what the ranks must hold after each plan
@@ -69,6 +70,7 @@ class Scheduler:
         self._pending_outputs: list[RequestOutput] = []  # decided while planning
         self._model_key = config.model
         self._sessions = SessionChains(config.block_size)
+        self._deadlines: list[tuple[float, str]] = []  # heap of (deadline, request id)
 
     # --- requests ------------------------------------------------------------------
 
@@ -87,6 +89,9 @@ class Scheduler:
             extra_key=make_extra_key(self._model_key, req.cache_salt),
         )
         seq.session_id = req.session_id
+        seq.priority = req.priority
+        if req.timeout_s is not None:
+            seq.deadline = seq.arrival + req.timeout_s
         if self.config.enable_prefix_caching:
             seq.chain = self._sessions.chain_for(req.session_id, seq.extra_key, seq.prompt)
         try:
@@ -95,6 +100,8 @@ class Scheduler:
             raise RequestRejected(str(exc), "overloaded") from exc
         self._next_seq_id += 1
         self._by_request[req.request_id] = seq
+        if seq.deadline is not None:
+            heapq.heappush(self._deadlines, (seq.deadline, req.request_id))
 
     def _validate(self, req: GenerateRequest) -> None:
         n, limit = len(req.prompt_token_ids), self.limits.max_model_len
@@ -110,6 +117,8 @@ class Scheduler:
             raise RequestRejected(f"token id {bad} is outside the vocabulary [0, {vocab})")
         if req.max_tokens < 1:
             raise RequestRejected("max_tokens must be at least 1")
+        if req.timeout_s is not None and not req.timeout_s > 0:
+            raise RequestRejected("timeout_s must be > 0")
         if -(-n // self.block_size) > self.limits.num_device_blocks:
             raise RequestRejected(
                 f"prompt of {n} tokens can never fit the device KV cache "
@@ -130,12 +139,34 @@ class Scheduler:
         self._finish(seq, reason)
         return self._output(seq)
 
+    def _expire(self, now: float) -> None:
+        """End every live request whose deadline has passed, through the abort path
+        (so a running one is closed by the plan being built, like any other end)."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, request_id = heapq.heappop(self._deadlines)
+            seq = self._by_request.get(request_id)
+            if seq is None or seq.status is SeqStatus.FINISHED or seq.deadline is None:
+                continue
+            seq.error_type = "timeout"
+            seq.error = (f"the request's deadline passed ({now - seq.arrival:.1f}s after it "
+                         f"arrived, {len(seq.output)} tokens generated)")
+            out = self.abort_request(request_id, "error")
+            if out is not None:
+                self._pending_outputs.append(out)
+
+    def check_accounting(self) -> None:
+        """Every step, always on: the cache holds blocks for exactly the sequences the
+        ranks hold open (running, or finished and waiting for their close). Raises
+        cache.manager.CacheAccountingError."""
+        live = {s.seq_id for s in self.running} | {s.seq_id for s in self._to_close}
+        self.cache.check_accounting(live)
+
     def sequence(self, request_id: str) -> Sequence | None:
         """The live (or just finished, not yet closed) sequence of a request."""
         return self._by_request.get(request_id)
 
     def has_work(self) -> bool:
-        return bool(self.running or len(self.queue) or self._to_close)
+        return bool(self.running or len(self.queue) or self._to_close or self._pending_outputs)
 
     # --- the close-timing rule -------------------------------------------------------
     #
@@ -181,6 +212,8 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         step = self.step
+        if self._deadlines:
+            self._expire(time.monotonic())
         plan = StepPlan(step=step, close=self._take_closes(step))
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
@@ -326,4 +359,6 @@ class Scheduler:
             num_prompt_tokens=len(seq.prompt),
             num_device_cached_tokens=seq.num_device_cached,
             num_host_cached_tokens=seq.num_host_cached,
+            error=seq.error if finished else None,
+            error_type=seq.error_type if finished else None,
         )

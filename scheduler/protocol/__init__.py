@@ -187,6 +187,8 @@ class GenerateRequest:
     ignore_eos: bool = False
     cache_salt: str | None = None
     session_id: str | None = None  # lets the scheduler reuse the session's block hashes
+    priority: int = 0  # admission order: lower first (scheduler/queue.py)
+    timeout_s: float | None = None  # deadline from arrival; past it: error "timeout"
 
 
 @dataclass
@@ -207,7 +209,7 @@ class RequestOutput:
     num_device_cached_tokens: int = 0  # prompt tokens served from the device tier
     num_host_cached_tokens: int = 0  # prompt tokens served from the host tier
     error: str | None = None
-    error_type: str | None = None  # invalid_request | overloaded | internal
+    error_type: str | None = None  # invalid_request | overloaded | timeout | internal
 
 
 @dataclass
