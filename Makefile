@@ -8,8 +8,8 @@ INSTALLED := $(VENV)/.deepinfer-installed
 TORCH_CPU := torch==2.13.0+cpu
 PYTEST_ARGS ?=
 
-.PHONY: install test lint serve bench-worker bench-engine bench-agents bench-index simulate \
-	clean e2e-claude-code
+.PHONY: install test lint serve bench bench-worker bench-engine bench-agents bench-index \
+	simulate clean e2e-claude-code
 
 install: $(INSTALLED) $(MODEL)/deepinfer_tiny.json
 
@@ -38,6 +38,10 @@ test: install lint
 
 serve: install
 	$(VENV)/bin/deepinfer-run serve --model $(MODEL)
+
+# The coding-agent benchmark over HTTP, prefix cache on then off (results in bench-results/).
+bench: install
+	$(PY) -m tools.bench --model $(MODEL)
 
 bench-worker: install
 	$(PY) -m tools.bench_worker --model $(MODEL)

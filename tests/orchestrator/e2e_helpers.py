@@ -5,66 +5,22 @@
     out["choices"][0]["token_ids"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
     text, token_ids, usage = stream_complete(base_url, prompt=[1, 2, 3], max_tokens=8)
     engine = Served(model_dir, run_dir)   # deepinfer-run serve, 4 ranks; engine.url
+
+Served and wait_healthy live in tools/served.py (tools/bench.py uses them too).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from tests.conftest import REPO, free_port, subprocess_env
+from tools.served import Served, wait_healthy  # noqa: F401  (re-exported for the tests)
 
 DEFAULT_TIMEOUT_S = 120.0
-
-
-class Served:
-    """`deepinfer-run serve` in a subprocess, its log in a file next to the run dir."""
-
-    def __init__(self, model: Path, run_dir: Path, nproc: int = 4,
-                 extra_args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.run_dir = run_dir
-        self.log_path = run_dir.parent / f"launcher-{self.port}.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.launcher", "--nproc-per-node", str(nproc),
-             "--run-dir", str(run_dir), "serve", "--model", str(model), "--port", str(self.port),
-             "--dtype", "float32", *(extra_args or [])],
-            cwd=REPO, env=subprocess_env(**(env or {})), stdout=self._log,
-            stderr=subprocess.STDOUT)
-        try:
-            wait_healthy(self.url, timeout_s=180)
-        except Exception:
-            self.stop(signal.SIGKILL)
-            raise
-
-    def pids(self) -> dict[str, int]:
-        engine = json.loads((self.run_dir / "engine.json").read_text())
-        return {p["name"]: p["pid"] for p in engine["processes"]}
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text()
-
-    def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            code = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self._log.close()
-        return code
 
 
 def alive(pid: int) -> bool:
@@ -84,22 +40,6 @@ class CompletionError(AssertionError):
         super().__init__(f"HTTP {status}: {body}")
         self.status = status
         self.body = body
-
-
-def wait_healthy(base_url: str, timeout_s: float = 60.0) -> None:
-    """Poll GET /health until it answers 200 (the shim is up and has the scheduler)."""
-    deadline = time.monotonic() + timeout_s
-    last: str = "no answer"
-    while time.monotonic() < deadline:
-        try:
-            r = httpx.get(f"{base_url}/health", timeout=2.0)
-            if r.status_code == 200:
-                return
-            last = f"HTTP {r.status_code}: {r.text}"
-        except httpx.TransportError as exc:
-            last = repr(exc)
-        time.sleep(0.2)
-    raise TimeoutError(f"{base_url}/health not ready after {timeout_s:g}s ({last})")
 
 
 def complete(base_url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, **body: Any) -> dict:
