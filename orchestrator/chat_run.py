@@ -18,7 +18,12 @@ from typing import Any
 from orchestrator.chat_template import Message
 from orchestrator.errors import ApiError
 from orchestrator.generation import Generation, GenerationParams
-from orchestrator.http_common import TOKENIZE_IN_THREAD_CHARS, ServerState, tokenize
+from orchestrator.http_common import (
+    TOKENIZE_IN_THREAD_CHARS,
+    ServerState,
+    require_engine,
+    tokenize,
+)
 from orchestrator.tool_parsers import Event, ToolCall, ToolParser, make_tool_parser
 from scheduler.protocol import SamplingParams
 
@@ -151,8 +156,7 @@ class ChatRun:
 
 async def prepare_chat(state: ServerState, req: ChatRequest, request_id: str, *,
                        api: str) -> ChatRun:
-    if not state.engine.connected:
-        raise ApiError("the engine is not available", status=503, type="service_unavailable")
+    require_engine(state)  # again: it may have gone while the body was read
     text = await render_prompt(state, req)
     ids = await prompt_token_ids(state, req.session, text, request_id)
     return ChatRun(state, req, ChatPrompt(text, ids), request_id, api=api)
