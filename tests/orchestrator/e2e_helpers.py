@@ -29,7 +29,8 @@ class Served:
     """`deepinfer-run serve` in a subprocess, its log in a file next to the run dir."""
 
     def __init__(self, model: Path, run_dir: Path, nproc: int = 4,
-                 extra_args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+                 extra_args: list[str] | None = None, env: dict[str, str] | None = None,
+                 launcher_args: list[str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.run_dir = run_dir
@@ -37,7 +38,8 @@ class Served:
         self._log = open(self.log_path, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "orchestrator.launcher", "--nproc-per-node", str(nproc),
-             "--run-dir", str(run_dir), "serve", "--model", str(model), "--port", str(self.port),
+             "--run-dir", str(run_dir), *(launcher_args or []),
+             "serve", "--model", str(model), "--port", str(self.port),
              "--dtype", "float32", *(extra_args or [])],
             cwd=REPO, env=subprocess_env(**(env or {})), stdout=self._log,
             stderr=subprocess.STDOUT)
