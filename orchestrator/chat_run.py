@@ -22,6 +22,7 @@ from orchestrator.http_common import (
     TOKENIZE_IN_THREAD_CHARS,
     SchedulingHints,
     ServerState,
+    require_engine,
     tokenize,
 )
 from orchestrator.tool_parsers import Event, ToolCall, ToolParser, make_tool_parser
@@ -161,8 +162,7 @@ class ChatRun:
 
 async def prepare_chat(state: ServerState, req: ChatRequest, request_id: str, *,
                        api: str, hints: SchedulingHints = NO_HINTS) -> ChatRun:
-    if not state.engine.connected:
-        raise ApiError("the engine is not available", status=503, type="service_unavailable")
+    require_engine(state)  # again: it may have gone while the body was read
     text = await render_prompt(state, req)
     ids = await prompt_token_ids(state, req.session, text, request_id)
     return ChatRun(state, req, ChatPrompt(text, ids), request_id, api=api, hints=hints)

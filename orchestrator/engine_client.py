@@ -15,6 +15,13 @@ Message flow:
 
 One background task reads the socket and routes each RequestOutput to the queue of
 its request, so any number of HTTP requests share the socket without locks.
+
+The client outlives its scheduler. When the engine is lost (Shutdown, or the socket's
+monitor sees the connection drop: a scheduler killed outright says no goodbye), every
+live request fails with error_type "unavailable" (503 + retry-after), `connected` is
+False, and ClientHello is sent again every HELLO_INTERVAL_S: the DEALER reconnects by
+itself when a new scheduler binds the same address, and its EngineInfo makes the client
+connected again.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from scheduler.protocol import (
     AbortRequest,
@@ -44,6 +52,7 @@ if TYPE_CHECKING:
     from orchestrator.metrics import Metrics, RequestTimer
 
 log = structlog.get_logger()
+HELLO_INTERVAL_S = 1.0  # while the engine is lost: how often ClientHello is resent
 
 
 class EngineUnavailableError(RuntimeError):
@@ -67,11 +76,15 @@ class EngineClient:
         self.connect_timeout_s = connect_timeout_s
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
-        self._reader: asyncio.Task[None] | None = None
-        self._info: asyncio.Future[EngineInfo] | None = None
+        self._monitor: zmq.asyncio.Socket | None = None  # connection events of _sock
+        self._tasks: list[asyncio.Task[None]] = []  # the reader and the connection watcher
+        self._rehello: asyncio.Task[None] | None = None
+        self._first_info: asyncio.Future[EngineInfo] | None = None
+        self._info: EngineInfo | None = None  # the latest scheduler's
+        self._connected = False
         # request_id -> queue of its outputs; present while the request is live here.
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self._shutdown_reason: str | None = None
+        self._shutdown_reason: str | None = None  # why the engine was lost, last time
         self._stats: asyncio.Future[EngineStats] | None = None
         self._stats_lock = asyncio.Lock()
         self._metrics: Metrics | None = None
@@ -97,12 +110,18 @@ class EngineClient:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)  # close() must not hang on a dead scheduler
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._sock.connect(self.address)
-        self._info = asyncio.get_running_loop().create_future()
-        self._reader = asyncio.create_task(self._read_loop(), name="engine-client-reader")
+        self._first_info = asyncio.get_running_loop().create_future()
+        self._tasks = [
+            asyncio.create_task(self._read_loop(), name="engine-client-reader"),
+            asyncio.create_task(self._watch_connection(), name="engine-client-monitor"),
+        ]
         await self._sock.send(encode(ClientHello(pid=os.getpid())))
         try:
-            info = await asyncio.wait_for(asyncio.shield(self._info), self.connect_timeout_s)
+            info = await asyncio.wait_for(asyncio.shield(self._first_info),
+                                          self.connect_timeout_s)
         except asyncio.TimeoutError:
             await self.close()
             raise EngineUnavailableError(
@@ -114,36 +133,33 @@ class EngineClient:
         return info
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._reader = None
+        tasks = [*self._tasks, *([self._rehello] if self._rehello else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks, self._rehello = [], None
         if self._sock is not None:
+            if self._monitor is not None:
+                self._sock.disable_monitor()
+                self._monitor.close(linger=0)
+                self._monitor = None
             self._sock.close(linger=0)
             self._sock = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+        self._connected = False
         self._fail_all("the engine client was closed")
 
     @property
     def info(self) -> EngineInfo:
-        assert self._info is not None and self._info.done(), "start() has not completed"
-        return self._info.result()
+        assert self._info is not None, "start() has not completed"
+        return self._info
 
     @property
     def connected(self) -> bool:
-        """True once EngineInfo arrived and until the scheduler announced a shutdown."""
-        return (
-            self._info is not None
-            and self._info.done()
-            and not self._info.cancelled()
-            and self._info.exception() is None
-            and self._shutdown_reason is None
-        )
+        """True while a scheduler that answered ClientHello has not been lost since."""
+        return self._connected
 
     # --- requests ---------------------------------------------------------------
 
@@ -194,6 +210,8 @@ class EngineClient:
 
     async def stats(self, timeout_s: float = 5.0) -> EngineStats:
         """A snapshot of the engine's counters (one question in flight at a time)."""
+        if not self.connected:  # asked now, it would be answered by the next scheduler
+            raise EngineUnavailableError(self._shutdown_reason or "not connected to the engine")
         async with self._stats_lock:
             self._stats = asyncio.get_running_loop().create_future()
             await self._send(StatsRequest())
@@ -213,10 +231,10 @@ class EngineClient:
             raise EngineUnavailableError("the engine client is closed")
         await self._sock.send(encode(message))
 
-    def _send_nowait(self, message: Any) -> None:
+    def _send_nowait(self, message: Any, flags: int = 0) -> None:
         if self._sock is None:
             return
-        fut = self._sock.send(encode(message))
+        fut = self._sock.send(encode(message), flags)
         # Nobody awaits it: retrieve any exception so asyncio does not warn about it.
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
@@ -226,8 +244,10 @@ class EngineClient:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            # Without its reader the client can serve nothing: say so, fail what is live.
+            # Without its reader the client can serve nothing, now or after a restart:
+            # say so, fail what is live, and stay disconnected.
             log.exception("engine_reader_died")
+            self._connected = False
             self._shutdown_reason = f"the engine connection failed: {exc!r}"
             self._fail_all(self._shutdown_reason)
 
@@ -251,17 +271,66 @@ class EngineClient:
                 if self._stats is not None and not self._stats.done():
                     self._stats.set_result(msg)
             elif isinstance(msg, EngineInfo):
-                if self._info is not None and not self._info.done():
-                    self._info.set_result(msg)
+                self._on_info(msg)
             elif isinstance(msg, Shutdown):
-                self._shutdown_reason = f"the engine shut down: {msg.reason or 'no reason given'}"
-                log.warning("engine_shutdown", reason=msg.reason)
-                self._fail_all(self._shutdown_reason)
+                self._lost(f"the engine shut down: {msg.reason or 'no reason given'}")
             else:
                 log.error("engine_unexpected_message", type=type(msg).__name__)
 
+    def _on_info(self, info: EngineInfo) -> None:
+        """A scheduler answered ClientHello (repeated hellos get repeated answers)."""
+        if self._connected:
+            return
+        reconnected = self._info is not None
+        self._info = info
+        self._connected = True
+        if self._first_info is not None and not self._first_info.done():
+            self._first_info.set_result(info)
+        if reconnected:
+            log.info("engine_reconnected", address=self.address, model=info.model,
+                     lost_because=self._shutdown_reason)
+        self._shutdown_reason = None
+
+    def _lost(self, reason: str) -> None:
+        """The scheduler is gone: fail what is live, then call until a new one answers."""
+        if self._connected or self._shutdown_reason is None:
+            # the first word of a loss says most (a Shutdown names the failed rank; the
+            # disconnect that follows it says nothing new)
+            log.warning("engine_lost", reason=reason, live_requests=len(self._streams))
+            self._shutdown_reason = reason
+        self._connected = False
+        self._fail_all(reason)
+        if self._stats is not None and not self._stats.done():  # /metrics need not wait
+            self._stats.set_exception(EngineUnavailableError(reason))
+        if self._rehello is None or self._rehello.done():
+            self._rehello = asyncio.create_task(self._hello_until_answered(),
+                                                name="engine-client-rehello")
+
+    async def _hello_until_answered(self) -> None:
+        while not self._connected:
+            self._send_hello()
+            await asyncio.sleep(HELLO_INTERVAL_S)
+
+    def _send_hello(self) -> None:
+        """Never waits: queued for the (re)connection, or dropped if the queue is full
+        (the next one goes out a second later)."""
+        self._send_nowait(ClientHello(pid=os.getpid()), zmq.DONTWAIT)
+
+    async def _watch_connection(self) -> None:
+        """The socket's own view of its connection: a scheduler killed with SIGKILL
+        sends no Shutdown, but its peer sees the connection drop."""
+        assert self._monitor is not None
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                self._lost("the connection to the scheduler was lost")
+            elif event == zmq.EVENT_CONNECTED and self._rehello is not None \
+                    and not self._connected:
+                self._send_hello()  # a new scheduler: no need to wait for the next tick
+
     def _fail_all(self, reason: str) -> None:
-        """End every live request with an internal error, so no HTTP handler hangs."""
+        """End every live request with an "unavailable" error (503 + retry-after: the
+        request was fine, the engine was not there), so no HTTP handler hangs."""
         for rid, queue in self._streams.items():
             queue.put_nowait(
                 RequestOutput(
@@ -269,7 +338,7 @@ class EngineClient:
                     finished=True,
                     finish_reason="error",
                     error=reason,
-                    error_type="internal",
+                    error_type="unavailable",
                 )
             )
         self._streams.clear()

@@ -7,7 +7,9 @@ Handlers raise one `ApiError`; the app renders it for the API the path belongs t
 
 Statuses differ where the clients expect them to: an overloaded engine is a 429 with
 `retry-after` for OpenAI clients and a 529 `overloaded_error` for Anthropic ones (Claude
-Code retries both with backoff).
+Code retries both with backoff). An engine that is not there (failed, restarting, not
+connected yet) is a 503 with `retry-after` for both (`api_error` for Anthropic's, which
+its SDKs retry as any 5xx).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ _ANTHROPIC_TYPES: dict[str, str] = {
     "internal_error": "api_error",
     "service_unavailable": "api_error",
 }
+
+
+UNAVAILABLE_RETRY_AFTER_S = 5  # about how long a restart of the engine group takes
 
 
 class ApiError(Exception):
@@ -87,7 +92,15 @@ def engine_error(error_type: str | None, message: str | None) -> ApiError:
         return ApiError(message, status=400)
     if error_type == "timeout":  # the request's own deadline (x-request-timeout)
         return ApiError(message, status=408, type="timeout_error", code="deadline_exceeded")
+    if error_type == "unavailable":
+        return unavailable_error(message)
     return ApiError(message, status=500, type="internal_error")
+
+
+def unavailable_error(message: str, retry_after_s: int = UNAVAILABLE_RETRY_AFTER_S) -> ApiError:
+    """503 + retry-after: the request was fine, the engine is not there to serve it now."""
+    return ApiError(message, status=503, type="service_unavailable", code="unavailable",
+                    headers={"retry-after": str(retry_after_s)})
 
 
 def describe(value: Any) -> str:

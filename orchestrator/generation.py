@@ -19,6 +19,7 @@ import structlog
 from tokenizers import Tokenizer
 
 from orchestrator.detokenizer import Detokenizer
+from orchestrator.engine_client import EngineUnavailableError
 from orchestrator.errors import engine_error
 from scheduler.protocol import GenerateRequest, SamplingParams
 
@@ -141,6 +142,10 @@ class Generation:
                     yield Piece(delta.text + tail.text, out.token_ids)
                     return
                 yield Piece(delta.text, out.token_ids)
+        except EngineUnavailableError as exc:
+            # the engine went away between the endpoint's check and the send: a 503 like
+            # any request refused while the engine is gone, not a 500
+            raise engine_error("unavailable", str(exc)) from None
         finally:
             await outputs.aclose()  # aborts the request if it is still running
 

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from tokenizers import Tokenizer
 
 from orchestrator.chat_template import ChatTemplate
-from orchestrator.errors import ApiError
+from orchestrator.errors import ApiError, unavailable_error
 from orchestrator.metrics import Metrics
 from orchestrator.prefix_tracker import PrefixTracker
 from scheduler.protocol import EngineInfo, EngineStats, GenerateRequest, RequestOutput
@@ -107,17 +107,25 @@ def check_auth(request: Request, state: ServerState) -> None:
 
 def admit(request: Request, state: ServerState) -> None:
     """What every endpoint but /health and /metrics checks first: the API key, then
-    whether the shim takes traffic now."""
+    whether the shim takes traffic now (not during the self-check but for its own
+    requests; not while the engine is gone)."""
     check_auth(request, state)
-    if state.unavailable is None:
-        return
     secret = state.self_check_secret
-    if secret and hmac.compare_digest(request.headers.get(SELF_CHECK_HEADER, "").encode(),
-                                      secret.encode()):
-        return
-    raise ApiError(f"the engine is not accepting requests yet: {state.unavailable}",
-                   status=503, type="service_unavailable",
-                   headers={"retry-after": str(state.retry_after_s)})
+    passes_gate = bool(secret) and hmac.compare_digest(
+        request.headers.get(SELF_CHECK_HEADER, "").encode(), secret.encode())
+    if state.unavailable is not None and not passes_gate:
+        raise unavailable_error(
+            f"the engine is not accepting requests yet: {state.unavailable}",
+            state.retry_after_s)
+    require_engine(state)
+
+
+def require_engine(state: ServerState) -> None:
+    """503 + retry-after while the shim has no engine: it failed, or is restarting (the
+    client reconnects by itself when the new one is up)."""
+    if not state.engine.connected:
+        raise unavailable_error("the engine is not available (restarting?)",
+                                state.retry_after_s)
 
 
 @dataclass(frozen=True)

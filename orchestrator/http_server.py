@@ -51,6 +51,7 @@ from orchestrator.http_common import (
     is_anthropic_path,
     json_result,
     read_json_object,
+    require_engine,
     scheduling_hints,
     sse_response,
     tokenize,
@@ -71,7 +72,9 @@ async def health(request: Request) -> Response:
                             status_code=503, headers={"retry-after": str(state.retry_after_s)})
     if state.engine.connected:
         return JSONResponse({"status": "ok"})
-    return JSONResponse({"status": "unavailable"}, status_code=503)
+    # the engine failed or is restarting: the client reconnects when it is back
+    return JSONResponse({"status": "unavailable", "reason": "the engine is not connected"},
+                        status_code=503, headers={"retry-after": str(state.retry_after_s)})
 
 
 async def root(request: Request) -> Response:
@@ -132,9 +135,7 @@ async def completions(request: Request) -> Response:
     )
     hints = scheduling_hints(request, state)
     params.priority, params.timeout_s = hints.priority, hints.timeout_s
-    if not state.engine.connected:
-        raise oai.ApiError("the engine is not available", status=503, type="service_unavailable")
-
+    require_engine(state)  # again: it may have gone while the body was read
     run = oai.CompletionRun(
         state.engine, state.tokenizer, f"cmpl-{uuid.uuid4().hex}", params, state.model_name
     )

@@ -1,12 +1,16 @@
 """`deepinfer-run`: start the scheduler, N worker ranks and the HTTP shim; supervise them.
 
     deepinfer-run [--nproc-per-node N] [--nnodes M --node-rank R --master-addr A
-                  --master-port P] serve [--model DIR] [--host 127.0.0.1] [--port 8000] ...
+                  --master-port P] [--restart N] serve [--model DIR] [--host 127.0.0.1]
+                  [--port 8000] ...
 
 torchrun-style: each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT, so a worker may as well be started by torchrun.
 Supervision: if any child exits, every other child is stopped within a few
 seconds and the launcher exits non-zero, naming the process and its status.
+With --restart N (one node), the engine group (the scheduler and the ranks) is
+restarted instead, up to N times, while the HTTP shim stays up and answers 503 +
+retry-after; the shim exiting still stops everything.
 Ctrl-C (or SIGTERM) stops everything and removes the run directory.
 """
 
@@ -23,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -52,9 +57,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--external-workers", action="store_true",
                    help="start no ranks here: they are started by torchrun, pointed at the "
                         "scheduler's worker address (logged at start)")
+    p.add_argument("--restart", type=int, default=0, metavar="N",
+                   help="when the scheduler or a rank exits, restart them (the engine group) "
+                        "up to N times; the HTTP server stays up and answers 503 + "
+                        "retry-after meanwhile. One node only")
     sub = p.add_subparsers(dest="command", required=True)
     add_serve_arguments(sub.add_parser("serve", help="serve the model over HTTP"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.restart < 0:
+        p.error("--restart must be >= 0")
+    if args.restart and (args.nnodes > 1 or args.external_workers):
+        # the launcher can only restart the processes it started, all of them on this node
+        p.error("--restart is not supported with --nnodes > 1 or --external-workers: "
+                "restart the whole job from its own supervisor instead")
+    return args
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -107,6 +123,70 @@ def stop_all(children: list[Child]) -> None:
             c.proc.wait()
 
 
+def stop_in_order(children: list[Child]) -> None:
+    """The scheduler first, then the ranks, then the shim. Stopped first, the scheduler
+    still sees the ranks as they were: a step in flight ends with the dead rank named
+    (not the ones stopped here) and its requests failed; the shim, stopped last, has
+    passed those errors on."""
+    order = ("scheduler", "rank", "shim")
+    for prefix in order:
+        stop_all([c for c in children if c.name.startswith(prefix)])
+    stop_all([c for c in children if not c.name.startswith(order)])
+
+
+@dataclass
+class Launch:
+    """What main() starts: enough to start the engine group again."""
+
+    args: argparse.Namespace
+    run_dir: Path
+    addresses: dict[str, str]
+    world_size: int
+
+    @property
+    def head(self) -> bool:
+        return self.args.node_rank == 0
+
+    @property
+    def local_ranks(self) -> range:
+        n = self.args.nproc_per_node
+        return range(self.args.node_rank * n, (self.args.node_rank + 1) * n)
+
+
+def start_group(launch: Launch, master_port: int) -> list[Child]:
+    """The engine group: the scheduler (head node) and this node's ranks."""
+    args = launch.args
+    group = []
+    if launch.head:
+        group.append(spawn("scheduler", ["scheduler.main", "--run-dir", str(launch.run_dir)]))
+    for local_rank, rank in enumerate([] if args.external_workers else launch.local_ranks):
+        group.append(spawn(f"rank {rank}", [
+            "worker.main", "--scheduler", launch.addresses["workers"]], {
+            "RANK": str(rank), "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(launch.world_size), "LOCAL_WORLD_SIZE": str(args.nproc_per_node),
+            "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(master_port),
+            CONTROL_DIR_ENV: str(launch.run_dir),  # its control socket, even over tcp://
+        }))
+    return group
+
+
+def start_shim(launch: Launch, config, serve) -> Child:
+    shim_args = ["orchestrator.http_server", "--run-dir", str(launch.run_dir),
+                 "--model", config.model, "--host", serve.host, "--port", str(serve.port),
+                 "--connect-timeout", "3600"]
+    if serve.api_key:
+        shim_args += ["--api-key", serve.api_key]
+    if serve.served_model_name:
+        shim_args += ["--served-model-name", serve.served_model_name]
+    shim_args += ["--max-output-tokens", str(serve.max_output_tokens),
+                  "--tool-call-parser", serve.tool_call_parser]
+    if serve.request_timeout_s:
+        shim_args += ["--request-timeout", str(serve.request_timeout_s)]
+    if serve.self_check_tokens:
+        shim_args += ["--self-check", "--self-check-tokens", str(serve.self_check_tokens)]
+    return spawn("shim", shim_args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log = configure_logging("launcher")
@@ -114,20 +194,19 @@ def main(argv: list[str] | None = None) -> int:
     config, serve = build_config(args, world_size)
     run_dir = make_run_dir(args.run_dir)
     master_port = args.master_port or free_port()
-    multi_node = args.nnodes > 1
-    if multi_node:  # tcp only when several nodes are asked for
+    if args.nnodes > 1:  # tcp only when several nodes are asked for
         workers_addr = f"tcp://{args.master_addr}:{master_port + 1}"
         requests_addr = f"tcp://{args.master_addr}:{master_port + 2}"
     else:
         workers_addr = f"ipc://{run_dir}/workers.sock"
         requests_addr = f"ipc://{run_dir}/requests.sock"
-    addresses = {"workers": workers_addr, "requests": requests_addr}
-    head = args.node_rank == 0
-    if head:
+    launch = Launch(args, run_dir, {"workers": workers_addr, "requests": requests_addr}, world_size)
+    if launch.head:
         (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2))
-        (run_dir / "addresses.json").write_text(json.dumps(addresses))
+        (run_dir / "addresses.json").write_text(json.dumps(launch.addresses))
 
-    children: list[Child] = []
+    group: list[Child] = []
+    shim: list[Child] = []  # started once, kept across restarts of the group
     stop_reason = {"signal": None}
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -136,77 +215,79 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        if head:
-            children.append(spawn("scheduler", ["scheduler.main", "--run-dir", str(run_dir)]))
-        for local_rank in range(0 if args.external_workers else args.nproc_per_node):
-            rank = args.node_rank * args.nproc_per_node + local_rank
-            children.append(spawn(f"rank {rank}", ["worker.main", "--scheduler", workers_addr], {
-                "RANK": str(rank), "LOCAL_RANK": str(local_rank),
-                "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(args.nproc_per_node),
-                "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(master_port),
-                CONTROL_DIR_ENV: str(run_dir),  # its control socket, even over tcp://
-            }))
-        if head:
-            shim_args = ["orchestrator.http_server", "--run-dir", str(run_dir),
-                         "--model", config.model, "--host", serve.host, "--port", str(serve.port),
-                         "--connect-timeout", "3600"]
-            if serve.api_key:
-                shim_args += ["--api-key", serve.api_key]
-            if serve.served_model_name:
-                shim_args += ["--served-model-name", serve.served_model_name]
-            shim_args += ["--max-output-tokens", str(serve.max_output_tokens),
-                          "--tool-call-parser", serve.tool_call_parser]
-            if serve.request_timeout_s:
-                shim_args += ["--request-timeout", str(serve.request_timeout_s)]
-            if serve.self_check_tokens:
-                shim_args += ["--self-check", "--self-check-tokens", str(serve.self_check_tokens)]
-            children.append(spawn("shim", shim_args))
-        local_ranks = range(args.node_rank * args.nproc_per_node,
-                            (args.node_rank + 1) * args.nproc_per_node)
-        _write_engine_file(run_dir, children, addresses, serve, world_size, local_ranks)
+        group[:] = start_group(launch, master_port)
+        if launch.head:
+            shim.append(start_shim(launch, config, serve))
+        _write_engine_file(launch, group + shim, serve)
         if args.external_workers:
             log.info("waiting_for_external_workers", world_size=world_size,
                      command=f"torchrun --nproc-per-node {args.nproc_per_node} "
                              f"-m worker.main --scheduler {workers_addr}")
         log.info("engine_started", run_dir=str(run_dir), world_size=world_size,
-                 url=f"http://{serve.host}:{serve.port}" if head else None,
-                 pids={c.name: c.proc.pid for c in children})
-        return _supervise(children, stop_reason, log)
+                 url=f"http://{serve.host}:{serve.port}" if launch.head else None,
+                 pids={c.name: c.proc.pid for c in group + shim}, max_restarts=args.restart)
+
+        def restart(attempt: int, cause: str) -> None:
+            log.warning("engine_restarting", attempt=attempt, max_restarts=args.restart,
+                        cause=cause)
+            stop_in_order(group)
+            group[:] = start_group(launch, free_port())  # the old port may linger in TIME_WAIT
+            _write_engine_file(launch, group + shim, serve)
+            log.info("engine_restarted", attempt=attempt,
+                     pids={c.name: c.proc.pid for c in group})
+
+        return _supervise(group, shim, stop_reason, log, args.restart, restart)
     finally:
-        stop_all(children)
+        stop_in_order(group + shim)
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _supervise(children: list[Child], stop_reason: dict, log) -> int:
+def _supervise(group: list[Child], shim: list[Child], stop_reason: dict, log,
+               max_restarts: int, restart: Callable[[int, str], None]) -> int:
+    """Until a signal or a death that is not restarted: the exit status to return."""
+    attempt = 0
     while True:
         if stop_reason["signal"]:
             log.info("engine_stopping", reason=stop_reason["signal"])
             return 0
-        for c in children:
-            code = c.proc.poll()
-            if code is not None:
+        exited = [c for c in shim + group if c.proc.poll() is not None]
+        # the ranks first: a dead rank makes the scheduler exit too, and is the cause
+        exited.sort(key=lambda c: (not c.name.startswith("rank"), c.name))
+        if exited:
+            cause = "; ".join(f"{c.name} (pid {c.proc.pid}) {describe_exit(c.proc.returncode)}"
+                              for c in exited)
+            if attempt < max_restarts and not any(c in shim for c in exited):
+                attempt += 1
+                restart(attempt, cause)
+                continue
+            for c in exited:
                 log.error("child_exited", process=c.name, pid=c.proc.pid,
-                          status=describe_exit(code), action="stopping the engine")
-                return 1 if code == 0 else (code if code > 0 else 128 - code)
+                          status=describe_exit(c.proc.returncode), action="stopping the engine",
+                          **({"restarts_used": attempt} if max_restarts else {}))
+            code = exited[0].proc.returncode
+            return 1 if code == 0 else (code if code > 0 else 128 - code)
         time.sleep(0.2)
 
 
-def _write_engine_file(run_dir: Path, children: list[Child], addresses: dict, serve,
-                       world_size: int, local_ranks: range) -> None:
+def _write_engine_file(launch: Launch, children: list[Child], serve) -> None:
     """A small JSON for the inspect CLI: who runs where, and the control sockets of the
-    scheduler and of this node's ranks (ranks started by torchrun use the same paths)."""
+    scheduler and of this node's ranks (ranks started by torchrun use the same paths).
+    Rewritten after each restart: the pids change, the addresses do not."""
+    run_dir = launch.run_dir
     engine = {
         "launcher_pid": os.getpid(),
-        "world_size": world_size,
-        "addresses": addresses,
+        "world_size": launch.world_size,
+        "addresses": launch.addresses,
         "http": f"http://{serve.host}:{serve.port}",
         "processes": [{"name": c.name, "pid": c.proc.pid} for c in children],
         "control": {
             "scheduler": control_address(run_dir, "scheduler"),
-            "ranks": {str(r): control_address(run_dir, f"rank{r}") for r in local_ranks},
+            "ranks": {str(r): control_address(run_dir, f"rank{r}") for r in launch.local_ranks},
         },
     }
-    (run_dir / "engine.json").write_text(json.dumps(engine, indent=2))
+    tmp = run_dir / "engine.json.tmp"  # replaced whole: a reader never sees half a file
+    tmp.write_text(json.dumps(engine, indent=2))
+    tmp.replace(run_dir / "engine.json")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ rank). Tests and the simulator implement the same three methods in-process.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Protocol
 
 import zmq
@@ -19,6 +20,13 @@ from scheduler.protocol import (
     WorkerConnect,
     WorkerReady,
     codec,
+)
+from scheduler.rank_health import (
+    RankProcess,
+    dead_ranks,
+    describe_dead,
+    describe_ranks,
+    hung_ranks,
 )
 
 
@@ -33,49 +41,105 @@ class Executor(Protocol):
 
 
 class WorkerFailure(RuntimeError):
-    """A rank reported an error, or did not answer in time."""
+    """A rank died, reported an error, or did not answer in time.
+
+    `ranks` are the ranks to blame; `cause` is "died", "hung" or "error"."""
+
+    def __init__(self, message: str, ranks: list[int] | None = None,
+                 cause: str = "error") -> None:
+        super().__init__(message)
+        self.ranks = ranks or []
+        self.cause = cause
+
+
+# How often, while waiting for the ranks, the executor checks that their processes live:
+# a dead rank is reported within this, not after the step timeout.
+POLL_SLICE_S = 0.5
+# A rank's error may be the echo of a peer's death (gloo: "connection closed by peer");
+# this long is given to the dead peer's process to show as dead before the messenger is
+# blamed.
+DEATH_GRACE_S = 0.5
 
 
 class ZmqExecutor:
     def __init__(self, address: str, config: EngineConfig, start_timeout_s: float = 600,
-                 step_timeout_s: float = 600) -> None:
+                 step_timeout_s: float = 600, control_dir: Path | None = None) -> None:
         self.config = config
         self.world_size = config.world_size
         self.start_timeout_s = start_timeout_s
         self.step_timeout_s = step_timeout_s
+        self.control_dir = control_dir  # where the ranks' control sockets are (hang checks)
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(address)
         self._identities: list[bytes] = []
+        self._procs: dict[int, RankProcess] = {}
 
-    def _recv(self, timeout_s: float, waiting_for: str) -> tuple[bytes, object]:
-        if not self._sock.poll(max(1, int(timeout_s * 1000))):
-            raise WorkerFailure(f"no answer from the ranks within {timeout_s:.0f}s ({waiting_for})")
-        identity, frame = self._sock.recv_multipart()
-        return identity, codec.decode(frame)
+    def _recv(self, deadline: float, during: str) -> tuple[bytes, object] | None:
+        """The next message, or None at the deadline. Between poll slices, a rank
+        process that died raises WorkerFailure at once."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            if self._sock.poll(max(1, int(min(remaining, POLL_SLICE_S) * 1000))):
+                identity, frame = self._sock.recv_multipart()
+                return identity, codec.decode(frame)
+            self.check_alive(during)
+
+    def check_alive(self, during: str) -> None:
+        """Raise WorkerFailure naming every rank on this host whose process is gone."""
+        dead = dead_ranks(list(self._procs.values()))
+        if dead:
+            raise WorkerFailure(f"{describe_dead(dead)} died {during}",
+                                [r.rank for r in dead], "died")
+
+    def _rank_error(self, rank: int, during: str, error: str) -> WorkerFailure:
+        """A rank's error, unless a dead peer caused it: then the dead one is named."""
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while True:
+            try:
+                self.check_alive(during)
+            except WorkerFailure as exc:
+                return WorkerFailure(f"{exc} (rank {rank} reported: {error})", exc.ranks,
+                                     exc.cause)
+            if time.monotonic() >= deadline:
+                return WorkerFailure(f"rank {rank} failed {during}: {error}", [rank])
+            time.sleep(0.05)
 
     def start(self) -> list[WorkerReady]:
         deadline = time.monotonic() + self.start_timeout_s
         identities: dict[int, bytes] = {}
         while len(identities) < self.world_size:
-            identity, msg = self._recv(deadline - time.monotonic(), "connect")
+            got = self._recv(deadline, "while connecting")
+            if got is None:
+                raise self._start_timeout("connect")
+            identity, msg = got
             assert isinstance(msg, WorkerConnect), msg
             if msg.world_size != self.world_size:
                 raise WorkerFailure(
                     f"rank {msg.rank} has WORLD_SIZE={msg.world_size}, engine has "
-                    f"{self.world_size}")
+                    f"{self.world_size}", [msg.rank])
             identities[msg.rank] = identity
+            self._procs[msg.rank] = RankProcess(msg.rank, msg.pid, msg.hostname)
             self._sock.send_multipart([identity, codec.encode(self.config)])
         self._identities = [identities[r] for r in range(self.world_size)]
         ready: dict[int, WorkerReady] = {}
         while len(ready) < self.world_size:
-            _, msg = self._recv(deadline - time.monotonic(), "model load")
+            got = self._recv(deadline, "while loading the model")
+            if got is None:
+                raise self._start_timeout("model load")
+            _, msg = got
             if isinstance(msg, StepResult) and msg.error:
-                raise WorkerFailure(f"rank {msg.rank} failed to start: {msg.error}")
+                raise self._rank_error(msg.rank, "while loading the model", msg.error)
             assert isinstance(msg, WorkerReady), msg
             ready[msg.rank] = msg
         return [ready[r] for r in range(self.world_size)]
+
+    def _start_timeout(self, waiting_for: str) -> WorkerFailure:
+        return WorkerFailure(f"no answer from the ranks within {self.start_timeout_s:.0f}s "
+                             f"({waiting_for})", cause="hung")
 
     def step(self, plan: StepPlan) -> list[StepResult]:
         frame = codec.encode(plan)
@@ -83,15 +147,26 @@ class ZmqExecutor:
             self._sock.send_multipart([identity, frame])
         results: dict[int, StepResult] = {}
         deadline = time.monotonic() + self.step_timeout_s
+        during = f"during step {plan.step}"
         while len(results) < self.world_size:
-            missing = sorted(set(range(self.world_size)) - set(results))
-            _, msg = self._recv(deadline - time.monotonic(),
-                                f"step {plan.step}, ranks {missing}")
+            got = self._recv(deadline, during)
+            if got is None:
+                raise self._hung(plan.step, sorted(set(range(self.world_size)) - set(results)))
+            _, msg = got
             assert isinstance(msg, StepResult), msg
             if msg.error:
-                raise WorkerFailure(f"rank {msg.rank} failed in step {msg.step}: {msg.error}")
+                raise self._rank_error(msg.rank, during, msg.error)
             results[msg.rank] = msg
         return [results[r] for r in range(self.world_size)]
+
+    def _hung(self, step: int, missing: list[int]) -> WorkerFailure:
+        procs = [self._procs.get(r, RankProcess(r, 0, "")) for r in missing]
+        hung, waiting = hung_ranks(procs, self.control_dir)
+        message = (f"{describe_ranks(hung)} did not answer step {step} within "
+                   f"{self.step_timeout_s:g}s: hung")
+        if waiting:
+            message += f" ({describe_ranks(waiting)} waiting in a collective)"
+        return WorkerFailure(message, hung, "hung")
 
     def shutdown(self) -> None:
         for identity in self._identities:

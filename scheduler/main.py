@@ -54,6 +54,10 @@ class SchedulerServer:
         self._clients: set[bytes] = set()
         self._stopping = False
 
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._owners)
+
     def stop(self, *_: object) -> None:
         self._stopping = True
 
@@ -121,10 +125,12 @@ class SchedulerServer:
             self._sock.send_multipart([identity, codec.encode(out)])
 
     def fail_all(self, message: str) -> None:
-        """Tell every client with a request in flight that the engine failed."""
+        """Tell every client with a request in flight that the engine failed.
+        "unavailable": the request was fine; retried later (the launcher may be
+        restarting the engine), it can succeed."""
         for request_id in list(self._owners):
             self._send([RequestOutput(request_id, finished=True, finish_reason="error",
-                                      error=message, error_type="internal")])
+                                      error=message, error_type="unavailable")])
         self.say_goodbye(message)
 
     def say_goodbye(self, reason: str) -> None:
@@ -153,11 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     addresses = json.loads((args.run_dir / "addresses.json").read_text())
     log = configure_logging("scheduler")
 
-    executor = ZmqExecutor(addresses["workers"], config, step_timeout_s=config.step_timeout_s)
+    executor = ZmqExecutor(addresses["workers"], config, step_timeout_s=config.step_timeout_s,
+                           control_dir=args.run_dir)
     try:
         limits = limits_from_ready(executor.start())
     except WorkerFailure as exc:
-        log.error("workers_failed_to_start", error=str(exc))
+        log.error("workers_failed_to_start", error=str(exc), ranks=exc.ranks, cause=exc.cause)
         return 1
     print_budget(config, limits)
     log.info("kv_cache_budget", block_size=config.block_size,
@@ -184,7 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         server.run()
     except (RankDivergenceError, WorkerFailure, CacheAccountingError, AssertionError) as exc:
         telemetry.failed(str(exc), digest_mismatch=isinstance(exc, RankDivergenceError))
-        log.error("engine_failed", error=str(exc))
+        failure = exc if isinstance(exc, WorkerFailure) else None
+        log.error("engine_failed", error=str(exc),
+                  ranks=failure.ranks if failure else None,
+                  cause=failure.cause if failure else type(exc).__name__,
+                  in_flight=server.num_in_flight)
         server.fail_all(f"engine failed: {exc}")
         return 1
     finally:

@@ -26,7 +26,8 @@ class Served:
 
     def __init__(self, model: Path, run_dir: Path, nproc: int = 4,
                  extra_args: list[str] | None = None, env: dict[str, str] | None = None,
-                 dtype: str = "float32", startup_timeout_s: float = 180) -> None:
+                 dtype: str = "float32", startup_timeout_s: float = 180,
+                 launcher_args: list[str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.run_dir = run_dir
@@ -38,7 +39,8 @@ class Served:
         full_env.update(env or {})
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "orchestrator.launcher", "--nproc-per-node", str(nproc),
-             "--run-dir", str(run_dir), "serve", "--model", str(model), "--port", str(self.port),
+             "--run-dir", str(run_dir), *(launcher_args or []),
+             "serve", "--model", str(model), "--port", str(self.port),
              "--dtype", dtype, *(extra_args or [])],
             cwd=REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
         try:

@@ -95,6 +95,7 @@ class RankControl:
         seqs = [SeqTable(sid, len(t), table_digest(sid, t) if detail else 0)
                 for sid, t in sorted(tables.items())]
         in_step = self.state == "forward"
+        since = self.runner.tp.collective_since
         return RankSnapshot(
             rank=self.rank, pid=os.getpid(), device=str(self.runner.device),
             world_size=self.world_size, step=self.step, state=self.state,
@@ -103,6 +104,7 @@ class RankControl:
             digest=self._digest, seqs=seqs, usage=self._usage(tables),
             tier_digests=self.runner.digest.tier_digests() if detail else {},
             last_error=self.last_error,
+            seconds_in_collective=now - since if since else 0.0,
         )
 
     def _usage(self, tables: dict[int, list[int]]) -> dict[str, dict[str, int]]:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -48,15 +51,31 @@ def set_torch_threads(local_world_size: int, requested: int = 0) -> int:
 
 
 class TensorParallelGroup:
-    """The collectives the model needs; no-ops at world size 1."""
+    """The collectives the model needs; no-ops at world size 1.
+
+    `collective_since` (monotonic seconds, 0 when not in one) marks a rank blocked in a
+    collective, read by its control thread: when a step hangs, the ranks waiting in a
+    collective are the victims and the one that is not is the culprit. (With NCCL the
+    calls return at once and the wait happens at the next sync, so there it marks little.)
+    """
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.collective_since = 0.0
+
+    @contextmanager
+    def _collective(self) -> Iterator[None]:
+        self.collective_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.collective_since = 0.0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
-            dist.all_reduce(x)
+            with self._collective():
+                dist.all_reduce(x)
         return x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -65,7 +84,8 @@ class TensorParallelGroup:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
-        dist.gather(x, parts, dst=0)
+        with self._collective():
+            dist.gather(x, parts, dst=0)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
     def all_min(self, value: int) -> int:
@@ -74,7 +94,8 @@ class TensorParallelGroup:
             return value
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         t = torch.tensor([value], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        with self._collective():
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import time
 import traceback
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     sock.setsockopt(zmq.IDENTITY, f"rank-{info.rank}".encode())
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(args.scheduler)
-    sock.send(codec.encode(WorkerConnect(info.rank, info.world_size, os.getpid())))
+    sock.send(codec.encode(WorkerConnect(info.rank, info.world_size, os.getpid(),
+                                         socket.gethostname())))
     config = codec.decode(sock.recv())
     assert isinstance(config, EngineConfig), config
 

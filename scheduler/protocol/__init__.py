@@ -153,11 +153,13 @@ class StepResult:
 
 @dataclass
 class WorkerConnect:
-    """A rank's first message; the scheduler answers with the EngineConfig."""
+    """A rank's first message; the scheduler answers with the EngineConfig. `pid` and
+    `hostname` let the scheduler tell a dead rank (on its own host) from a slow one."""
 
     rank: int
     world_size: int
     pid: int
+    hostname: str
 
 
 @dataclass
@@ -209,7 +211,8 @@ class RequestOutput:
     num_device_cached_tokens: int = 0  # prompt tokens served from the device tier
     num_host_cached_tokens: int = 0  # prompt tokens served from the host tier
     error: str | None = None
-    error_type: str | None = None  # invalid_request | overloaded | timeout | internal
+    # invalid_request | overloaded | timeout | unavailable | internal
+    error_type: str | None = None
 
 
 @dataclass

@@ -80,6 +80,9 @@ class RankSnapshot:
     usage: dict[str, dict[str, int]] = field(default_factory=dict)  # tier -> used/cached/free
     tier_digests: dict[str, int] = field(default_factory=dict)  # which hash lives where
     last_error: str | None = None
+    # > 0 while the main thread is blocked in a collective (waiting for its peers): a
+    # stalled step's victims show it, the rank that stalls them does not
+    seconds_in_collective: float = 0.0
 
 
 @dataclass

@@ -351,6 +351,14 @@ def test_engine_failure_before_output_is_500_api_error(client, engine, stream) -
     assert_error(post(client, {"messages": HELLO, "stream": stream}), 500, "api_error")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_unavailable_is_503_api_error_with_retry_after(client, engine, stream) -> None:
+    engine.script("x", error_type="unavailable")
+    r = post(client, {"messages": HELLO, "stream": stream})
+    assert_error(r, 503, "api_error")
+    assert r.headers["retry-after"].isdigit()
+
+
 def test_mid_stream_failure_is_an_error_event(client, engine) -> None:
     engine.script("a b c d e f", error_type="internal", error_after=3)
     r = post(client, {"messages": HELLO, "stream": True})

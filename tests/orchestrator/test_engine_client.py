@@ -134,12 +134,67 @@ def test_shutdown_fails_live_requests(tmp_path: Path) -> None:
             await router.send(Shutdown("test over"))
             await asyncio.wait_for(task, 5)
             assert [(o.finished, o.finish_reason, o.error_type) for o in outs] == [
-                (True, "error", "internal")]
+                (True, "error", "unavailable")]
             assert "test over" in outs[0].error
             assert not client.connected
             with pytest.raises(EngineUnavailableError):
                 async for _ in client.generate(GenerateRequest("r2", [1], 4)):
                     pass
+            with pytest.raises(EngineUnavailableError):
+                await client.stats()
+            # it keeps saying hello; the next EngineInfo (a restarted engine) reconnects it
+            await router.handshake()
+            await wait_until(lambda: client.connected)
+        finally:
+            await client.close()
+            router.close()
+
+    asyncio.run(main())
+
+
+async def wait_until(predicate: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def test_a_scheduler_gone_without_goodbye_fails_live_requests_then_reconnects(
+        tmp_path: Path) -> None:
+    """A scheduler killed with SIGKILL sends no Shutdown: the socket monitor sees the
+    connection drop. A new scheduler on the same address is found again."""
+
+    async def main() -> None:
+        router = Router(address(tmp_path))
+        client = EngineClient(address(tmp_path), connect_timeout_s=5)
+        try:
+            start = asyncio.create_task(client.start())
+            await router.handshake()
+            await start
+            outs: list[Any] = []
+
+            async def consume() -> None:
+                async for out in client.generate(GenerateRequest("r1", [1], 4)):
+                    outs.append(out)
+
+            task = asyncio.create_task(consume())
+            await router.recv()
+            router.close()  # no goodbye
+            await asyncio.wait_for(task, 5)
+            assert [(o.finish_reason, o.error_type) for o in outs] == [("error", "unavailable")]
+            assert not client.connected
+
+            router = Router(address(tmp_path))  # the restarted scheduler binds the same path
+            t0 = time.monotonic()
+            await router.handshake()
+            await wait_until(lambda: client.connected)
+            assert time.monotonic() - t0 < 3
+            task = asyncio.create_task(consume())
+            msg = await router.recv()
+            while isinstance(msg, ClientHello):  # hellos queued while it was away
+                msg = await router.recv()
+            assert isinstance(msg, GenerateRequest)
+            task.cancel()
         finally:
             await client.close()
             router.close()

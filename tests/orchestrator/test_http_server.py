@@ -164,10 +164,47 @@ def test_max_model_len_flag_lowers_the_limit(engine: StandInEngine, tokenizer: T
         assert "maximum context length is 4 tokens" in err["message"]
 
 
-def test_engine_gone_is_503(client: TestClient, engine: StandInEngine) -> None:
+ENDPOINTS = [
+    ("GET", "/v1/models", None),
+    ("GET", "/v1/models/tiny-served", None),
+    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True}),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("POST", "/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
+    ("POST", "/v1/messages", {"max_tokens": 4, "stream": True,
+                              "messages": [{"role": "user", "content": "hi"}]}),
+    ("POST", "/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), ENDPOINTS)
+def test_engine_gone_is_503_with_retry_after(client: TestClient, engine: StandInEngine,
+                                             method: str, path: str, body: Any) -> None:
+    """The engine failed or is restarting: every endpoint says so with a retry-after
+    (never a 500), each in its API's shape; /health too, /metrics still answers."""
     engine.connected = False
-    assert_openai_error(client.post("/v1/completions", json={"prompt": "hi"}), 503,
-                        "service_unavailable")
+    r = client.request(method, path, json=body)
+    assert r.status_code == 503 and r.headers["retry-after"], r.text
+    if path.startswith("/v1/messages"):
+        assert r.json()["error"]["type"] == "api_error"
+    else:
+        assert_openai_error(r, 503, "service_unavailable")
+    health = client.get("/health")
+    assert health.status_code == 503 and health.headers["retry-after"]
+    assert client.get("/metrics").status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_lost_after_the_check_is_503(tokenizer: Tokenizer, stream: bool) -> None:
+    """Gone between the endpoint's check and the send: still a 503, not a 500."""
+    from orchestrator.engine_client import EngineUnavailableError
+
+    engine = StandInEngine(tokenizer.get_vocab_size(),
+                           generate_error=EngineUnavailableError("the engine shut down"))
+    with TestClient(build_app(engine, tokenizer, model_name="m")) as c:
+        r = c.post("/v1/completions", json={"prompt": "hi", "stream": stream})
+        assert_openai_error(r, 503, "service_unavailable")
+        assert r.headers["retry-after"] == "5"
 
 
 def test_internal_error_is_500_in_openai_shape(tokenizer: Tokenizer) -> None:

@@ -190,3 +190,14 @@ def test_engine_error_mapping() -> None:
     assert engine_error("invalid_request", "bad").status == 400
     assert engine_error("internal", None).status == 500
     assert engine_error(None, "?").status == 500
+
+
+def test_engine_unavailable_is_503_with_retry_after_in_both_shapes() -> None:
+    """The engine failed mid-request (a rank died) or is restarting: the request was
+    fine, so clients are told to retry, not that it was bad."""
+    err = engine_error("unavailable", "engine failed: rank 1 (pid 7) died during step 3")
+    assert (err.status, err.type, err.headers) == (503, "service_unavailable",
+                                                   {"retry-after": "5"})
+    assert err.body()["error"]["message"].endswith("died during step 3")
+    assert (err.anthropic_status, err.anthropic_type) == (503, "api_error")
+    assert err.anthropic_body()["error"]["type"] == "api_error"

@@ -20,8 +20,8 @@ class Engine(Served):
     """A served engine plus the inspect CLI pointed at its run directory."""
 
     def __init__(self, model: Path, run_dir: Path, *args: str, env: dict[str, str] | None = None,
-                 nproc: int = 4) -> None:
-        super().__init__(model, run_dir, nproc, list(args), env)
+                 nproc: int = 4, launcher_args: list[str] | None = None) -> None:
+        super().__init__(model, run_dir, nproc, list(args), env, launcher_args=launcher_args)
 
     def inspect(self, *args: str) -> tuple[int, str]:
         """Run `deepinfer-inspect --run-dir RUN ARGS...`; (exit status, output)."""

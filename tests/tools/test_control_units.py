@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 from structlog.testing import capture_logs
@@ -20,12 +21,14 @@ def test_rank_control_reports_its_real_tables(tmp_path):
     plan = StepPlan(0, new_seqs=[NewSequence(1, [0, 1]), NewSequence(2, [5])],
                     register=[(0, 77), (3, 78)])
     digest.apply(plan)
-    runner = SimpleNamespace(block_tables={1: [0, 1], 2: [5]}, digest=digest, device="cpu")
+    runner = SimpleNamespace(block_tables={1: [0, 1], 2: [5]}, digest=digest, device="cpu",
+                             tp=SimpleNamespace(collective_since=0.0))
     control = RankControl(runner, 2, 4, f"ipc://{tmp_path}/rank2.sock")
     try:
         control.applied(plan)
         snap = ask(control.server.address, SnapshotRequest(detail=True))
         assert (snap.rank, snap.step, snap.state) == (2, 0, "forward")
+        assert snap.seconds_in_collective == 0.0
         assert [(s.seq_id, s.num_blocks) for s in snap.seqs] == [(1, 2), (2, 1)]
         assert snap.seqs[0].table_digest == digest.tables()[1][1]
         # block 3 holds a hash and no table uses it: cached
@@ -33,6 +36,8 @@ def test_rank_control_reports_its_real_tables(tmp_path):
         runner.block_tables[1][1] = 6  # a table the plans never said: the digest cannot see it
         snap = ask(control.server.address, SnapshotRequest(detail=True))
         assert snap.seqs[0].table_digest == table_digest(1, [0, 6]) != digest.tables()[1][1]
+        runner.tp.collective_since = time.monotonic() - 2  # blocked in an all-reduce
+        assert ask(control.server.address, SnapshotRequest()).seconds_in_collective >= 2
         control.finished(digest.value)
         assert ask(control.server.address, SeqRequest(1)).block_ids == [0, 6]
         assert not ask(control.server.address, SeqRequest(9)).found

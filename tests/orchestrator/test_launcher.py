@@ -1,0 +1,63 @@
+"""The launcher's supervision without an engine: children are `sleep` processes."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from orchestrator.launcher import Child, _supervise, parse_args, stop_in_order
+
+
+def test_restart_is_refused_where_it_cannot_work(capsys) -> None:
+    for flags in (["--nnodes", "2"], ["--external-workers"]):
+        with pytest.raises(SystemExit):
+            parse_args([*flags, "--restart", "1", "serve"])
+        assert "--restart is not supported" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--restart", "-1", "serve"])
+    assert parse_args(["serve"]).restart == 0
+    assert parse_args(["--restart", "2", "serve"]).restart == 2
+
+
+def sleeper(name: str, seconds: str = "60") -> Child:
+    return Child(name, subprocess.Popen(["sleep", seconds]))
+
+
+def test_the_group_is_restarted_up_to_n_times_and_the_shim_kept() -> None:
+    group = [sleeper("scheduler"), sleeper("rank 0"), sleeper("rank 1", "0")]
+    shim = [sleeper("shim")]
+    restarts: list[tuple[int, str]] = []
+
+    def restart(attempt: int, cause: str) -> None:
+        restarts.append((attempt, cause))
+        stop_in_order(group)
+        # the second group loses its scheduler at once: the restarts are used up
+        group[:] = [sleeper("scheduler", "0"), sleeper("rank 0"), sleeper("rank 1")]
+
+    try:
+        with capture_logs() as logs:
+            code = _supervise(group, shim, {"signal": None}, structlog.get_logger(), 1, restart)
+        assert code == 1  # "scheduler" exited 0: unexpected all the same
+        assert len(restarts) == 1 and restarts[0][0] == 1
+        assert "rank 1 (pid" in restarts[0][1] and "exit status 0" in restarts[0][1]
+        assert shim[0].proc.poll() is None  # the shim stays up across restarts
+        exits = [e for e in logs if e["event"] == "child_exited"]
+        assert [e["process"] for e in exits] == ["scheduler"]
+        assert exits[0]["restarts_used"] == 1
+    finally:
+        stop_in_order(group + shim)
+
+
+def test_the_shim_exiting_stops_everything_even_with_restarts_left() -> None:
+    group = [sleeper("scheduler"), sleeper("rank 0")]
+    shim = [sleeper("shim", "0")]
+    try:
+        code = _supervise(group, shim, {"signal": None}, structlog.get_logger(), 3,
+                          lambda *_: pytest.fail("restarted for a dead shim"))
+        assert code == 1
+    finally:
+        stop_in_order(group + shim)
+
