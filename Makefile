@@ -9,7 +9,7 @@ TORCH_CPU := torch==2.13.0+cpu
 PYTEST_ARGS ?=
 
 .PHONY: install test lint serve bench bench-worker bench-engine bench-agents bench-index \
-	simulate clean e2e-claude-code
+	simulate clean e2e-claude-code soak
 
 install: $(INSTALLED) $(MODEL)/deepinfer_tiny.json
 
@@ -57,6 +57,11 @@ bench-index: install
 
 simulate: install
 	$(PY) -m tools.simulate
+
+# Thousands of mixed, cancelled and malformed requests against a 4-rank engine;
+# prints leaks and divergences (both must be 0). Minutes; not part of `make test`.
+soak: install
+	$(PY) -m tools.soak --model $(MODEL)
 
 # The Claude Code CLI (npm) against the engine; needs npm and network. Not in `make test`.
 e2e-claude-code: install
