@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,14 +77,37 @@ def test_no_scheduler_is_a_clear_error(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+@asynccontextmanager
+async def connected(tmp_path: Path) -> AsyncIterator[Wire]:
+    """A client that has said hello to a test-driven router (`wire.router` may be
+    replaced, as by a restarted scheduler: the current one is closed at the end)."""
+    wire = Wire(Router(address(tmp_path)), EngineClient(address(tmp_path), connect_timeout_s=5))
+    try:
+        start = asyncio.create_task(wire.client.start())
+        await wire.router.handshake()
+        assert await start == INFO
+        yield wire
+    finally:
+        await wire.client.close()
+        wire.router.close()
+
+
+@dataclass
+class Wire:
+    router: Router
+    client: EngineClient
+
+
+async def collect(client: EngineClient, rid: str, outs: list[Any]) -> None:
+    async for out in client.generate(GenerateRequest(rid, [1], 4)):
+        outs.append(out)
+
+
 def test_handshake_and_abort_when_the_consumer_leaves(tmp_path: Path) -> None:
     async def main() -> None:
-        router = Router(address(tmp_path))
-        client = EngineClient(address(tmp_path), connect_timeout_s=5)
-        try:
-            start = asyncio.create_task(client.start())
-            await router.handshake()
-            assert await start == INFO and client.connected and client.info == INFO
+        async with connected(tmp_path) as wire:
+            router, client = wire.router, wire.client
+            assert client.connected and client.info == INFO
 
             # A consumer that is cancelled while waiting (the HTTP client went away).
             async def consume(rid: str) -> None:
@@ -108,28 +134,16 @@ def test_handshake_and_abort_when_the_consumer_leaves(tmp_path: Path) -> None:
             await gen.aclose()
             with pytest.raises(asyncio.TimeoutError):
                 await router.recv(timeout_s=0.2)
-        finally:
-            await client.close()
-            router.close()
 
     asyncio.run(main())
 
 
 def test_shutdown_fails_live_requests(tmp_path: Path) -> None:
     async def main() -> None:
-        router = Router(address(tmp_path))
-        client = EngineClient(address(tmp_path), connect_timeout_s=5)
-        try:
-            start = asyncio.create_task(client.start())
-            await router.handshake()
-            await start
+        async with connected(tmp_path) as wire:
+            router, client = wire.router, wire.client
             outs: list[Any] = []
-
-            async def consume() -> None:
-                async for out in client.generate(GenerateRequest("r1", [1], 4)):
-                    outs.append(out)
-
-            task = asyncio.create_task(consume())
+            task = asyncio.create_task(collect(client, "r1", outs))
             await router.recv()
             await router.send(Shutdown("test over"))
             await asyncio.wait_for(task, 5)
@@ -145,9 +159,6 @@ def test_shutdown_fails_live_requests(tmp_path: Path) -> None:
             # it keeps saying hello; the next EngineInfo (a restarted engine) reconnects it
             await router.handshake()
             await wait_until(lambda: client.connected)
-        finally:
-            await client.close()
-            router.close()
 
     asyncio.run(main())
 
@@ -165,38 +176,27 @@ def test_a_scheduler_gone_without_goodbye_fails_live_requests_then_reconnects(
     connection drop. A new scheduler on the same address is found again."""
 
     async def main() -> None:
-        router = Router(address(tmp_path))
-        client = EngineClient(address(tmp_path), connect_timeout_s=5)
-        try:
-            start = asyncio.create_task(client.start())
-            await router.handshake()
-            await start
+        async with connected(tmp_path) as wire:
+            router, client = wire.router, wire.client
             outs: list[Any] = []
-
-            async def consume() -> None:
-                async for out in client.generate(GenerateRequest("r1", [1], 4)):
-                    outs.append(out)
-
-            task = asyncio.create_task(consume())
+            task = asyncio.create_task(collect(client, "r1", outs))
             await router.recv()
             router.close()  # no goodbye
             await asyncio.wait_for(task, 5)
             assert [(o.finish_reason, o.error_type) for o in outs] == [("error", "unavailable")]
             assert not client.connected
 
-            router = Router(address(tmp_path))  # the restarted scheduler binds the same path
+            # the restarted scheduler binds the same path
+            router = wire.router = Router(address(tmp_path))
             t0 = time.monotonic()
             await router.handshake()
             await wait_until(lambda: client.connected)
             assert time.monotonic() - t0 < 3
-            task = asyncio.create_task(consume())
+            task = asyncio.create_task(collect(client, "r2", []))
             msg = await router.recv()
             while isinstance(msg, ClientHello):  # hellos queued while it was away
                 msg = await router.recv()
             assert isinstance(msg, GenerateRequest)
             task.cancel()
-        finally:
-            await client.close()
-            router.close()
 
     asyncio.run(main())
