@@ -8,6 +8,7 @@ from pathlib import Path
 
 from orchestrator.tool_parsers import TOOL_CALL_PARSERS
 from scheduler.protocol import EngineConfig
+from scheduler.protocol.transport_security import SECRET_FILE_ENV, InsecureFileError, read_secret
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "tiny-llama"
@@ -106,3 +107,20 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
                          args.max_output_tokens, args.tool_call_parser,
                          args.self_check_tokens if args.self_check else 0)
     return config, serve
+
+
+def secret_file_env(path: str | None, multi_node: bool) -> dict[str, str]:
+    """`deepinfer-run --secret-file`, checked at launch (a clear error here rather than in
+    a child), as the environment that names it to every child: each derives its CURVE
+    keys from it (scheduler/protocol/transport_security)."""
+    if path is None:
+        if multi_node:
+            raise SystemExit("--nnodes > 1 needs --secret-file FILE: the same private file "
+                             "on every node (e.g. `head -c 32 /dev/urandom | base64 > FILE; "
+                             "chmod 600 FILE`)")
+        return {}
+    try:
+        read_secret(path)
+    except InsecureFileError as exc:
+        raise SystemExit(str(exc)) from None
+    return {SECRET_FILE_ENV: str(Path(path).resolve())}

@@ -39,6 +39,7 @@ from scheduler.protocol import (
     StatsRequest,
 )
 from scheduler.protocol.codec import ProtocolError, decode, encode
+from scheduler.protocol.transport_security import secure_connect
 
 if TYPE_CHECKING:
     from orchestrator.metrics import Metrics, RequestTimer
@@ -97,7 +98,7 @@ class EngineClient:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)  # close() must not hang on a dead scheduler
-        self._sock.connect(self.address)
+        secure_connect(self._sock, self.address)  # CURVE over tcp://
         self._info = asyncio.get_running_loop().create_future()
         self._reader = asyncio.create_task(self._read_loop(), name="engine-client-reader")
         await self._sock.send(encode(ClientHello(pid=os.getpid())))

@@ -26,9 +26,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from orchestrator.config import REPO, add_serve_arguments, build_config
+from orchestrator.config import REPO, add_serve_arguments, build_config, secret_file_env
 from scheduler.protocol.control_server import CONTROL_DIR_ENV, control_address
 from scheduler.protocol.log import configure_logging
+from scheduler.protocol.transport_security import SECRET_FILE_ENV
 
 STOP_GRACE_S = 5.0
 PR_SET_PDEATHSIG = 1
@@ -48,6 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, default=0, help="0: pick a free port")
+    p.add_argument("--secret-file", default=None,
+                   help="a shared secret (mode 0600, the same file on every node) that "
+                        "authenticates and encrypts the tcp:// sockets; required with --nnodes > 1")
     p.add_argument("--run-dir", default=None, help="default: a new private dir under /tmp")
     p.add_argument("--external-workers", action="store_true",
                    help="start no ranks here: they are started by torchrun, pointed at the "
@@ -110,11 +114,13 @@ def stop_all(children: list[Child]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log = configure_logging("launcher")
+    os.umask(0o077)  # what the engine writes (run dir, sockets, logs) is this user's only
     world_size = args.nproc_per_node * args.nnodes
     config, serve = build_config(args, world_size)
     run_dir = make_run_dir(args.run_dir)
     master_port = args.master_port or free_port()
     multi_node = args.nnodes > 1
+    os.environ.update(secret_file_env(args.secret_file, multi_node))  # for every child
     if multi_node:  # tcp only when several nodes are asked for
         workers_addr = f"tcp://{args.master_addr}:{master_port + 1}"
         requests_addr = f"tcp://{args.master_addr}:{master_port + 2}"
@@ -163,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
                             (args.node_rank + 1) * args.nproc_per_node)
         _write_engine_file(run_dir, children, addresses, serve, world_size, local_ranks)
         if args.external_workers:
+            env = f"{SECRET_FILE_ENV}={os.environ[SECRET_FILE_ENV]} " if multi_node else ""
             log.info("waiting_for_external_workers", world_size=world_size,
-                     command=f"torchrun --nproc-per-node {args.nproc_per_node} "
+                     command=f"{env}torchrun --nproc-per-node {args.nproc_per_node} "
                              f"-m worker.main --scheduler {workers_addr}")
         log.info("engine_started", run_dir=str(run_dir), world_size=world_size,
                  url=f"http://{serve.host}:{serve.port}" if head else None,
