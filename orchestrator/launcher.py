@@ -26,7 +26,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from orchestrator.config import REPO, add_serve_arguments, build_config, secret_file_env
+from orchestrator.config import (
+    API_KEY_ENV,
+    REPO,
+    add_serve_arguments,
+    build_config,
+    secret_file_env,
+)
 from scheduler.protocol.control_server import CONTROL_DIR_ENV, control_address
 from scheduler.protocol.log import configure_logging
 from scheduler.protocol.transport_security import SECRET_FILE_ENV
@@ -156,15 +162,16 @@ def main(argv: list[str] | None = None) -> int:
             shim_args = ["orchestrator.http_server", "--run-dir", str(run_dir),
                          "--model", config.model, "--host", serve.host, "--port", str(serve.port),
                          "--connect-timeout", "3600"]
-            if serve.api_key:
-                shim_args += ["--api-key", serve.api_key]
             if serve.served_model_name:
                 shim_args += ["--served-model-name", serve.served_model_name]
             shim_args += ["--max-output-tokens", str(serve.max_output_tokens),
                           "--tool-call-parser", serve.tool_call_parser]
             if serve.self_check_tokens:
                 shim_args += ["--self-check", "--self-check-tokens", str(serve.self_check_tokens)]
-            children.append(spawn("shim", shim_args))
+            shim_args += serve.shim_args()
+            # The key goes in the shim's environment: a command line is visible in `ps`.
+            children.append(spawn("shim", shim_args,
+                                  {API_KEY_ENV: serve.api_key} if serve.api_key else None))
         local_ranks = range(args.node_rank * args.nproc_per_node,
                             (args.node_rank + 1) * args.nproc_per_node)
         _write_engine_file(run_dir, children, addresses, serve, world_size, local_ranks)

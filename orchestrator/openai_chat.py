@@ -15,7 +15,13 @@ from starlette.responses import Response
 from orchestrator.chat_run import ChatRequest, ChatRun, prepare_chat, session_key
 from orchestrator.chat_template import Message, join_text
 from orchestrator.errors import ApiError, describe
-from orchestrator.http_common import admit, json_result, read_json_object, shim_state
+from orchestrator.http_common import (
+    admit,
+    check_counts,
+    json_result,
+    read_json_object,
+    shim_state,
+)
 from orchestrator.http_common import sse_response as start_sse
 from orchestrator.openai_api import SSE_DONE, sse, usage
 from orchestrator.tool_parsers import TextEvent, ToolCall
@@ -248,6 +254,7 @@ async def chat_completions(request: Request) -> Response:
     state = shim_state(request)
     admit(request, state)
     body = await read_json_object(request, state)
+    check_counts(body, state)
     req = parse_chat_request(body, request.headers)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     run = await prepare_chat(state, req, request_id, api="chat")
