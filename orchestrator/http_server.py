@@ -144,7 +144,8 @@ async def completions(request: Request) -> Response:
     else:
         prompt_ids = prompt
     params = oai.parse_completion(
-        body, prompt_ids, vocab_size=state.vocab_size, max_model_len=state.max_model_len
+        body, prompt_ids, vocab_size=state.vocab_size, max_model_len=state.max_model_len,
+        max_output_tokens=state.max_output_tokens,
     )
     if not state.engine.connected:
         raise oai.ApiError("the engine is not available", status=503, type="service_unavailable")

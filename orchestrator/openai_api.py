@@ -102,10 +102,12 @@ CompletionParams = GenerationParams
 
 
 def parse_completion(
-    body: dict[str, Any], prompt_token_ids: list[int], *, vocab_size: int, max_model_len: int
+    body: dict[str, Any], prompt_token_ids: list[int], *, vocab_size: int, max_model_len: int,
+    max_output_tokens: int = 0,
 ) -> CompletionParams:
     """Validate a /v1/completions body whose prompt (see `prompt_input`) is already
     tokenized to `prompt_token_ids`. Raises ApiError for anything the engine must not see.
+    `max_output_tokens` > 0: the server's cap on any request's output (--max-output-tokens).
     """
     _opt(body, "model", str, "")  # any name is served (agents send their own); type only
     _refuse_unsupported(body)
@@ -128,6 +130,8 @@ def parse_completion(
         raise ApiError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
     # Clamp, as vLLM does: a request for more than fits simply stops at the context end.
     max_tokens = min(max_tokens, max_model_len - n_prompt)
+    if max_output_tokens > 0:
+        max_tokens = min(max_tokens, max_output_tokens)
 
     temperature = _opt(body, "temperature", float, 1.0)  # OpenAI's default, not greedy
     top_p = _opt(body, "top_p", float, 1.0)
