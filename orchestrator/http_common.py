@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -21,6 +20,7 @@ from orchestrator.config import (
     DEFAULT_MAX_TOOLS,
 )
 from orchestrator.errors import ApiError
+from orchestrator.json_body import parse_json_object
 from orchestrator.metrics import Metrics
 from orchestrator.prefix_tracker import PrefixTracker
 from scheduler.protocol import EngineInfo, EngineStats, GenerateRequest, RequestOutput
@@ -29,6 +29,7 @@ T = TypeVar("T")
 # Prompts longer than this are tokenized (and rendered) in a thread so the event loop
 # keeps streaming other requests.
 TOKENIZE_IN_THREAD_CHARS = 20_000
+PARSE_IN_THREAD_BYTES = 1 << 20
 SELF_CHECK_HEADER = "x-deepinfer-self-check"
 
 
@@ -157,7 +158,8 @@ def admit(request: Request, state: ServerState) -> None:
 
 
 async def read_json_object(request: Request, state: ServerState) -> dict[str, Any]:
-    """The body as a JSON object; 413 past `max_request_bytes`, 400 if not JSON."""
+    """The body as a JSON object; 413 past `max_request_bytes`, 400 if not one (see
+    json_body)."""
     limit = state.max_request_bytes
     too_large = ApiError(f"the request body is larger than {limit} bytes", status=413,
                          type="request_too_large")
@@ -171,13 +173,10 @@ async def read_json_object(request: Request, state: ServerState) -> dict[str, An
         if size > limit:
             raise too_large
         chunks.append(chunk)
-    try:
-        body = json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError("the request body must be a JSON object")
-    return body
+    raw = b"".join(chunks)
+    if size > PARSE_IN_THREAD_BYTES:  # the event loop keeps streaming other requests
+        return await asyncio.to_thread(parse_json_object, raw)
+    return parse_json_object(raw)
 
 
 async def tokenize(tokenizer: Tokenizer, text: str, *,

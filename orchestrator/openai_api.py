@@ -9,13 +9,14 @@ rendered in OpenAI's shape, never a framework's default.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from tokenizers import Tokenizer
 
-from orchestrator.errors import ApiError, engine_error
+from orchestrator.errors import INT64_MAX, INT64_MIN, ApiError, engine_error
 from orchestrator.generation import Generation, GenerationParams
 from scheduler.protocol import GenerateRequest, SamplingParams
 
@@ -33,8 +34,9 @@ def _is_int(v: Any) -> bool:
 
 
 _KINDS: dict[type, tuple[str, Any]] = {
-    int: ("an integer", _is_int),
-    float: ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    int: ("a 64-bit integer", lambda v: _is_int(v) and INT64_MIN <= v <= INT64_MAX),
+    float: ("a finite number",
+            lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
     bool: ("a boolean", lambda v: isinstance(v, bool)),
     str: ("a string", lambda v: isinstance(v, str)),
 }
