@@ -267,6 +267,7 @@ def test_models(sdk) -> None:
     ({"messages": HELLO, "max_tokens": 0}, "max_tokens"),
     ({"messages": HELLO, "max_tokens": None}, "max_tokens: Field required"),
     ({"messages": HELLO, "temperature": "hot"}, "temperature"),
+    ({"messages": HELLO, "top_k": 2**63}, "top_k"),
     ({"messages": HELLO, "top_k": -3}, "top_k"),
     ({"messages": HELLO, "stream": "yes"}, "stream"),
     ({"messages": HELLO, "stop_sequences": "END"}, "stop_sequences"),

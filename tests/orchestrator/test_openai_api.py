@@ -139,6 +139,13 @@ def test_max_tokens_below_one(value: int) -> None:
         ("stop_token_ids", 3),
         ("stop_token_ids", ["1"]),
         ("stream_options", "yes"),
+        # past 64 bits (msgpack cannot carry them) or not finite
+        ("seed", 2**64),
+        ("seed", -(2**63) - 1),
+        ("top_k", 10**30),
+        ("max_tokens", 2**63),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
     ],
 )
 def test_wrong_types(field: str, value: Any) -> None:
