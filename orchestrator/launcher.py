@@ -123,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     os.umask(0o077)  # what the engine writes (run dir, sockets, logs) is this user's only
     world_size = args.nproc_per_node * args.nnodes
     config, serve = build_config(args, world_size)
-    run_dir = make_run_dir(args.run_dir)
-    master_port = args.master_port or free_port()
     multi_node = args.nnodes > 1
     os.environ.update(secret_file_env(args.secret_file, multi_node))  # for every child
+    run_dir = make_run_dir(args.run_dir)
+    master_port = args.master_port or free_port()
     if multi_node:  # tcp only when several nodes are asked for
         workers_addr = f"tcp://{args.master_addr}:{master_port + 1}"
         requests_addr = f"tcp://{args.master_addr}:{master_port + 2}"

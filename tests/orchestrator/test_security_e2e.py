@@ -1,17 +1,26 @@
 """`deepinfer-run serve --api-key-file` as a user would start it (2 ranks): the key is in
 no process's command line and no log, every endpoint but /health wants it, the shim
 listens on loopback only, the run directory and its sockets are private, and a request
-with oversized headers is refused by the HTTP server."""
+with oversized headers is refused by the HTTP server. Then two "nodes" on this machine
+(`--nnodes 2`), whose tcp:// sockets only a holder of --secret-file can use."""
 
 from __future__ import annotations
 
+import base64
+import os
+import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
 import pytest
+import zmq
 
-from tests.orchestrator.e2e_helpers import Served
+from scheduler.protocol import ClientHello, codec
+from tests.conftest import REPO, free_port, subprocess_env
+from tests.orchestrator.e2e_helpers import Served, complete, wait_healthy
 
 pytestmark = pytest.mark.slow
 KEY = "e2e-key-7d1f0c2a9b"
@@ -104,3 +113,45 @@ def test_oversized_headers_are_refused(served: Served) -> None:
     assert r.status_code == 431 and r.json()["type"] == "error"
     r = httpx.get(f"{served.url}/v1/models", headers={"x-api-key": KEY, "x-small": "a" * 4000})
     assert r.status_code == 200
+
+
+def launcher(*args: str, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.launcher", *args], cwd=REPO,
+                            env=subprocess_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def test_two_nodes_talk_over_curve_and_nobody_else_does(default_model: Path,
+                                                        tmp_path: Path) -> None:
+    serve = ["serve", "--model", str(default_model), "--dtype", "float32"]
+    refused = subprocess.run([sys.executable, "-m", "orchestrator.launcher", "--nnodes", "2",
+                              *serve], cwd=REPO, env=subprocess_env(), capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode != 0 and "needs --secret-file" in refused.stderr
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(base64.b64encode(os.urandom(32)))
+    secret.chmod(0o600)
+    master_port, port = free_port(), free_port()
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-port", str(master_port),
+              "--secret-file", str(secret)]
+    nodes = [launcher(*common, "--node-rank", str(r), "--run-dir", str(tmp_path / f"run{r}"),
+                      *serve, "--port", str(port), log=tmp_path / f"node{r}.log")
+             for r in (0, 1)]
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", timeout_s=120)
+        out = complete(f"http://127.0.0.1:{port}", prompt="Hello", max_tokens=3, temperature=0)
+        assert len(out["choices"][0]["token_ids"]) == 3
+        # No secret, no answer: the scheduler's client socket ignores a plain ZeroMQ peer.
+        ctx = zmq.Context()
+        intruder = ctx.socket(zmq.DEALER)
+        intruder.setsockopt(zmq.LINGER, 0)
+        intruder.connect(f"tcp://127.0.0.1:{master_port + 2}")
+        intruder.send(codec.encode(ClientHello(pid=os.getpid())))
+        assert not intruder.poll(1500)
+        ctx.destroy(linger=0)
+    finally:
+        for node in nodes:
+            node.send_signal(signal.SIGINT)
+        codes = [node.wait(timeout=60) for node in nodes]
+    logs = "".join((tmp_path / f"node{r}.log").read_text() for r in (0, 1))
+    assert codes == [0, 0], logs[-3000:]
