@@ -37,6 +37,7 @@ from orchestrator.errors import ApiError
 from orchestrator.generation import with_keepalive
 from orchestrator.http_common import (
     admit,
+    check_counts,
     json_result,
     read_json_object,
     scheduling_hints,
@@ -183,6 +184,7 @@ async def messages(request: Request) -> Response:
     state = shim_state(request)
     admit(request, state)
     body = await read_json_object(request, state)
+    check_counts(body, state)
     req = parse_messages_request(body, request.headers)
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
     run = await prepare_chat(state, req, msg_id, api="anthropic",
@@ -198,6 +200,7 @@ async def count_tokens(request: Request) -> Response:
     state = shim_state(request)
     admit(request, state)
     body = await read_json_object(request, state)
+    check_counts(body, state)
     req = parse_messages_request(body, request.headers, count_only=True)
     text = await render_prompt(state, req)
     ids = await tokenize(state.tokenizer, text, add_special_tokens=False)

@@ -19,7 +19,7 @@ from typing import Any
 
 from orchestrator.chat_run import ChatRequest, session_key
 from orchestrator.chat_template import Message, join_text, strip_billing_header
-from orchestrator.errors import ApiError, describe
+from orchestrator.errors import INT64_MAX, ApiError, describe
 from scheduler.protocol import SamplingParams
 
 ROLES = ("user", "assistant", "system")
@@ -221,7 +221,7 @@ def parse_messages_request(body: dict[str, Any], headers: Any, *,
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise _bad("stop_sequences: Input should be a list of strings", "stop_sequences")
     top_k = body.get("top_k")
-    if top_k is not None and (not _is_int(top_k) or top_k < 0):
+    if top_k is not None and (not _is_int(top_k) or not 0 <= top_k <= INT64_MAX):
         raise _bad(f"top_k: must be a non-negative integer, got {describe(top_k)}", "top_k")
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     sampling = SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 2.0),

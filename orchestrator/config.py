@@ -3,26 +3,73 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.tool_parsers import TOOL_CALL_PARSERS
 from scheduler.protocol import EngineConfig
+from scheduler.protocol.transport_security import (
+    SECRET_FILE_ENV,
+    InsecureFileError,
+    read_private_file,
+    read_secret,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "tiny-llama"
+# How the launcher hands the API key to the shim: never on a command line, which any
+# local user can read with `ps`; a process's environment is readable by its owner only.
+API_KEY_ENV = "DEEPINFER_API_KEY"
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024  # Anthropic's own limit for /v1/messages
+DEFAULT_MAX_TOOLS = 512
+DEFAULT_MAX_MESSAGES = 100_000  # agent sessions run to thousands of turns
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
 class ServeOptions:
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # never logged
     served_model_name: str | None = None
     max_output_tokens: int = 0  # cap on any request's output tokens; 0: none
     tool_call_parser: str = "hermes"
     self_check_tokens: int = 0  # > 0: run the prefix-cache gate at start-up, this long
     request_timeout_s: float = 0.0  # default per-request deadline; 0: none
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_tools: int = DEFAULT_MAX_TOOLS
+    max_messages: int = DEFAULT_MAX_MESSAGES
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+
+    def shim_args(self) -> list[str]:
+        """The request limits, as the shim's command line takes them."""
+        return ["--max-request-bytes", str(self.max_request_bytes),
+                "--max-tools", str(self.max_tools), "--max-messages", str(self.max_messages),
+                "--max-header-bytes", str(self.max_header_bytes)]
+
+
+def add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    """Request limits, shared by `deepinfer-run serve` and the shim's own command line."""
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="larger request bodies get a 413")
+    p.add_argument("--max-tools", type=int, default=DEFAULT_MAX_TOOLS,
+                   help="requests with more tools get a 400")
+    p.add_argument("--max-messages", type=int, default=DEFAULT_MAX_MESSAGES,
+                   help="chat requests with more messages get a 400")
+    p.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
+                   help="requests whose headers are larger are refused by the HTTP server")
+
+
+def api_key_from(args: argparse.Namespace) -> str | None:
+    """--api-key-file (a private file, like an ssh key) or --api-key."""
+    if args.api_key_file is None:
+        return args.api_key
+    if args.api_key is not None:
+        raise SystemExit("give --api-key or --api-key-file, not both")
+    try:
+        return read_private_file(args.api_key_file, "--api-key-file")
+    except InsecureFileError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +80,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None,
+                   help="require this key (visible in `ps`: prefer --api-key-file)")
+    p.add_argument("--api-key-file", default=None,
+                   help="require the key in this file (mode 0600, one line)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-output-tokens", type=int, default=0,
                    help="cap on any request's output tokens, on top of its max_tokens "
@@ -49,6 +99,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "against this engine; refuse to start if it fails")
     p.add_argument("--self-check-tokens", type=int, default=1024,
                    help="the self-check's document length, in tokens")
+    add_limit_arguments(p)
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory,
                    help="bytes per rank for the device KV tier")
@@ -106,8 +157,26 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
         torch_threads=args.torch_threads,
         seed=args.seed,
     )
-    serve = ServeOptions(args.host, args.port, args.api_key, args.served_model_name,
+    serve = ServeOptions(args.host, args.port, api_key_from(args), args.served_model_name,
                          args.max_output_tokens, args.tool_call_parser,
                          args.self_check_tokens if args.self_check else 0,
-                         args.request_timeout)
+                         args.request_timeout, args.max_request_bytes, args.max_tools,
+                         args.max_messages, args.max_header_bytes)
     return config, serve
+
+
+def secret_file_env(path: str | None, multi_node: bool) -> dict[str, str]:
+    """`deepinfer-run --secret-file`, checked at launch (a clear error here rather than in
+    a child), as the environment that names it to every child: each derives its CURVE
+    keys from it (scheduler/protocol/transport_security)."""
+    if path is None:
+        if multi_node:
+            raise SystemExit("--nnodes > 1 needs --secret-file FILE: the same private file "
+                             "on every node (e.g. `head -c 32 /dev/urandom | base64 > FILE; "
+                             "chmod 600 FILE`)")
+        return {}
+    try:
+        read_secret(path)
+    except InsecureFileError as exc:
+        raise SystemExit(str(exc)) from None
+    return {SECRET_FILE_ENV: str(Path(path).resolve())}

@@ -47,6 +47,7 @@ from scheduler.protocol import (
     StatsRequest,
 )
 from scheduler.protocol.codec import ProtocolError, decode, encode
+from scheduler.protocol.transport_security import secure_connect
 
 if TYPE_CHECKING:
     from orchestrator.metrics import Metrics, RequestTimer
@@ -112,7 +113,7 @@ class EngineClient:
         self._sock.setsockopt(zmq.LINGER, 0)  # close() must not hang on a dead scheduler
         self._monitor = self._sock.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self._sock.connect(self.address)
+        secure_connect(self._sock, self.address)  # CURVE over tcp://
         self._first_info = asyncio.get_running_loop().create_future()
         self._tasks = [
             asyncio.create_task(self._read_loop(), name="engine-client-reader"),

@@ -17,6 +17,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+# The integers the engine's wire format (msgpack) carries signed: a larger seed or top_k
+# would fail to encode after validation, as a 500.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 # OpenAI error type -> (Anthropic error type, status override or None)
 _ANTHROPIC_TYPES: dict[str, str] = {
     "invalid_request_error": "invalid_request_error",

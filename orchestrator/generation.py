@@ -10,6 +10,7 @@ request. The API modules only format what it yields.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -25,6 +26,9 @@ from scheduler.protocol import GenerateRequest, SamplingParams
 
 log = structlog.get_logger()
 T = TypeVar("T")
+# Below this a temperature samples greedily (as in vLLM): logits / t overflows float32 to
+# inf long before t reaches 0, softmax of inf is NaN, and the rank fails the step.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -106,7 +110,7 @@ class Generation:
             request_id=self.request_id,
             prompt_token_ids=p.prompt_token_ids,
             max_tokens=p.max_tokens,
-            sampling=p.sampling,
+            sampling=engine_sampling(p.sampling),
             stop_token_ids=p.stop_token_ids,
             ignore_eos=p.ignore_eos,
             cache_salt=p.cache_salt,
@@ -167,6 +171,13 @@ class Generation:
             **self.log_fields,
             **({"error": error} if error else {}),
         )
+
+
+def engine_sampling(sampling: SamplingParams) -> SamplingParams:
+    """The request's sampling as the engine can run it (see MIN_TEMPERATURE)."""
+    if 0 < sampling.temperature < MIN_TEMPERATURE:
+        return dataclasses.replace(sampling, temperature=0.0)
+    return sampling
 
 
 async def with_keepalive(items: AsyncIterator[T], interval_s: float) -> AsyncIterator[T | None]:

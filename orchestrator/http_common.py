@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -15,7 +14,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from tokenizers import Tokenizer
 
 from orchestrator.chat_template import ChatTemplate
+from orchestrator.config import (
+    DEFAULT_MAX_MESSAGES,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_TOOLS,
+)
 from orchestrator.errors import ApiError, unavailable_error
+from orchestrator.json_body import parse_json_object
 from orchestrator.metrics import Metrics
 from orchestrator.prefix_tracker import PrefixTracker
 from scheduler.protocol import EngineInfo, EngineStats, GenerateRequest, RequestOutput
@@ -24,7 +29,7 @@ T = TypeVar("T")
 # Prompts longer than this are tokenized (and rendered) in a thread so the event loop
 # keeps streaming other requests.
 TOKENIZE_IN_THREAD_CHARS = 20_000
-DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024  # Anthropic's own limit for /v1/messages
+PARSE_IN_THREAD_BYTES = 1 << 20
 SELF_CHECK_HEADER = "x-deepinfer-self-check"
 PRIORITY_HEADER = "x-deepinfer-priority"
 TIMEOUT_HEADER = "x-request-timeout"
@@ -49,7 +54,7 @@ class ServerState:
     engine: Engine
     tokenizer: Tokenizer
     model_name: str
-    api_key: str | None
+    api_key: str | None = field(repr=False)  # never logged
     metrics: Metrics = field(default_factory=Metrics)
     max_model_len: int = 0  # the limit requests are checked against; set at start-up
     vocab_size: int = 0
@@ -59,6 +64,8 @@ class ServerState:
     tool_call_parser: str = "hermes"
     max_output_tokens: int = 0  # server-side cap on any request's output; 0: none
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_tools: int = DEFAULT_MAX_TOOLS
+    max_messages: int = DEFAULT_MAX_MESSAGES
     ping_interval_s: float = 5.0  # SSE keep-alive while a request waits for tokens
     # While set, every endpoint but /health and /metrics answers 503 + retry-after with
     # this reason (the start-up self-check is running; the engine is restarting).
@@ -91,6 +98,29 @@ def error_response(err: ApiError, *, anthropic: bool = False) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
+class HeaderLimit:
+    """ASGI wrapper: requests whose headers add up to more than `limit` bytes get a 431.
+
+    uvicorn's h11 limit (h11_max_incomplete_event_size) only applies to a head still
+    incomplete after a read, so a head that arrives whole in one read passes it; this
+    check is exact, and answers in the shape of the API the path belongs to."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            size = sum(len(k) + len(v) for k, v in scope["headers"])
+            if size > self.limit:
+                err = ApiError(f"the request headers ({size} bytes) are larger than "
+                               f"{self.limit} bytes", status=431)
+                response = error_response(err, anthropic=is_anthropic_path(scope["path"]))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def check_auth(request: Request, state: ServerState) -> None:
     """`--api-key`: required as `Authorization: Bearer KEY` (OpenAI clients) or
     `x-api-key: KEY` (Anthropic clients)."""
@@ -103,6 +133,16 @@ def check_auth(request: Request, state: ServerState) -> None:
     if not hmac.compare_digest(token.encode(), state.api_key.encode()):
         raise ApiError("invalid or missing API key", status=401,
                        type="authentication_error", code="invalid_api_key")
+
+
+def check_counts(body: dict[str, Any], state: ServerState) -> None:
+    """--max-messages and --max-tools for the chat APIs, checked before any work is
+    spent on the lists (a body under the byte limit can still hold a million tiny items)."""
+    for name, limit in (("messages", state.max_messages), ("tools", state.max_tools)):
+        items = body.get(name)
+        if isinstance(items, list) and len(items) > limit:
+            raise ApiError(f"{name}: {len(items)} given, this server accepts at most {limit}",
+                           param=name)
 
 
 def admit(request: Request, state: ServerState) -> None:
@@ -157,7 +197,8 @@ def scheduling_hints(request: Request, state: ServerState) -> SchedulingHints:
 
 
 async def read_json_object(request: Request, state: ServerState) -> dict[str, Any]:
-    """The body as a JSON object; 413 past `max_request_bytes`, 400 if not JSON."""
+    """The body as a JSON object; 413 past `max_request_bytes`, 400 if not one (see
+    json_body)."""
     limit = state.max_request_bytes
     too_large = ApiError(f"the request body is larger than {limit} bytes", status=413,
                          type="request_too_large")
@@ -171,13 +212,10 @@ async def read_json_object(request: Request, state: ServerState) -> dict[str, An
         if size > limit:
             raise too_large
         chunks.append(chunk)
-    try:
-        body = json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError("the request body must be a JSON object")
-    return body
+    raw = b"".join(chunks)
+    if size > PARSE_IN_THREAD_BYTES:  # the event loop keeps streaming other requests
+        return await asyncio.to_thread(parse_json_object, raw)
+    return parse_json_object(raw)
 
 
 async def tokenize(tokenizer: Tokenizer, text: str, *,

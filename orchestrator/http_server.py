@@ -1,9 +1,14 @@
 """The HTTP shim: a Starlette app in front of the scheduler, served by uvicorn.
 
     python -m orchestrator.http_server --run-dir DIR --model MODEL_DIR \
-        [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME] \
+        [--host 127.0.0.1] [--port 8000] [--api-key-file FILE] [--served-model-name NAME] \
         [--max-model-len N] [--max-output-tokens N] [--tool-call-parser hermes] \
+        [--max-request-bytes N] [--max-tools N] [--max-messages N] [--max-header-bytes N] \
         [--connect-timeout S]
+
+The API key: --api-key-file, --api-key, or $DEEPINFER_API_KEY (how `deepinfer-run`
+passes it: a command line is visible to every local user in `ps`). Every endpoint but
+/health requires it.
 
 Endpoints: POST /v1/messages and /v1/messages/count_tokens (Anthropic, `anthropic_api`),
 POST /v1/chat/completions (OpenAI chat, `openai_chat`), POST /v1/completions (OpenAI,
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 import uuid
@@ -33,6 +39,7 @@ from typing import Any
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -41,9 +48,18 @@ from tokenizers import Tokenizer
 from orchestrator import anthropic_api, openai_chat
 from orchestrator import openai_api as oai
 from orchestrator.chat_template import ChatTemplate
-from orchestrator.http_common import (
+from orchestrator.config import (
+    API_KEY_ENV,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_MESSAGES,
     DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_TOOLS,
+    add_limit_arguments,
+    api_key_from,
+)
+from orchestrator.http_common import (
     Engine,
+    HeaderLimit,
     ServerState,
     admit,
     check_auth,
@@ -79,6 +95,7 @@ async def health(request: Request) -> Response:
 
 async def root(request: Request) -> Response:
     """Clients probe the base URL (Claude Code sends `HEAD /`)."""
+    check_auth(request, request.app.state.shim)
     return JSONResponse({"status": "ok"})
 
 
@@ -131,7 +148,8 @@ async def completions(request: Request) -> Response:
     else:
         prompt_ids = prompt
     params = oai.parse_completion(
-        body, prompt_ids, vocab_size=state.vocab_size, max_model_len=state.max_model_len
+        body, prompt_ids, vocab_size=state.vocab_size, max_model_len=state.max_model_len,
+        max_output_tokens=state.max_output_tokens,
     )
     hints = scheduling_hints(request, state)
     params.priority, params.timeout_s = hints.priority, hints.timeout_s
@@ -158,6 +176,9 @@ def build_app(
     tool_call_parser: str = "hermes",
     max_output_tokens: int = 0,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_tools: int = DEFAULT_MAX_TOOLS,
+    max_messages: int = DEFAULT_MAX_MESSAGES,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
     ping_interval_s: float = 5.0,
     request_timeout_s: float = 0.0,
 ) -> Starlette:
@@ -166,7 +187,8 @@ def build_app(
     `chat_template` the chat endpoints answer 400."""
     state = ServerState(engine, tokenizer, model_name, api_key, chat_template=chat_template,
                         tool_call_parser=tool_call_parser, max_output_tokens=max_output_tokens,
-                        max_request_bytes=max_request_bytes, ping_interval_s=ping_interval_s,
+                        max_request_bytes=max_request_bytes, max_tools=max_tools,
+                        max_messages=max_messages, ping_interval_s=ping_interval_s,
                         request_timeout_s=request_timeout_s)
     if hasattr(engine, "attach_metrics"):  # TTFT/ITL are observed where outputs arrive
         engine.attach_metrics(state.metrics)
@@ -224,6 +246,7 @@ def build_app(
             Route("/v1/messages", anthropic_api.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic_api.count_tokens, methods=["POST"]),
         ],
+        middleware=[Middleware(HeaderLimit, limit=max_header_bytes)],
         exception_handlers={
             HTTPException: on_http_error,
             oai.ApiError: on_api_error,
@@ -273,7 +296,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="model directory (holds tokenizer.json)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
+                   "or 'x-api-key: KEY' (visible in `ps`: prefer --api-key-file)")
+    p.add_argument("--api-key-file", default=None,
+                   help="require the key in this file (mode 0600, one line)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-model-len", type=int, default=0, help="0: the engine's")
     p.add_argument("--max-output-tokens", type=int, default=0,
@@ -281,8 +307,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(0: only the context limits it)")
     p.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
                    help="how tool calls are read back from the model's output")
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                   help="larger request bodies get a 413")
+    add_limit_arguments(p)
     p.add_argument("--connect-timeout", type=float, default=60.0,
                    help="seconds to wait for the scheduler's EngineInfo")
     p.add_argument("--request-timeout", type=float, default=0.0,
@@ -294,6 +319,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--self-check-tokens", type=int, default=1024,
                    help="the self-check's document length, in tokens")
     return p.parse_args(argv)
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """--api-key-file, --api-key, else $DEEPINFER_API_KEY (the launcher's way), which is
+    taken out of the environment so that nothing this process starts inherits it."""
+    env_key = os.environ.pop(API_KEY_ENV, None)
+    return api_key_from(args) or env_key or None
 
 
 def requests_address(run_dir: Path) -> str:
@@ -313,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     configure_logging("shim")
+    api_key = resolve_api_key(args)
     model_dir = Path(args.model)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     engine = EngineClient(requests_address(Path(args.run_dir)),
@@ -321,21 +354,27 @@ def main(argv: list[str] | None = None) -> int:
         engine,
         tokenizer,
         model_name=args.served_model_name or model_dir.resolve().name,
-        api_key=args.api_key,
+        api_key=api_key,
         max_model_len=args.max_model_len,
         chat_template=ChatTemplate.from_model_dir(model_dir),
         tool_call_parser=args.tool_call_parser,
         max_output_tokens=args.max_output_tokens,
         max_request_bytes=args.max_request_bytes,
         request_timeout_s=args.request_timeout,
+        max_tools=args.max_tools,
+        max_messages=args.max_messages,
+        max_header_bytes=args.max_header_bytes,
     )
     # log_config=None: uvicorn's records go through the JSON logging set up above.
+    # The header limit, at the transport too: h11 stops buffering a head past it
+    # (http="h11": httptools, if installed, would ignore the setting).
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
-                            access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+                            access_log=False, lifespan="on", timeout_graceful_shutdown=5,
+                            http="h11", h11_max_incomplete_event_size=args.max_header_bytes)
     server = uvicorn.Server(config)
     check = None
     if args.self_check:
-        check = SelfCheck(server, app.state.shim, args.host, args.port, args.api_key,
+        check = SelfCheck(server, app.state.shim, args.host, args.port, api_key,
                           args.self_check_tokens)
         check.start()
     server.run()

@@ -31,9 +31,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from orchestrator.config import REPO, add_serve_arguments, build_config
+from orchestrator.config import (
+    API_KEY_ENV,
+    REPO,
+    add_serve_arguments,
+    build_config,
+    secret_file_env,
+)
 from scheduler.protocol.control_server import CONTROL_DIR_ENV, control_address
 from scheduler.protocol.log import configure_logging
+from scheduler.protocol.transport_security import SECRET_FILE_ENV
 
 STOP_GRACE_S = 5.0
 PR_SET_PDEATHSIG = 1
@@ -53,6 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, default=0, help="0: pick a free port")
+    p.add_argument("--secret-file", default=None,
+                   help="a shared secret (mode 0600, the same file on every node) that "
+                        "authenticates and encrypts the tcp:// sockets; required with --nnodes > 1")
     p.add_argument("--run-dir", default=None, help="default: a new private dir under /tmp")
     p.add_argument("--external-workers", action="store_true",
                    help="start no ranks here: they are started by torchrun, pointed at the "
@@ -174,8 +184,6 @@ def start_shim(launch: Launch, config, serve) -> Child:
     shim_args = ["orchestrator.http_server", "--run-dir", str(launch.run_dir),
                  "--model", config.model, "--host", serve.host, "--port", str(serve.port),
                  "--connect-timeout", "3600"]
-    if serve.api_key:
-        shim_args += ["--api-key", serve.api_key]
     if serve.served_model_name:
         shim_args += ["--served-model-name", serve.served_model_name]
     shim_args += ["--max-output-tokens", str(serve.max_output_tokens),
@@ -184,17 +192,22 @@ def start_shim(launch: Launch, config, serve) -> Child:
         shim_args += ["--request-timeout", str(serve.request_timeout_s)]
     if serve.self_check_tokens:
         shim_args += ["--self-check", "--self-check-tokens", str(serve.self_check_tokens)]
-    return spawn("shim", shim_args)
+    shim_args += serve.shim_args()
+    # The key goes in the shim's environment: a command line is visible in `ps`.
+    return spawn("shim", shim_args, {API_KEY_ENV: serve.api_key} if serve.api_key else None)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log = configure_logging("launcher")
+    os.umask(0o077)  # what the engine writes (run dir, sockets, logs) is this user's only
     world_size = args.nproc_per_node * args.nnodes
     config, serve = build_config(args, world_size)
+    multi_node = args.nnodes > 1
+    os.environ.update(secret_file_env(args.secret_file, multi_node))  # for every child
     run_dir = make_run_dir(args.run_dir)
     master_port = args.master_port or free_port()
-    if args.nnodes > 1:  # tcp only when several nodes are asked for
+    if multi_node:  # tcp only when several nodes are asked for
         workers_addr = f"tcp://{args.master_addr}:{master_port + 1}"
         requests_addr = f"tcp://{args.master_addr}:{master_port + 2}"
     else:
@@ -220,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
             shim.append(start_shim(launch, config, serve))
         _write_engine_file(launch, group + shim, serve)
         if args.external_workers:
+            env = f"{SECRET_FILE_ENV}={os.environ[SECRET_FILE_ENV]} " if multi_node else ""
             log.info("waiting_for_external_workers", world_size=world_size,
-                     command=f"torchrun --nproc-per-node {args.nproc_per_node} "
+                     command=f"{env}torchrun --nproc-per-node {args.nproc_per_node} "
                              f"-m worker.main --scheduler {workers_addr}")
         log.info("engine_started", run_dir=str(run_dir), world_size=world_size,
                  url=f"http://{serve.host}:{serve.port}" if launch.head else None,

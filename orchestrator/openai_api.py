@@ -9,13 +9,14 @@ rendered in OpenAI's shape, never a framework's default.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from tokenizers import Tokenizer
 
-from orchestrator.errors import ApiError, engine_error
+from orchestrator.errors import INT64_MAX, INT64_MIN, ApiError, engine_error
 from orchestrator.generation import Generation, GenerationParams
 from scheduler.protocol import GenerateRequest, SamplingParams
 
@@ -33,8 +34,9 @@ def _is_int(v: Any) -> bool:
 
 
 _KINDS: dict[type, tuple[str, Any]] = {
-    int: ("an integer", _is_int),
-    float: ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    int: ("a 64-bit integer", lambda v: _is_int(v) and INT64_MIN <= v <= INT64_MAX),
+    float: ("a finite number",
+            lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
     bool: ("a boolean", lambda v: isinstance(v, bool)),
     str: ("a string", lambda v: isinstance(v, str)),
 }
@@ -102,10 +104,12 @@ CompletionParams = GenerationParams
 
 
 def parse_completion(
-    body: dict[str, Any], prompt_token_ids: list[int], *, vocab_size: int, max_model_len: int
+    body: dict[str, Any], prompt_token_ids: list[int], *, vocab_size: int, max_model_len: int,
+    max_output_tokens: int = 0,
 ) -> CompletionParams:
     """Validate a /v1/completions body whose prompt (see `prompt_input`) is already
     tokenized to `prompt_token_ids`. Raises ApiError for anything the engine must not see.
+    `max_output_tokens` > 0: the server's cap on any request's output (--max-output-tokens).
     """
     _opt(body, "model", str, "")  # any name is served (agents send their own); type only
     _refuse_unsupported(body)
@@ -128,6 +132,8 @@ def parse_completion(
         raise ApiError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
     # Clamp, as vLLM does: a request for more than fits simply stops at the context end.
     max_tokens = min(max_tokens, max_model_len - n_prompt)
+    if max_output_tokens > 0:
+        max_tokens = min(max_tokens, max_output_tokens)
 
     temperature = _opt(body, "temperature", float, 1.0)  # OpenAI's default, not greedy
     top_p = _opt(body, "top_p", float, 1.0)

@@ -14,15 +14,17 @@ from starlette.responses import Response
 
 from orchestrator.chat_run import ChatRequest, ChatRun, prepare_chat, session_key
 from orchestrator.chat_template import Message, join_text
-from orchestrator.errors import ApiError, describe
+from orchestrator.errors import INT64_MAX, INT64_MIN, ApiError, describe
 from orchestrator.http_common import (
     admit,
+    check_counts,
     json_result,
     read_json_object,
     scheduling_hints,
     shim_state,
 )
 from orchestrator.http_common import sse_response as start_sse
+from orchestrator.json_body import loads
 from orchestrator.openai_api import SSE_DONE, sse, usage
 from orchestrator.tool_parsers import TextEvent, ToolCall
 from scheduler.protocol import SamplingParams
@@ -36,7 +38,7 @@ def _bad(message: str, param: str | None = None) -> ApiError:
 
 
 def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, int) and not isinstance(v, bool) and INT64_MIN <= v <= INT64_MAX
 
 
 def _number(body: dict[str, Any], name: str, default: float) -> float:
@@ -77,10 +79,10 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             raise _bad(f"'{where}.tool_calls': each call needs a function name", "messages")
         args = fn.get("arguments", {})
         if isinstance(args, str):  # OpenAI sends a JSON string; templates want the object
-            try:
-                args = json.loads(args) if args.strip() else {}
+            try:  # held to the body's rules: too deep or a lone surrogate is a 400
+                args = loads(args, f"'{where}.tool_calls' arguments") if args.strip() else {}
             except ValueError:
-                pass
+                pass  # not JSON: rendered as the string it is
         out.append({"id": str(call.get("id", "")), "type": "function",
                     "function": {"name": fn["name"], "arguments": args}})
     return out
@@ -142,9 +144,9 @@ def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
         raise _bad("'top_p' must be in (0, 1]", "top_p")
     top_k, seed = body.get("top_k"), body.get("seed")
     if top_k is not None and (not _is_int(top_k) or top_k < -1):
-        raise _bad("'top_k' must be an integer >= -1", "top_k")
+        raise _bad("'top_k' must be a 64-bit integer >= -1", "top_k")
     if seed is not None and not _is_int(seed):
-        raise _bad("'seed' must be an integer", "seed")
+        raise _bad("'seed' must be a 64-bit integer", "seed")
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
@@ -254,6 +256,7 @@ async def chat_completions(request: Request) -> Response:
     state = shim_state(request)
     admit(request, state)
     body = await read_json_object(request, state)
+    check_counts(body, state)
     req = parse_chat_request(body, request.headers)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     run = await prepare_chat(state, req, request_id, api="chat",

@@ -21,6 +21,7 @@ from scheduler.protocol import (
     WorkerReady,
     codec,
 )
+from scheduler.protocol.transport_security import secure_bind
 from scheduler.rank_health import (
     RankProcess,
     dead_ranks,
@@ -72,7 +73,7 @@ class ZmqExecutor:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(address)
+        secure_bind(self._sock, address)  # CURVE over tcp://, a 0600 file over ipc://
         self._identities: list[bytes] = []
         self._procs: dict[int, RankProcess] = {}
 

@@ -34,6 +34,7 @@ from scheduler.protocol import (
 from scheduler.protocol.control import PrefixBreak
 from scheduler.protocol.control_server import control_address
 from scheduler.protocol.log import configure_logging
+from scheduler.protocol.transport_security import secure_bind
 from scheduler.scheduler import EngineLimits, RequestRejected, Scheduler
 from scheduler.telemetry import Telemetry
 
@@ -49,7 +50,7 @@ class SchedulerServer:
         self.telemetry = telemetry or Telemetry(log)
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 500)  # let the goodbye reach the shim
-        self._sock.bind(requests_addr)
+        secure_bind(self._sock, requests_addr)  # CURVE over tcp://, a 0600 file over ipc://
         self._owners: dict[str, bytes] = {}  # request id -> client identity
         self._clients: set[bytes] = set()
         self._stopping = False

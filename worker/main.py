@@ -29,6 +29,7 @@ from scheduler.protocol import (
 )
 from scheduler.protocol.control_server import control_address, control_dir_for
 from scheduler.protocol.log import configure_logging
+from scheduler.protocol.transport_security import secure_connect
 from worker.control import RankControl
 from worker.distributed import (
     RankInfo,
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, f"rank-{info.rank}".encode())
     sock.setsockopt(zmq.LINGER, 1000)
-    sock.connect(args.scheduler)
+    secure_connect(sock, args.scheduler)  # CURVE over tcp://
     sock.send(codec.encode(WorkerConnect(info.rank, info.world_size, os.getpid(),
                                          socket.gethostname())))
     config = codec.decode(sock.recv())

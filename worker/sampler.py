@@ -33,6 +33,7 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, seed: int, position: in
         sorted_probs, order = probs.sort(descending=True)
         # keep the smallest set whose mass reaches top_p (the first token always stays)
         drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        drop[0] = False  # a top_p that rounds to 0 in float32 (5e-324) must not drop it
         sorted_probs[drop] = 0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     gen = torch.Generator(device=logits.device)

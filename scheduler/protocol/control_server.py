@@ -22,6 +22,7 @@ import zmq
 
 from scheduler.protocol import codec
 from scheduler.protocol.control import ControlError, StackDump
+from scheduler.protocol.transport_security import secure_bind
 
 CONTROL_DIR_ENV = "DEEPINFER_CONTROL_DIR"
 POLL_MS = 200
@@ -63,7 +64,8 @@ class ControlServer:
         self._ctx = zmq.Context()  # its own: the main thread's context is left alone
         self._sock = self._ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(address)  # in the caller's thread, so a bad address fails loudly
+        # In the caller's thread, so a bad address fails loudly; a 0600 socket file.
+        secure_bind(self._sock, address)
         self._thread = threading.Thread(target=self._serve, name="deepinfer-control",
                                         daemon=True)
 

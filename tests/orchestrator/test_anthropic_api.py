@@ -227,6 +227,16 @@ def test_claude_code_shaped_request_is_accepted(client, engine) -> None:
         assert r.status_code == 200 and r.json()["type"] == "message"
 
 
+def test_a_temperature_too_small_to_sample_with_is_greedy(client, engine) -> None:
+    """logits / 1e-300 overflows to inf and NaN in the rank's sampler (found by the fuzzer,
+    it stopped the engine): such temperatures are sent to the engine as 0."""
+    for temperature, sent in ((1e-300, 0.0), (5e-324, 0.0), (1e-5, 1e-5), (0.7, 0.7)):
+        engine.script("x")
+        r = post(client, {"messages": HELLO, "temperature": temperature})
+        assert r.status_code == 200, r.text
+        assert engine.requests[-1].sampling.temperature == sent
+
+
 def test_count_tokens_matches_the_prompt(client, engine, sdk) -> None:
     body, headers = claude_code_request("s1", stream=False)
     engine.script("x")
@@ -257,6 +267,7 @@ def test_models(sdk) -> None:
     ({"messages": HELLO, "max_tokens": 0}, "max_tokens"),
     ({"messages": HELLO, "max_tokens": None}, "max_tokens: Field required"),
     ({"messages": HELLO, "temperature": "hot"}, "temperature"),
+    ({"messages": HELLO, "top_k": 2**63}, "top_k"),
     ({"messages": HELLO, "top_k": -3}, "top_k"),
     ({"messages": HELLO, "stream": "yes"}, "stream"),
     ({"messages": HELLO, "stop_sequences": "END"}, "stop_sequences"),

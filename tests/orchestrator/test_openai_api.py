@@ -104,6 +104,15 @@ def test_max_tokens_is_clamped_to_the_room_left() -> None:
     assert parse({"max_tokens": None}).max_tokens == DEFAULT_MAX_TOKENS
 
 
+def test_max_tokens_is_capped_by_the_server() -> None:
+    """--max-output-tokens applies to /v1/completions too, as it says: any request."""
+    capped = parse_completion({"max_tokens": 20}, [1, 2, 3], vocab_size=VOCAB,
+                              max_model_len=MAX_LEN, max_output_tokens=5)
+    assert capped.max_tokens == 5
+    assert parse_completion({}, [1], vocab_size=VOCAB, max_model_len=MAX_LEN,
+                            max_output_tokens=100).max_tokens == DEFAULT_MAX_TOKENS
+
+
 @pytest.mark.parametrize("value", [-1, 0])
 def test_max_tokens_below_one(value: int) -> None:
     err = error(parse, {"max_tokens": value})
@@ -130,6 +139,13 @@ def test_max_tokens_below_one(value: int) -> None:
         ("stop_token_ids", 3),
         ("stop_token_ids", ["1"]),
         ("stream_options", "yes"),
+        # past 64 bits (msgpack cannot carry them) or not finite
+        ("seed", 2**64),
+        ("seed", -(2**63) - 1),
+        ("top_k", 10**30),
+        ("max_tokens", 2**63),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
     ],
 )
 def test_wrong_types(field: str, value: Any) -> None:

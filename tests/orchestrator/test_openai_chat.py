@@ -113,3 +113,15 @@ def test_overloaded_is_429(client, engine) -> None:
                                                   "stream": True})
     assert r.status_code == 429 and r.headers["retry-after"].isdigit()
     assert r.json()["error"]["type"] == "rate_limit_error"
+
+
+@pytest.mark.parametrize("field, value", [("seed", 2**64), ("seed", -(2**63) - 1),
+                                          ("top_k", 10**30), ("max_tokens", 2**63)])
+def test_integers_past_64_bits_are_refused(field, value) -> None:
+    """They would fail to encode for the engine after validation: a 500 the fuzzer found."""
+    from orchestrator.errors import ApiError
+    from orchestrator.openai_chat import parse_chat_request
+
+    with pytest.raises(ApiError) as info:
+        parse_chat_request({"messages": HELLO, field: value}, {})
+    assert (info.value.status, info.value.param) == (400, field)

@@ -45,6 +45,9 @@ def test_top_k_and_top_p_restrict_the_support():
     tiny_p = float(probs[best]) / 2  # the smallest set reaching it is the top token alone
     for seed in range(10):
         assert sample(lg[None], [SamplingParams(1.0, top_p=tiny_p)], [seed], [0])[0] == best
+    # A top_p below float32's range compares as 0: the top token still stays (the fuzzer
+    # found a request with top_p 5e-324 that made every rank fail the step).
+    assert sample(lg[None], [SamplingParams(1.0, top_p=5e-324)], [0], [0])[0] == best
 
 
 def write_config(tmp_path, **fields):
