@@ -22,13 +22,10 @@ from tokenizers import Tokenizer
 from orchestrator.detokenizer import Detokenizer
 from orchestrator.engine_client import EngineUnavailableError
 from orchestrator.errors import engine_error
-from scheduler.protocol import GenerateRequest, SamplingParams
+from scheduler.protocol import MIN_TEMPERATURE, GenerateRequest, SamplingParams
 
 log = structlog.get_logger()
 T = TypeVar("T")
-# Below this a temperature samples greedily (as in vLLM): logits / t overflows float32 to
-# inf long before t reaches 0, softmax of inf is NaN, and the rank fails the step.
-MIN_TEMPERATURE = 1e-5
 
 
 @dataclass

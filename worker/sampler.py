@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from scheduler.protocol import SamplingParams
+from scheduler.protocol import MIN_TEMPERATURE, SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 
@@ -18,7 +18,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     """logits: [B, vocab] float32. Returns one token id per row."""
     tokens = logits.argmax(dim=-1).tolist()
     for row, p in enumerate(params):
-        if p.temperature > 0:
+        if p.temperature >= MIN_TEMPERATURE:  # below it: greedy, whoever sent it
             tokens[row] = _sample_row(logits[row], p, seeds[row], positions[row])
     return tokens
 

@@ -69,6 +69,11 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
 
 
+# Below this a temperature samples greedily (as in vLLM): logits / t overflows float32 to
+# inf long before t reaches 0, softmax of inf is NaN, and the rank would fail the step.
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy

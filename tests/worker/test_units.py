@@ -48,6 +48,9 @@ def test_top_k_and_top_p_restrict_the_support():
     # A top_p below float32's range compares as 0: the top token still stays (the fuzzer
     # found a request with top_p 5e-324 that made every rank fail the step).
     assert sample(lg[None], [SamplingParams(1.0, top_p=5e-324)], [0], [0])[0] == best
+    # A temperature too small to divide by samples greedily, whoever sent it (1e-300
+    # overflows the logits to inf and softmax to NaN).
+    assert sample(lg[None], [SamplingParams(1e-300)], [0], [0])[0] == best
 
 
 def write_config(tmp_path, **fields):
