@@ -42,14 +42,46 @@ class ServeOptions:
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
 
     def shim_args(self) -> list[str]:
-        """The request limits, as the shim's command line takes them."""
-        return ["--max-request-bytes", str(self.max_request_bytes),
+        """These options as the shim's command line takes them (the key excepted: it
+        travels in the shim's environment, see API_KEY_ENV)."""
+        args = ["--host", self.host, "--port", str(self.port),
+                "--max-output-tokens", str(self.max_output_tokens),
+                "--tool-call-parser", self.tool_call_parser,
+                "--request-timeout", str(self.request_timeout_s),
+                "--max-request-bytes", str(self.max_request_bytes),
                 "--max-tools", str(self.max_tools), "--max-messages", str(self.max_messages),
                 "--max-header-bytes", str(self.max_header_bytes)]
+        if self.served_model_name:
+            args += ["--served-model-name", self.served_model_name]
+        if self.self_check_tokens:
+            args += ["--self-check", "--self-check-tokens", str(self.self_check_tokens)]
+        return args
 
 
-def add_limit_arguments(p: argparse.ArgumentParser) -> None:
-    """Request limits, shared by `deepinfer-run serve` and the shim's own command line."""
+def add_shim_arguments(p: argparse.ArgumentParser) -> None:
+    """The HTTP serving options, shared by `deepinfer-run serve` and the shim's own
+    command line (`ServeOptions.shim_args` hands them from one to the other)."""
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require this key, as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
+                        "(visible in `ps`: prefer --api-key-file)")
+    p.add_argument("--api-key-file", default=None,
+                   help="require the key in this file (mode 0600, one line)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-output-tokens", type=int, default=0,
+                   help="cap on any request's output tokens, on top of its max_tokens "
+                        "(0: only the context limits it)")
+    p.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
+                   help="how the shim reads tool calls back from the model's output")
+    p.add_argument("--request-timeout", type=float, default=0.0,
+                   help="default deadline of every request, in seconds (0: none); a request "
+                        "may set its own with the x-request-timeout header")
+    p.add_argument("--self-check", action="store_true",
+                   help="before accepting traffic, run the prefix-cache gate (deepinfer-verify) "
+                        "against this engine; refuse to start if it fails (the shim exits 3)")
+    p.add_argument("--self-check-tokens", type=int, default=1024,
+                   help="the self-check's document length, in tokens")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies get a 413")
     p.add_argument("--max-tools", type=int, default=DEFAULT_MAX_TOOLS,
@@ -78,28 +110,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="Hugging Face checkpoint dir (default: the generated tiny model)")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None,
-                   help="require this key (visible in `ps`: prefer --api-key-file)")
-    p.add_argument("--api-key-file", default=None,
-                   help="require the key in this file (mode 0600, one line)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--max-output-tokens", type=int, default=0,
-                   help="cap on any request's output tokens, on top of its max_tokens "
-                        "(0: only the context limits it)")
-    p.add_argument("--tool-call-parser", default="hermes",
-                   choices=TOOL_CALL_PARSERS,
-                   help="how the shim reads tool calls back from the model's output")
-    p.add_argument("--request-timeout", type=float, default=0.0,
-                   help="default deadline of every request, in seconds (0: none); a request "
-                        "may set its own with the x-request-timeout header")
-    p.add_argument("--self-check", action="store_true",
-                   help="before accepting traffic, run the prefix-cache gate (deepinfer-verify) "
-                        "against this engine; refuse to start if it fails")
-    p.add_argument("--self-check-tokens", type=int, default=1024,
-                   help="the self-check's document length, in tokens")
-    add_limit_arguments(p)
+    add_shim_arguments(p)
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory,
                    help="bytes per rank for the device KV tier")
@@ -157,11 +168,14 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
         torch_threads=args.torch_threads,
         seed=args.seed,
     )
-    serve = ServeOptions(args.host, args.port, api_key_from(args), args.served_model_name,
-                         args.max_output_tokens, args.tool_call_parser,
-                         args.self_check_tokens if args.self_check else 0,
-                         args.request_timeout, args.max_request_bytes, args.max_tools,
-                         args.max_messages, args.max_header_bytes)
+    serve = ServeOptions(
+        host=args.host, port=args.port, api_key=api_key_from(args),
+        served_model_name=args.served_model_name, max_output_tokens=args.max_output_tokens,
+        tool_call_parser=args.tool_call_parser,
+        self_check_tokens=args.self_check_tokens if args.self_check else 0,
+        request_timeout_s=args.request_timeout, max_request_bytes=args.max_request_bytes,
+        max_tools=args.max_tools, max_messages=args.max_messages,
+        max_header_bytes=args.max_header_bytes)
     return config, serve
 
 

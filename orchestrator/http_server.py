@@ -54,7 +54,7 @@ from orchestrator.config import (
     DEFAULT_MAX_MESSAGES,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_TOOLS,
-    add_limit_arguments,
+    add_shim_arguments,
     api_key_from,
 )
 from orchestrator.http_common import (
@@ -73,7 +73,6 @@ from orchestrator.http_common import (
     tokenize,
 )
 from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from orchestrator.tool_parsers import TOOL_CALL_PARSERS
 
 log = structlog.get_logger()
 
@@ -294,30 +293,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", required=True, help="the engine's run directory")
     p.add_argument("--model", required=True, help="model directory (holds tokenizer.json)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
-                   "or 'x-api-key: KEY' (visible in `ps`: prefer --api-key-file)")
-    p.add_argument("--api-key-file", default=None,
-                   help="require the key in this file (mode 0600, one line)")
-    p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-model-len", type=int, default=0, help="0: the engine's")
-    p.add_argument("--max-output-tokens", type=int, default=0,
-                   help="cap on any request's output tokens, on top of its max_tokens "
-                        "(0: only the context limits it)")
-    p.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
-                   help="how tool calls are read back from the model's output")
-    add_limit_arguments(p)
     p.add_argument("--connect-timeout", type=float, default=60.0,
                    help="seconds to wait for the scheduler's EngineInfo")
-    p.add_argument("--request-timeout", type=float, default=0.0,
-                   help="default deadline of every request, in seconds (0: none); a request "
-                        "may set its own with the x-request-timeout header")
-    p.add_argument("--self-check", action="store_true",
-                   help="run the prefix-cache gate (deepinfer-verify) against this shim before "
-                        "accepting traffic; exit 3 if it fails")
-    p.add_argument("--self-check-tokens", type=int, default=1024,
-                   help="the self-check's document length, in tokens")
+    add_shim_arguments(p)
     return p.parse_args(argv)
 
 

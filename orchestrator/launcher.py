@@ -182,17 +182,7 @@ def start_group(launch: Launch, master_port: int) -> list[Child]:
 
 def start_shim(launch: Launch, config, serve) -> Child:
     shim_args = ["orchestrator.http_server", "--run-dir", str(launch.run_dir),
-                 "--model", config.model, "--host", serve.host, "--port", str(serve.port),
-                 "--connect-timeout", "3600"]
-    if serve.served_model_name:
-        shim_args += ["--served-model-name", serve.served_model_name]
-    shim_args += ["--max-output-tokens", str(serve.max_output_tokens),
-                  "--tool-call-parser", serve.tool_call_parser]
-    if serve.request_timeout_s:
-        shim_args += ["--request-timeout", str(serve.request_timeout_s)]
-    if serve.self_check_tokens:
-        shim_args += ["--self-check", "--self-check-tokens", str(serve.self_check_tokens)]
-    shim_args += serve.shim_args()
+                 "--model", config.model, "--connect-timeout", "3600", *serve.shim_args()]
     # The key goes in the shim's environment: a command line is visible in `ps`.
     return spawn("shim", shim_args, {API_KEY_ENV: serve.api_key} if serve.api_key else None)
 

@@ -160,6 +160,15 @@ def test_launcher_options_reach_the_shim_without_the_key(tmp_path: Path,
     args = parse_args(["--run-dir", "/r", "--model", "/m", *argv])
     assert (args.max_tools, args.max_messages, args.max_header_bytes,
             args.max_request_bytes) == (7, 9, 4096, 1000)
+    # every serving option reaches the shim as given to `deepinfer-run serve`
+    serve = serve_options("--model", str(default_model), "--port", "9123", "--host", "::1",
+                          "--served-model-name", "coder", "--max-output-tokens", "77",
+                          "--tool-call-parser", "none", "--request-timeout", "30",
+                          "--self-check", "--self-check-tokens", "256")
+    args = parse_args(["--run-dir", "/r", "--model", "/m", *serve.shim_args()])
+    assert (args.port, args.host, args.served_model_name, args.max_output_tokens,
+            args.tool_call_parser, args.request_timeout, args.self_check,
+            args.self_check_tokens) == (9123, "::1", "coder", 77, "none", 30.0, True, 256)
     assert serve_options("--model", str(default_model)).host == "127.0.0.1"
     path.chmod(0o604)
     with pytest.raises(SystemExit, match="group or others"):
