@@ -26,9 +26,14 @@ the start), so the run ends inside the device tool's 10 minutes. Without CUDA (o
 --cpu) the same steps run on the CPU with tiny shapes, the install is a pip dry run,
 and the CUDA-only step is skipped with its reason: that is how this tool is tested.
 
-On the lent H200, with the wheels fetched here (wheels/ is git-ignored; 39 MiB):
+On the lent H200 (no network, 64 MiB carried), from the checkout the device tool sends,
+with wheels/ fetched there first (git-ignored; 39 MiB, plus ~MiBs of prebuilt kernels):
 
-    device run: python3 -m tools.gpu_check "$OUT" --wheels wheels    carry: ["wheels"]
+    python -m tools.gpu_check --download wheels          # here
+    python -m tools.gpu_check --build-kernels wheels     # here, optional (nvcc; slow)
+    device run:  command   PYTHONUNBUFFERED=1 python3 -m tools.gpu_check "$OUT" --wheels wheels
+                 carry     ["wheels"]
+                 timeout_s 600
 """
 
 from __future__ import annotations
@@ -54,9 +59,10 @@ from tools.gpu_probe import MARKER as PROBE_MARKER
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL = REPO / "models" / "tiny-llama"
-LOG_CAP = 4 << 20  # bytes of one child's output kept in the log
+LOG_CAP = 1 << 20  # bytes of one child's output kept in the log (files back are <= 16 MiB)
+# 16K positions: the HTTP benchmark's longest prompts (~7.5K tokens) stay clear of the end
 BENCH_1B = dict(num_layers=16, hidden_size=2048, num_heads=16, num_kv_heads=8, head_dim=128,
-                intermediate_size=8192)
+                intermediate_size=8192, max_position_embeddings=16384)
 BENCH_CPU = dict(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
                  intermediate_size=256)
 
