@@ -229,7 +229,7 @@ def step_tests(c: Check) -> dict:
     xml = c.results / "pytest_cuda.xml"
     files = cuda_test_files()
     cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
-           "--junitxml", str(xml), *files]
+           "--durations=10", "--junitxml", str(xml), *files]
     failed: StepFailed | None = None
     try:
         out = c.sh(cmd, 420)

@@ -130,8 +130,11 @@ def flashinfer() -> dict:
 
     t0 = time.perf_counter()
     import flashinfer as fi
+    from flashinfer.jit import env as jit_env
 
     out: dict = {"version": fi.__version__, "import_s": time.perf_counter() - t0}
+    aot = jit_env.FLASHINFER_AOT_DIR
+    out["prebuilt_modules"] = sorted(p.name for p in aot.iterdir()) if aot.is_dir() else []
     heads, kv_heads, d, page, dev = 16, 8, 128, 16, torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     k_cache = torch.randn(64, page, kv_heads, d, device=dev, generator=g).bfloat16()
