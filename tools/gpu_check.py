@@ -68,7 +68,9 @@ BENCH_CPU = dict(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, hea
 
 
 class StepFailed(Exception):
-    pass
+    def __init__(self, message: str, result: dict | None = None) -> None:
+        super().__init__(message)
+        self.result = result  # what the step found before it failed
 
 
 class StepSkipped(Exception):
@@ -191,12 +193,16 @@ def step_install(c: Check) -> dict:
         except StepFailed as e:  # PYTHONPATH serves the children anyway
             result["editable"] = f"failed: {str(e)[:300]}"
     result["missing_after"] = [w.dist for w in gpu_wheels.missing()]
+    problems = [f"pip failed for {sorted(result['failed'])}"] if result["failed"] else []
     if c.cuda:
-        out = c.sh([sys.executable, "-c", "import flashinfer; print(flashinfer.__version__)"],
-                   120)
-        result["flashinfer"] = out.strip().splitlines()[-1]
-    if result["failed"]:
-        raise StepFailed(f"pip failed for {sorted(result['failed'])}: {result}")
+        try:
+            out = c.sh([sys.executable, "-c",
+                        "import flashinfer; print(flashinfer.__version__)"], 120)
+            result["flashinfer"] = out.strip().splitlines()[-1]
+        except StepFailed as e:
+            problems.append(f"import flashinfer failed: {e}")
+    if problems:
+        raise StepFailed("; ".join(problems), result)
     return result
 
 
@@ -246,7 +252,7 @@ def step_tests(c: Check) -> dict:
     summary = [ln for ln in out.splitlines() if re.search(r"\d+ (passed|failed|skipped)", ln)]
     counts["summary"] = summary[-1].strip("= ") if summary else None
     if failed is not None:
-        raise StepFailed(f"{counts}\n{failed}")
+        raise StepFailed(str(failed), counts)
     return counts
 
 
@@ -352,6 +358,8 @@ def run_step(c: Check, step: Step) -> None:
             rec.update(status="ok", result=step.run(c))
         except StepFailed as e:
             rec.update(status="failed", error=str(e)[-4000:])
+            if e.result is not None:
+                rec["result"] = e.result
         except StepSkipped as e:
             rec.update(status="skipped", reason=str(e))
         except Exception:  # a bug in a step must not cost the steps after it

@@ -51,11 +51,16 @@ def test_a_failing_step_is_recorded_and_the_next_still_runs(tmp_path: Path) -> N
     def boom(_c):
         raise KeyError("a bug")
 
+    def partly(_c):
+        raise gpu_check.StepFailed("2 failed", {"passed": 5, "failures": 2})
+
     gpu_check.run_step(c, gpu_check.Step("first", boom, 0))
+    gpu_check.run_step(c, gpu_check.Step("partly", partly, 0))
     gpu_check.run_step(c, gpu_check.Step("second", lambda _c: {"x": 1}, 0))
     gpu_check.run_step(c, gpu_check.Step("gpu", lambda _c: {}, 0, cuda_only=True))
     steps = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]
     assert steps["first"]["status"] == "failed" and "KeyError" in steps["first"]["error"]
+    assert steps["partly"]["status"] == "failed" and steps["partly"]["result"]["failures"] == 2
     assert steps["second"] == {**steps["second"], "status": "ok", "result": {"x": 1}}
     assert steps["gpu"]["status"] == "skipped"
 
