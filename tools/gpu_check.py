@@ -27,7 +27,7 @@ the start), so the run ends inside the device tool's 10 minutes. Without CUDA (o
 and the CUDA-only step is skipped with its reason: that is how this tool is tested.
 
 On the lent H200 (no network, 64 MiB carried), from the checkout the device tool sends,
-with wheels/ fetched there first (git-ignored; 39 MiB, plus ~MiBs of prebuilt kernels):
+with wheels/ fetched there first (git-ignored; 39 MiB, with prebuilt kernels 42 MiB):
 
     python -m tools.gpu_check --download wheels          # here
     python -m tools.gpu_check --build-kernels wheels     # here, optional (nvcc; slow)
