@@ -9,7 +9,7 @@ TORCH_CPU := torch==2.13.0+cpu
 PYTEST_ARGS ?=
 
 .PHONY: install test lint serve bench bench-worker bench-engine bench-agents bench-index \
-	simulate clean e2e-claude-code soak
+	simulate clean e2e-claude-code soak gpu-check gpu-wheels
 
 install: $(INSTALLED) $(MODEL)/deepinfer_tiny.json
 
@@ -66,6 +66,15 @@ soak: install
 # The Claude Code CLI (npm) against the engine; needs npm and network. Not in `make test`.
 e2e-claude-code: install
 	$(PY) -m tests.orchestrator.claude_code_e2e
+
+# On a CUDA machine: install FlashInfer and what else is missing from wheels/, run the
+# cuda-marked tests and the GPU benchmarks (results in gpu-results/). Without CUDA the
+# same steps run on the CPU with tiny shapes. `make gpu-wheels` fetches wheels/ (PyPI).
+gpu-check: install
+	$(PY) -m tools.gpu_check gpu-results --wheels wheels
+
+gpu-wheels: install
+	$(PY) -m tools.gpu_check --download wheels
 
 clean:
 	rm -rf $(VENV) models *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -12,6 +12,20 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "tiny-llama"
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`cuda`-marked tests are skipped, cleanly, where torch sees no GPU."""
+    if not any(item.get_closest_marker("cuda") for item in items):
+        return  # no torch import for runs that have no CUDA test
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

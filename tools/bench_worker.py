@@ -1,16 +1,26 @@
 """Worker-rank microbenchmark: prefill, decode and all-reduce speed at each world size.
 
     python -m tools.bench_worker --model models/tiny-llama --world-sizes 1,2,4 --json out.json
+    python -m tools.bench_worker --model models/bench-1b --world-sizes 1 --device cuda \
+        --dtype bfloat16 --batch-sizes 1,16,64 --shared-prefix-len 4096
 
 For each world size the parent starts that many rank processes of this module,
 torchrun-style (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free loopback
 port), each with cores / ranks torch threads. Every rank builds a `ModelRunner`
-(float32, CPU, torch attention, gloo) and applies the same hand-made step plans,
+(by default float32, CPU, torch attention, gloo; `--device cuda` takes the GPU of
+its local rank, NCCL and FlashInfer) and applies the same hand-made step plans,
 so the figures are the worker alone: no scheduler, no sockets. Each timed part
 has a warm-up first and a barrier on both sides, and runs `--repeats` times; the
 fastest run is reported, since other load on the machine only ever slows a run.
 Rank 0 prints its figures as one JSON line after a marker; the parent parses that
 line (nothing is pickled) and prints a table.
+
+Prefill is also reported as achieved TFLOP/s: 2 x the linear layers' parameters per
+token, plus causal attention (QK and PV: 2 x heads x head_dim x n(n+1) a layer for an
+n-token prompt, however it is chunked), plus the LM head on the sampled row. With
+`--shared-prefix-len P`, decode is measured a second time with every sequence of the
+batch reading the same P cached tokens first (one prefix prefilled once, its blocks at
+the head of every block table, as the prefix cache shares them).
 
 Decode feeds fixed token ids instead of the sampled ones: sampling still runs on
 rank 0, but no token is broadcast back, as the scheduler would do in a real step.
@@ -36,6 +46,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 MARKER = "DEEPINFER_BENCH_WORKER "
+BLOCK_SIZE = 16  # EngineConfig's default, which the ranks use
 
 
 @dataclass(frozen=True)
@@ -43,11 +54,15 @@ class BenchArgs:
     """What every rank measures; handed to the ranks as JSON on the command line."""
 
     model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    attention_backend: str = "auto"
     prompt_len: int = 2000
     chunk: int = 512
     decode_prompt_len: int = 128
     decode_steps: int = 32
     batch_sizes: tuple[int, ...] = (1, 16)
+    shared_prefix_len: int = 0  # > 0: decode again behind this many shared cached tokens
     repeats: int = 3  # timed runs of each part; the fastest is reported
     warmup_steps: int = 4  # decode steps before the timed ones
     seed: int = 0
@@ -59,6 +74,9 @@ class BenchArgs:
             raise ValueError("batch sizes must be >= 1")
         if self.repeats < 1 or self.warmup_steps < 0:
             raise ValueError("repeats must be >= 1 and warmup_steps >= 0")
+        if self.shared_prefix_len < 0 or self.shared_prefix_len % BLOCK_SIZE:
+            # a partly filled last prefix block would be written by every sequence
+            raise ValueError(f"shared_prefix_len must be a multiple of {BLOCK_SIZE}")
 
     @property
     def decode_len(self) -> int:
@@ -72,23 +90,29 @@ class RankBench:
     """Drives one rank's ModelRunner with plans that every rank builds identically."""
 
     def __init__(self, args: BenchArgs) -> None:
-        import torch
-
         from scheduler.protocol import EngineConfig
-        from worker.distributed import RankInfo, init_tensor_parallel, set_torch_threads
+        from worker.distributed import (
+            RankInfo,
+            init_tensor_parallel,
+            resolve_device,
+            set_torch_threads,
+        )
         from worker.model_runner import ModelRunner
 
         self.args = args
         info = RankInfo.from_env()
         self.threads = set_torch_threads(info.local_world_size)
-        self.tp = init_tensor_parallel(info, torch.device("cpu"))
-        config = EngineConfig(model=args.model, dtype="float32", device="cpu",
-                              world_size=info.world_size, attention_backend="torch",
-                              seed=args.seed)
+        self.device = resolve_device(args.device, info.local_rank)
+        self.tp = init_tensor_parallel(info, self.device)
+        config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                              world_size=info.world_size,
+                              attention_backend=args.attention_backend, seed=args.seed)
         bs = config.block_size
-        blocks = max(-(-args.prompt_len // bs),
-                     max(args.batch_sizes) * -(-args.decode_len // bs))
-        self.runner = ModelRunner(config, self.tp, torch.device("cpu"), num_device_blocks=blocks)
+        assert bs == BLOCK_SIZE, "shared_prefix_len is checked against BLOCK_SIZE"
+        blocks = max(-(-max(args.prompt_len, args.shared_prefix_len) // bs),
+                     args.shared_prefix_len // bs
+                     + max(args.batch_sizes) * -(-args.decode_len // bs))
+        self.runner = ModelRunner(config, self.tp, self.device, num_device_blocks=blocks)
         self.block_size = bs
         self.step = 0
         self.next_seq = 0
@@ -116,15 +140,17 @@ class RankBench:
         self.runner.execute(StepPlan(step=self.step, **plan))
         self.step += 1
 
-    def open(self, lengths: list[int]) -> list[int]:
-        """Open sequences with block tables for `lengths` tokens; block ids restart at 0."""
+    def open(self, lengths: list[int], prefix_blocks: int = 0) -> list[int]:
+        """Open sequences with block tables for `lengths` tokens after `prefix_blocks`
+        shared blocks (ids 0..prefix_blocks-1, at the head of every table); the other
+        block ids restart after them."""
         from scheduler.protocol import NewSequence
 
-        seqs, next_block = [], 0
+        seqs, next_block = [], prefix_blocks
         for n in lengths:
             num_blocks = -(-n // self.block_size)
-            seqs.append(NewSequence(self.next_seq, list(range(next_block,
-                                                               next_block + num_blocks))))
+            seqs.append(NewSequence(self.next_seq, list(range(prefix_blocks))
+                                    + list(range(next_block, next_block + num_blocks))))
             next_block += num_blocks
             self.next_seq += 1
         self.execute(new_seqs=seqs)
@@ -152,16 +178,33 @@ class RankBench:
         self.close([seq])
         return dt
 
-    def decode_s(self, batch: int) -> list[float]:
-        """Seconds for decode_steps steps of `batch` sequences (one plan a step), per repeat."""
+    def prefill_prefix(self, n: int) -> int:
+        """Untimed: prefill an n-token prefix into blocks 0..n/block_size-1 and close its
+        sequence; its KV stays there for the block tables that share it."""
+        from scheduler.protocol import ScheduledChunk
+
+        if n == 0:
+            return 0
+        [seq] = self.open([n])
+        tokens = [self.token() for _ in range(n)]
+        for start in range(0, n, self.args.chunk):
+            part = tokens[start : start + self.args.chunk]
+            self.execute(chunks=[ScheduledChunk(seq, part, start, start + len(part) >= n)])
+        self.close([seq])
+        return n // self.block_size
+
+    def decode_s(self, batch: int, prefix_len: int = 0) -> list[float]:
+        """Seconds for decode_steps steps of `batch` sequences (one plan a step), per repeat;
+        with `prefix_len`, each sequence's context starts with the same cached prefix."""
         from scheduler.protocol import ScheduledChunk
 
         a = self.args
-        seqs = self.open([a.decode_len] * batch)
-        p = a.decode_prompt_len
-        # Untimed: the short prompts, all in one plan.
-        self.execute(chunks=[ScheduledChunk(s, [self.token() for _ in range(p)], 0, True)
-                             for s in seqs])
+        seqs = self.open([a.decode_len] * batch, self.prefill_prefix(prefix_len))
+        # Untimed: the short prompts, all in one plan (after the prefix: a prefill over
+        # cached context).
+        p = prefix_len + a.decode_prompt_len
+        self.execute(chunks=[ScheduledChunk(s, [self.token() for _ in range(a.decode_prompt_len)],
+                                            prefix_len, True) for s in seqs])
         tokens = [self.token() for _ in seqs]
 
         def steps(first: int, count: int) -> None:
@@ -177,12 +220,13 @@ class RankBench:
         return times
 
     def all_reduce_us(self, rows: int) -> float:
-        """Mean microseconds per all-reduce of a [rows, hidden] float32 tensor."""
+        """Mean microseconds per all-reduce of a [rows, hidden] tensor of the model's dtype."""
         import torch
 
-        # Zeros stay zeros under summation (no denormals, no infs), and gloo's
-        # speed does not depend on the values.
-        x = torch.zeros(rows, self.runner.model_config.hidden_size)
+        # Zeros stay zeros under summation (no denormals, no infs), and the
+        # collectives' speed does not depend on the values.
+        x = torch.zeros(rows, self.runner.model_config.hidden_size, dtype=self.runner.dtype,
+                        device=self.device)
         iters = max(10, min(300, (30 << 20) // x.nbytes))
         for _ in range(5):
             self.tp.all_reduce(x)
@@ -195,29 +239,64 @@ class RankBench:
 
     def run(self) -> dict:
         a = self.args
+        # wall-clock timing needs the GPU idle at both ends; ModelRunner.execute
+        # synchronizes at the end of every step
         prefill: dict[str, float] = {}
         for label, chunk in (("one_chunk", a.prompt_len), ("chunked", a.chunk)):
             self.prefill_s(chunk)  # warm-up
             prefill[label] = a.prompt_len / min(self.prefill_s(chunk) for _ in range(a.repeats))
         decode: dict[str, float] = {}
+        decode_prefix: dict[str, float] = {}
         for b in a.batch_sizes:  # decode_s warms up itself
             decode[str(b)] = b * a.decode_steps / min(self.decode_s(b))
+            if a.shared_prefix_len:
+                decode_prefix[str(b)] = (b * a.decode_steps
+                                         / min(self.decode_s(b, a.shared_prefix_len)))
         all_reduce: dict[str, float] = {}
         if self.tp.world_size > 1:
             for rows in sorted({1, *a.batch_sizes, a.chunk, a.prompt_len}):
                 all_reduce[str(rows)] = self.all_reduce_us(rows)
         mc = self.runner.model_config
+        flops = prefill_flop(mc, a.prompt_len)
         return {
             "world_size": self.tp.world_size,
             "threads_per_rank": self.threads,
+            "device": str(self.device),
+            "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "attention_backend": type(self.runner.attn).__name__,
             "hidden_size": mc.hidden_size,
             "num_layers": mc.num_layers,
+            "num_parameters": num_parameters(mc),
             # the embedding, then attention and MLP outputs of every layer
             "all_reduces_per_forward": 2 * mc.num_layers + 1,
             "prefill_tok_s": prefill,
+            "prefill_flop": flops,
+            "prefill_tflop_s": {k: flops * v / a.prompt_len / 1e12 for k, v in prefill.items()},
             "decode_tok_s": decode,
+            "decode_prefix_tok_s": decode_prefix,
             "all_reduce_us": all_reduce,
         }
+
+
+def linear_parameters(mc) -> int:
+    """Weights of the linear layers of all decoder layers (what a token multiplies through)."""
+    h, d = mc.hidden_size, mc.head_dim
+    attn = h * (mc.num_heads + 2 * mc.num_kv_heads) * d + mc.num_heads * d * h
+    return mc.num_layers * (attn + 3 * h * mc.intermediate_size)
+
+
+def num_parameters(mc) -> int:
+    """All weights (norms left out): the linear layers, the embedding and the LM head."""
+    embed = mc.vocab_size * mc.hidden_size
+    return linear_parameters(mc) + embed * (1 if mc.tie_word_embeddings else 2)
+
+
+def prefill_flop(mc, n: int) -> int:
+    """Floating-point operations of an n-token causal prefill (any chunking): the linear
+    layers, attention (query j reads j + 1 keys: QK and PV are 2 * head_dim each a pair),
+    and the LM head on the one sampled row."""
+    attention = mc.num_layers * mc.num_heads * 2 * mc.head_dim * n * (n + 1)
+    return 2 * linear_parameters(mc) * n + attention + 2 * mc.hidden_size * mc.vocab_size
 
 
 def rank_main(args: BenchArgs) -> None:
@@ -344,8 +423,12 @@ def machine_info() -> dict:
             cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"cores": os.cpu_count(), "cpu": cpu, "torch": torch.__version__,
+    info = {"cores": os.cpu_count(), "cpu": cpu, "torch": torch.__version__,
             "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0]}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    return info
 
 
 def print_table(runs: list[dict], args: BenchArgs) -> None:
@@ -353,14 +436,17 @@ def print_table(runs: list[dict], args: BenchArgs) -> None:
     from rich.table import Table
 
     fmt = lambda x: f"{x:,.0f}"  # noqa: E731
-    table = Table(title=f"Worker ranks: {args.prompt_len}-token prefill, "
-                        f"{args.decode_steps} decode steps")
+    table = Table(title=f"Worker ranks ({args.device}, {args.dtype}): {args.prompt_len}-token "
+                        f"prefill, {args.decode_steps} decode steps")
     table.add_column("world size", justify="right")
     table.add_column("threads/rank", justify="right")
     table.add_column("prefill tok/s (one chunk)", justify="right")
     table.add_column(f"prefill tok/s ({args.chunk} chunks)", justify="right")
+    table.add_column("prefill TFLOP/s", justify="right")
     for b in args.batch_sizes:
         table.add_column(f"decode tok/s b={b}", justify="right")
+    for b in args.batch_sizes if args.shared_prefix_len else ():
+        table.add_column(f"b={b} after {args.shared_prefix_len} shared", justify="right")
     table.add_column("all-reduce µs [1, hidden]", justify="right")
     table.add_column(f"all-reduce µs [{args.prompt_len}, hidden]", justify="right")
     for run in runs:
@@ -368,7 +454,10 @@ def print_table(runs: list[dict], args: BenchArgs) -> None:
         table.add_row(
             str(run["world_size"]), str(run["threads_per_rank"]),
             fmt(run["prefill_tok_s"]["one_chunk"]), fmt(run["prefill_tok_s"]["chunked"]),
+            f"{run['prefill_tflop_s']['one_chunk']:,.2f}",
             *(fmt(run["decode_tok_s"][str(b)]) for b in args.batch_sizes),
+            *(fmt(run["decode_prefix_tok_s"][str(b)]) for b in args.batch_sizes
+              if args.shared_prefix_len),
             f"{ar['1']:,.1f}" if ar else "N/A",
             fmt(ar[str(args.prompt_len)]) if ar else "N/A",
         )
@@ -390,11 +479,18 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="models/tiny-llama")
     ap.add_argument("--world-sizes", type=ints, default=(1, 2, 4))
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--attention-backend", default="auto",
+                    choices=["auto", "torch", "flashinfer"])
     ap.add_argument("--prompt-len", type=int, default=2000)
     ap.add_argument("--chunk", type=int, default=512, help="chunk size of the chunked prefill")
     ap.add_argument("--decode-prompt-len", type=int, default=128)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--batch-sizes", type=ints, default=(1, 16))
+    ap.add_argument("--shared-prefix-len", type=int, default=0,
+                    help="also decode behind this many cached tokens shared by the batch "
+                         f"(a multiple of {BLOCK_SIZE})")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=600, help="seconds per world size")
     ap.add_argument("--json", type=Path, help="write the results here")
@@ -407,10 +503,15 @@ def main(argv: list[str] | None = None) -> None:
 
     from tqdm import tqdm
 
-    args = BenchArgs(model=str(Path(ns.model).resolve()), prompt_len=ns.prompt_len,
-                     chunk=ns.chunk, decode_prompt_len=ns.decode_prompt_len,
-                     decode_steps=ns.decode_steps, batch_sizes=ns.batch_sizes,
-                     repeats=ns.repeats)
+    try:
+        args = BenchArgs(model=str(Path(ns.model).resolve()), device=ns.device,
+                         dtype=ns.dtype, attention_backend=ns.attention_backend,
+                         prompt_len=ns.prompt_len, chunk=ns.chunk,
+                         decode_prompt_len=ns.decode_prompt_len,
+                         decode_steps=ns.decode_steps, batch_sizes=ns.batch_sizes,
+                         shared_prefix_len=ns.shared_prefix_len, repeats=ns.repeats)
+    except ValueError as e:
+        ap.error(str(e))
     machine = machine_info()
     command = " ".join(["python -m tools.bench_worker", *(argv if argv is not None
                                                           else sys.argv[1:])])

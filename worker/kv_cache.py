@@ -23,7 +23,7 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         host_shape = (num_layers, num_host_blocks, block_size, num_kv_heads, head_dim)
-        pin = device.type == "cuda"
+        pin = device.type == "cuda" and num_host_blocks > 0  # nothing to pin without a tier
         self.k_host = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
         self.v_host = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
         self.device = device

@@ -87,16 +87,110 @@ def test_exact_page_table_ignores_stale_tail():
     torch.testing.assert_close(backend.forward(q, k_cache, v_cache), ref, atol=1e-5, rtol=1e-5)
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_takes_flashinfer_only_for_16_bit_cuda():
+    """float32 on CUDA (the exactness checks against the CPU) runs the torch backend:
+    FlashInfer's kernels take 16-bit queries and KV only."""
+    from worker.attention.torch_backend import TorchAttentionBackend
+
+    cuda = torch.device("cuda")  # nothing touches the device before the choice
+    assert isinstance(create_backend("auto", 4, 2, 64, PAGE, torch.float32, cuda),
+                      TorchAttentionBackend)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        create_backend("flashinfer", 4, 2, 64, PAGE, torch.float32, cuda)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        create_backend("flashinfer", 4, 2, 64, PAGE, torch.bfloat16, torch.device("cpu"))
+
+
+# --- FlashInfer (CUDA): the same paged cases, bf16, against the torch backend ------------
+
+
+def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 @pytest.mark.cuda
-@cuda
 @pytest.mark.parametrize("lens", CASES)
 @pytest.mark.parametrize("heads,kv_heads", [(8, 8), (16, 4), (32, 8)])
 def test_flashinfer_matches_torch_backend_bf16(lens, heads, kv_heads):
     fi, ref = run_backend("flashinfer", lens, heads, kv_heads, 128, torch.bfloat16, "cuda")
     tb, _ = run_backend("torch", lens, heads, kv_heads, 128, torch.bfloat16, "cuda")
-    rel = (fi - tb).norm() / tb.norm()
-    assert rel < 1e-2, f"relative error {rel:.2e}"
-    assert (fi - ref).norm() / ref.norm() < 1e-2
+    assert relative_error(fi, tb) < 1e-2, f"relative error {relative_error(fi, tb):.2e}"
+    assert relative_error(fi, ref) < 1e-2
+
+
+# (cached prefix, new tokens) per sequence: a prefill over a cached prefix, as the
+# engine runs it; all new tokens (1 each) is a decode step.
+WRITE_CASES = [
+    [(0, 37)],
+    [(40, 5), (0, 16), (33, 1), (16, 16)],
+    [(100, 20), (45, 3), (15, 1), (0, 64)],
+    [(16, 1), (63, 1), (4, 1), (200, 1)],
+]
+
+
+def write_then_attend(cases, heads, kv_heads, d, dtype, device, backends):
+    """The engine's order: the prefix's KV is in its pages, the new tokens' K/V are
+    written there first (KVCache.write at block * size + offset), then one paged
+    attention over the whole context (a prefill with bottom-right causal masking, or a
+    decode). Returns each backend's output and dense attention on the same K/V."""
+    from worker.kv_cache import KVCache
+
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(len(cases) * heads)
+    num_pages = sum(-(-(p + n) // PAGE) for p, n in cases) + 5
+    cache = KVCache(1, num_pages, 0, PAGE, kv_heads, d, dtype, dev)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g).to(dtype))  # stale KV everywhere
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g).to(dtype))
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    qs, new_k, new_v, new_slots, refs = [], [], [], [], []
+    qo, kvp, idx, last = [0], [0], [], []
+    for prefix, n in cases:
+        total = prefix + n
+        num = -(-total // PAGE)
+        pages, perm = perm[:num], perm[num:]
+        k = torch.randn(total, kv_heads, d, generator=g).to(dtype)  # [total, Hkv, D]
+        v = torch.randn(total, kv_heads, d, generator=g).to(dtype)
+        slots = torch.tensor([pages[p // PAGE] * PAGE + p % PAGE for p in range(total)])
+        cache.write(0, k[:prefix].to(dev), v[:prefix].to(dev), slots[:prefix].to(dev))
+        q = torch.randn(n, heads, d, generator=g).to(dtype)
+        qs.append(q)
+        new_k.append(k[prefix:])
+        new_v.append(v[prefix:])
+        new_slots.append(slots[prefix:])
+        refs.append(dense_reference(q, k, v))
+        qo.append(qo[-1] + n)
+        idx += pages
+        kvp.append(len(idx))
+        last.append(total - (num - 1) * PAGE)
+    cache.write(0, torch.cat(new_k).to(dev), torch.cat(new_v).to(dev),
+                torch.cat(new_slots).to(dev))
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    meta = AttentionMetadata(i32(qo), i32(kvp), i32(idx), i32(last), PAGE)
+    assert meta.is_decode == all(n == 1 for _, n in cases)
+    q = torch.cat(qs).to(dev)  # [num_tokens, heads, head_dim]
+    outs = {}
+    for name in backends:
+        backend = create_backend(name, heads, kv_heads, d, PAGE, dtype, dev)
+        backend.plan(meta)
+        outs[name] = backend.forward(q, cache.k[0], cache.v[0]).float().cpu()
+    return outs, torch.cat(refs)
+
+
+@pytest.mark.parametrize("cases", WRITE_CASES)
+def test_torch_backend_after_writing_new_tokens_to_pages(cases):
+    outs, ref = write_then_attend(cases, 8, 2, 32, torch.float32, "cpu", ["torch"])
+    torch.testing.assert_close(outs["torch"], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cases", WRITE_CASES)
+@pytest.mark.parametrize("heads,kv_heads", [(16, 8), (32, 8)])
+def test_flashinfer_after_writing_new_tokens_to_pages(cases, heads, kv_heads):
+    """FlashInfer equals the torch backend and dense attention, bf16, relative error
+    under 1e-2, with the new tokens' K/V written to the pages first."""
+    outs, ref = write_then_attend(cases, heads, kv_heads, 128, torch.bfloat16, "cuda",
+                                  ["flashinfer", "torch"])
+    assert relative_error(outs["torch"], ref) < 1e-2
+    err = relative_error(outs["flashinfer"], outs["torch"])
+    assert err < 1e-2, f"flashinfer vs torch backend: relative error {err:.2e}"
+    assert relative_error(outs["flashinfer"], ref) < 1e-2

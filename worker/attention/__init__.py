@@ -9,14 +9,21 @@ import torch
 
 from worker.attention.base import AttentionBackend, AttentionMetadata
 
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+
 
 def create_backend(name: str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                    page_size: int, dtype: torch.dtype, device: torch.device) -> AttentionBackend:
     if name == "auto":
-        name = "flashinfer" if device.type == "cuda" else "torch"
+        # FlashInfer's kernels take 16-bit queries and KV only; float32 on CUDA (the
+        # exactness checks against the CPU) runs the torch backend there.
+        name = "flashinfer" if device.type == "cuda" and dtype in FLASHINFER_DTYPES else "torch"
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError("the flashinfer attention backend needs a CUDA device")
+        if dtype not in FLASHINFER_DTYPES:
+            raise ValueError(f"the flashinfer attention backend takes float16 or bfloat16, "
+                             f"not {dtype}")
         from worker.attention.flashinfer_backend import FlashInferAttentionBackend
 
         return FlashInferAttentionBackend(

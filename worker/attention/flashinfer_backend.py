@@ -31,9 +31,12 @@ class FlashInferAttentionBackend:
         self._wrapper = self._prefill
 
     def plan(self, meta: AttentionMetadata) -> None:
-        kv_indptr = meta.kv_indptr.to(self.device, torch.int32)
-        kv_indices = meta.kv_indices.to(self.device, torch.int32)
-        last = meta.kv_last_page_len.to(self.device, torch.int32)
+        # Host tensors, as plan() wants them: it reads the indptrs on the host to split
+        # the work and copies them to the GPU itself (device ones would be copied back,
+        # a sync each). int32 throughout.
+        kv_indptr = meta.kv_indptr.to(torch.int32)
+        kv_indices = meta.kv_indices.to(torch.int32)
+        last = meta.kv_last_page_len.to(torch.int32)
         if meta.is_decode:
             self._decode.plan(
                 kv_indptr, kv_indices, last, self.num_qo_heads, self.num_kv_heads,
@@ -43,7 +46,7 @@ class FlashInferAttentionBackend:
         else:
             # plan() defaults to causal=False and float16: both passed explicitly.
             self._prefill.plan(
-                meta.qo_indptr.to(self.device, torch.int32), kv_indptr, kv_indices, last,
+                meta.qo_indptr.to(torch.int32), kv_indptr, kv_indices, last,
                 self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
                 causal=True, q_data_type=self.dtype, kv_data_type=self.dtype,
             )

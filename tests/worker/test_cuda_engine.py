@@ -1,0 +1,122 @@
+"""The engine on CUDA equals the engine on CPU (world size 1).
+
+- float32: the real scheduler and model, in this process, on the default model, with a
+  device tier small enough that blocks are written back to the host tier (pinned, side
+  stream) and swapped in again: the same greedy tokens and the same cache hits as on
+  the CPU, request by request.
+- bf16: FlashInfer against the torch backend inside the model (head_dim 128, as the
+  GPU benchmark's model): teacher-forced logits over chunked prefill, a prefill over a
+  shared cached prefix and batched decode agree to bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from scheduler.protocol import EngineConfig, GenerateRequest, NewSequence, ScheduledChunk, StepPlan
+from tests.scheduler.engine_harness import inprocess_engine, run_until_done
+
+pytestmark = pytest.mark.cuda
+
+BLOCK_BYTES_TINY = 8 * 2 * 16 * 4 * 64 * 4  # layers * K/V * block * kv heads * head_dim * fp32
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10, 8000) for _ in range(n)]
+
+
+def serve_workload(model, device: str) -> tuple[dict, dict]:
+    """12 prompts sharing a 96-token head through 48 device blocks, then all again (now
+    mostly from the host tier). Returns each request's tokens and cached count, and
+    the tier statistics."""
+    core = inprocess_engine(model, device=device, kv_cache_memory=48 * BLOCK_BYTES_TINY,
+                            host_cache_memory=512 * BLOCK_BYTES_TINY, max_num_seqs=6,
+                            max_num_batched_tokens=256)
+    rng = random.Random(3)
+    shared = tokens(rng, 96)
+    prompts = [shared + tokens(rng, 100 + 7 * i) for i in range(12)]
+    done = {}
+    for rnd in ("first", "again"):
+        done.update(run_until_done(core, [GenerateRequest(f"{rnd}{i}", p, 12, ignore_eos=True)
+                                          for i, p in enumerate(prompts)]))
+    stats = core.scheduler.cache.stats
+    plans = core.executor.plans
+    return done, {"host_hit_tokens": stats.num_host_hit_tokens,
+                  "swap_out": sum(len(p.swap_out) for p in plans),
+                  "swap_in": sum(len(p.swap_in) for p in plans)}
+
+
+def test_float32_engine_on_cuda_gives_the_cpu_tokens(default_model):
+    # Measured on the CPU: the smallest gap between the top two logits of any sampled
+    # position in this workload is 1.8e-3, far above float32's CPU/GPU differences, so
+    # the greedy tokens must agree exactly (and with them every cache hit and swap).
+    cpu, cpu_stats = serve_workload(default_model, "cpu")
+    gpu, gpu_stats = serve_workload(default_model, "cuda")
+    assert gpu_stats["swap_out"] > 0 and gpu_stats["swap_in"] > 0, gpu_stats
+    assert gpu_stats == cpu_stats
+    for rid in cpu:
+        assert gpu[rid]["tokens"] == cpu[rid]["tokens"], rid
+        assert gpu[rid]["cached"] == cpu[rid]["cached"], rid
+
+
+# --- bf16: FlashInfer against the torch backend inside the model -------------------------
+
+# Two bf16 runs differ by rounding only; as in tests/worker/test_reference.py, every
+# logit within 5% of the logits' scale, and the same argmax wherever the top two are
+# further apart than twice the largest deviation.
+BF16_LOGIT_TOL = 0.05
+
+
+@pytest.fixture(scope="module")
+def head_dim_128_model(default_model, tmp_path_factory):
+    from tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-hd128", num_layers=4,
+                           hidden_size=512, num_heads=4, num_kv_heads=2, head_dim=128,
+                           intermediate_size=1024, tokenizer_from=default_model, quiet=True)
+
+
+def teacher_forced_logits(model, backend: str, device: str = "cuda",
+                          dtype: str = "bfloat16") -> torch.Tensor:
+    """Sequence 1: a 100-token prompt in chunks of 48. Sequence 2 shares its first 64
+    tokens' blocks (a prefix-cache hit) and prefills 30 tokens of its own after them, in
+    the same step as sequence 1's last chunk. Then 8 decode steps of both. Logits of
+    every step's rows, [rows, vocab] float32."""
+    from worker.distributed import TensorParallelGroup
+    from worker.model_runner import ModelRunner
+
+    config = EngineConfig(model=str(model), dtype=dtype, device=device,
+                          attention_backend=backend, kv_cache_memory=64 << 20)
+    runner = ModelRunner(config, TensorParallelGroup(0, 1), torch.device(device))
+    rng = random.Random(7)
+    prompt = tokens(rng, 100)
+    own = tokens(rng, 30)
+    forced = [tokens(rng, 2) for _ in range(8)]
+    plans = [StepPlan(0, new_seqs=[NewSequence(1, list(range(0, 7))),
+                                   NewSequence(2, list(range(0, 4)) + list(range(7, 10)))]),
+             StepPlan(1, chunks=[ScheduledChunk(1, prompt[:48], 0, False)]),
+             StepPlan(2, chunks=[ScheduledChunk(1, prompt[48:96], 48, False)]),
+             StepPlan(3, chunks=[ScheduledChunk(1, prompt[96:], 96, True),
+                                 ScheduledChunk(2, own, 64, True)])]
+    for i, (t1, t2) in enumerate(forced):
+        plans.append(StepPlan(4 + i, chunks=[ScheduledChunk(1, [t1], 100 + i, True),
+                                             ScheduledChunk(2, [t2], 94 + i, True)]))
+    logits = [runner.execute(p, return_logits=True).logits for p in plans]
+    return torch.cat([x for x in logits if x is not None]).cpu()
+
+
+def test_flashinfer_model_matches_torch_backend_bf16(head_dim_128_model):
+    fi = teacher_forced_logits(head_dim_128_model, "flashinfer")
+    tb = teacher_forced_logits(head_dim_128_model, "torch")
+    assert fi.shape == tb.shape == (100 + 30 + 16, 8192)
+    scale = tb.abs().max().item()
+    deviation = (fi - tb).abs().max().item()
+    assert deviation < BF16_LOGIT_TOL * scale, f"off by {deviation:.3g}, scale {scale:.3g}"
+    top2 = tb.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * deviation
+    assert clear.sum() >= len(tb) // 4, "too few clear positions for a meaningful check"
+    flips = ((fi.argmax(-1) != tb.argmax(-1)) & clear).nonzero().flatten().tolist()
+    assert not flips, f"argmax differs at clear rows {flips}"
