@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cache import checks
 from cache.block_pool import DevicePool
 from cache.digest import CacheDigest
 from cache.hashing import BlockHashChain
@@ -288,50 +289,15 @@ class KVCacheManager:
         return CacheDigest(db, dk, hs, hk)
 
     def check_accounting(self, live_seq_ids: set[int]) -> None:
-        """The cheap check run on every step in production: O(live sequences), no
-        asserts (it must survive `python -O`). `live_seq_ids` are the sequences the
-        caller holds open; anything else holding blocks is a leak. Raises
+        """The cheap check run on every step in production (cache/checks.py). Raises
         CacheAccountingError."""
-        d, h = self.device, self.host
-        problems = []
-        if set(self._seqs) != live_seq_ids:
-            leaked = sorted(set(self._seqs) - live_seq_ids)[:8]
-            unknown = sorted(live_seq_ids - set(self._seqs))[:8]
-            problems.append(f"sequences holding blocks {leaked} not open; open {unknown} "
-                            "holding none")
-        held = sum(len(s.blocks) for s in self._seqs.values())
-        if held != d.num_refs:
-            problems.append(f"block tables hold {held} references, refcounts sum to "
-                            f"{d.num_refs}")
-        if d.num_used > held or (d.num_used == 0) != (held == 0):
-            problems.append(f"{d.num_used} device blocks in use for {held} references")
-        if d.num_free < 0 or d.num_cached < 0 or d.num_used < 0:
-            problems.append(f"device counts free {d.num_free} cached {d.num_cached} "
-                            f"used {d.num_used}")
-        if h.free.count + h.lru.count != h.num_slots:
-            problems.append(f"host slots: {h.free.count} free + {h.lru.count} cached != "
-                            f"{h.num_slots}")
+        problems = checks.accounting_problems(self._seqs, self.device, self.host, live_seq_ids)
         if problems:
             raise CacheAccountingError("; ".join(problems))
 
     def check_invariants(self) -> None:
-        """O(capacity) consistency check, for tests and debug builds."""
-        counts = np.zeros(self.device.num_blocks, dtype=np.int64)
-        for sid, seq in self._seqs.items():
-            b = _as_array(seq.blocks)
-            assert len(np.unique(b)) == len(b), f"seq {sid} holds a block twice"
-            counts[b] += 1
-            assert seq.num_registered <= len(b)
-        assert (counts == self.device.refcount).all(), "refcounts != live sequence references"
-        self.device.check()
-        self.host.check()
-        ops = self._ops
-        for _, slot in ops.swap_out:
-            assert self.host.pinned[slot]
-        assert len({s for _, s in ops.swap_out}) == len(ops.swap_out), "host slot written twice"
-        assert len({b for _, b in ops.swap_in}) == len(ops.swap_in), "block loaded twice"
-        for slot, block in ops.swap_in:
-            assert self.host.pinned[slot] and self.device.busy[block]
+        """O(capacity) consistency check, for tests and debug builds (cache/checks.py)."""
+        checks.check_invariants(self._seqs, self.device, self.host, self._ops)
 
     # --- internals ----------------------------------------------------------------------
 
