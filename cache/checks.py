@@ -3,7 +3,7 @@
 `accounting_problems` is cheap (O(live sequences), plain comparisons, no asserts so it
 survives `python -O`) and runs after every engine step in production;
 `check_invariants` walks every block (O(capacity)) and runs in tests, under
-hypothesis, and every FULL_CHECK_EVERY_STEPS steps in the engine.
+hypothesis, and every N steps in the engine when `--full-cache-check-every N` asks.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from orchestrator.errors import ApiError
 from orchestrator.generation import with_keepalive
 from orchestrator.http_common import (
     admit,
+    check_auth,
     check_counts,
     json_result,
     read_json_object,
@@ -198,7 +199,7 @@ async def messages(request: Request) -> Response:
 
 async def count_tokens(request: Request) -> Response:
     state = shim_state(request)
-    admit(request, state)
+    check_auth(request, state)  # it only tokenizes: it answers while the engine restarts
     body = await read_json_object(request, state)
     check_counts(body, state)
     req = parse_messages_request(body, request.headers, count_only=True)

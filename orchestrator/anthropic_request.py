@@ -19,7 +19,7 @@ from typing import Any
 
 from orchestrator.chat_run import ChatRequest, session_key
 from orchestrator.chat_template import Message, join_text, strip_billing_header
-from orchestrator.errors import INT64_MAX, ApiError, describe
+from orchestrator.errors import ApiError, describe, is_int64
 from scheduler.protocol import SamplingParams
 
 ROLES = ("user", "assistant", "system")
@@ -28,10 +28,6 @@ UNSUPPORTED_BLOCKS = ("image", "document")
 
 def _bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(message, param=param)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_number(v: Any) -> bool:
@@ -207,7 +203,7 @@ def parse_messages_request(body: dict[str, Any], headers: Any, *,
     if not count_only:
         if max_tokens is None:
             raise _bad("max_tokens: Field required", "max_tokens")
-        if not _is_int(max_tokens) or max_tokens < 1:
+        if not is_int64(max_tokens) or max_tokens < 1:
             raise _bad(f"max_tokens: must be a positive integer, got {describe(max_tokens)}",
                        "max_tokens")
     messages = system_messages(body.get("system")) + convert_messages(body.get("messages"))
@@ -221,7 +217,7 @@ def parse_messages_request(body: dict[str, Any], headers: Any, *,
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise _bad("stop_sequences: Input should be a list of strings", "stop_sequences")
     top_k = body.get("top_k")
-    if top_k is not None and (not _is_int(top_k) or not 0 <= top_k <= INT64_MAX):
+    if top_k is not None and (not is_int64(top_k) or top_k < 0):
         raise _bad(f"top_k: must be a non-negative integer, got {describe(top_k)}", "top_k")
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     sampling = SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 2.0),

@@ -133,6 +133,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "(Anthropic) / 429 (OpenAI), with retry-after")
     p.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens,
                    help="the same bound on the waiting requests' prompt tokens (0: none)")
+    p.add_argument("--full-cache-check-every", type=int, default=d.full_cache_check_every,
+                   help="debugging: also run the full O(capacity) cache check every N steps "
+                        "(0: never; the cheap accounting check runs every step regardless)")
     p.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
                    help="seconds a step may take before a rank that has not answered is "
                         "declared hung and the engine stops")
@@ -164,6 +167,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
         step_timeout_s=args.step_timeout,
+        full_cache_check_every=args.full_cache_check_every,
         attention_backend=args.attention_backend,
         torch_threads=args.torch_threads,
         seed=args.seed,

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger()
 HELLO_INTERVAL_S = 1.0  # while the engine is lost: how often ClientHello is resent
+DISCONNECT_GRACE_S = 0.2  # a disconnect waits this long for the reader to drain
 
 
 class EngineUnavailableError(RuntimeError):
@@ -324,6 +325,10 @@ class EngineClient:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
             if event == zmq.EVENT_DISCONNECTED:
+                # What a failing scheduler sent before it went (each request's error naming
+                # the failed rank, then its Shutdown) is already queued on the other
+                # socket: let the reader route it first, so those words are not lost.
+                await asyncio.sleep(DISCONNECT_GRACE_S)
                 self._lost("the connection to the scheduler was lost")
             elif event == zmq.EVENT_CONNECTED and self._rehello is not None \
                     and not self._connected:

@@ -21,6 +21,12 @@ from typing import Any
 # would fail to encode after validation, as a 500.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
+
+def is_int64(v: Any) -> bool:
+    """A JSON integer the engine's wire format can carry (msgpack: 64 bits); JSON `true`
+    is not 1."""
+    return isinstance(v, int) and not isinstance(v, bool) and INT64_MIN <= v <= INT64_MAX
+
 # OpenAI error type -> (Anthropic error type, status override or None)
 _ANTHROPIC_TYPES: dict[str, str] = {
     "invalid_request_error": "invalid_request_error",

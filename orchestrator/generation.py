@@ -10,7 +10,6 @@ request. The API modules only format what it yields.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from tokenizers import Tokenizer
 from orchestrator.detokenizer import Detokenizer
 from orchestrator.engine_client import EngineUnavailableError
 from orchestrator.errors import engine_error
-from scheduler.protocol import MIN_TEMPERATURE, GenerateRequest, SamplingParams
+from scheduler.protocol import GenerateRequest, SamplingParams
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -107,7 +106,7 @@ class Generation:
             request_id=self.request_id,
             prompt_token_ids=p.prompt_token_ids,
             max_tokens=p.max_tokens,
-            sampling=engine_sampling(p.sampling),
+            sampling=p.sampling,  # a tiny temperature is greedy: worker/sampler.py
             stop_token_ids=p.stop_token_ids,
             ignore_eos=p.ignore_eos,
             cache_salt=p.cache_salt,
@@ -169,12 +168,6 @@ class Generation:
             **({"error": error} if error else {}),
         )
 
-
-def engine_sampling(sampling: SamplingParams) -> SamplingParams:
-    """The request's sampling as the engine can run it (see MIN_TEMPERATURE)."""
-    if 0 < sampling.temperature < MIN_TEMPERATURE:
-        return dataclasses.replace(sampling, temperature=0.0)
-    return sampling
 
 
 async def with_keepalive(items: AsyncIterator[T], interval_s: float) -> AsyncIterator[T | None]:

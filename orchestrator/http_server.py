@@ -320,7 +320,6 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from orchestrator.engine_client import EngineClient
-    from orchestrator.self_check import SELF_CHECK_FAILED, SelfCheck
 
     args = parse_args(argv)
     configure_logging("shim")
@@ -352,13 +351,15 @@ def main(argv: list[str] | None = None) -> int:
                             http="h11", h11_max_incomplete_event_size=args.max_header_bytes)
     server = uvicorn.Server(config)
     check = None
-    if args.self_check:
+    if args.self_check:  # imported only then: the gate's HTTP client is not needed else
+        from orchestrator.self_check import SelfCheck
+
         check = SelfCheck(server, app.state.shim, args.host, args.port, api_key,
                           args.self_check_tokens)
         check.start()
     server.run()
     if check is not None and check.failed:
-        return SELF_CHECK_FAILED
+        return check.EXIT_STATUS
     # uvicorn exits quietly with started=False when the lifespan (engine start) failed.
     return 0 if server.started else 1
 

@@ -163,10 +163,10 @@ class Launch:
         return range(self.args.node_rank * n, (self.args.node_rank + 1) * n)
 
 
-def start_group(launch: Launch, master_port: int) -> list[Child]:
-    """The engine group: the scheduler (head node) and this node's ranks."""
+def start_group(launch: Launch, master_port: int, group: list[Child]) -> None:
+    """Start the engine group into `group`: the scheduler (head node) and this node's
+    ranks, each added as soon as it runs, so a failed spawn leaves nothing unstopped."""
     args = launch.args
-    group = []
     if launch.head:
         group.append(spawn("scheduler", ["scheduler.main", "--run-dir", str(launch.run_dir)]))
     for local_rank, rank in enumerate([] if args.external_workers else launch.local_ranks):
@@ -177,7 +177,6 @@ def start_group(launch: Launch, master_port: int) -> list[Child]:
             "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(master_port),
             CONTROL_DIR_ENV: str(launch.run_dir),  # its control socket, even over tcp://
         }))
-    return group
 
 
 def start_shim(launch: Launch, config, serve) -> Child:
@@ -218,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        group[:] = start_group(launch, master_port)
+        start_group(launch, master_port, group)
         if launch.head:
             shim.append(start_shim(launch, config, serve))
         _write_engine_file(launch, group + shim, serve)
@@ -235,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("engine_restarting", attempt=attempt, max_restarts=args.restart,
                         cause=cause)
             stop_in_order(group)
-            group[:] = start_group(launch, free_port())  # the old port may linger in TIME_WAIT
+            group.clear()
+            start_group(launch, free_port(), group)  # the old port may linger in TIME_WAIT
             _write_engine_file(launch, group + shim, serve)
             log.info("engine_restarted", attempt=attempt,
                      pids={c.name: c.proc.pid for c in group})

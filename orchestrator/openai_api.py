@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from tokenizers import Tokenizer
 
-from orchestrator.errors import INT64_MAX, INT64_MIN, ApiError, engine_error
+from orchestrator.errors import ApiError, engine_error, is_int64
 from orchestrator.generation import Generation, GenerationParams
 from scheduler.protocol import GenerateRequest, SamplingParams
 
@@ -29,12 +29,8 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # --- field readers: strict types, OpenAI-shaped errors ----------------------------
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # JSON `true` is not 1
-
-
 _KINDS: dict[type, tuple[str, Any]] = {
-    int: ("a 64-bit integer", lambda v: _is_int(v) and INT64_MIN <= v <= INT64_MAX),
+    int: ("a 64-bit integer", is_int64),
     float: ("a finite number",
             lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
     bool: ("a boolean", lambda v: isinstance(v, bool)),
@@ -65,7 +61,7 @@ def _stop_strings(body: dict[str, Any]) -> list[str]:
 
 
 def _token_ids(v: Any, name: str, vocab_size: int) -> list[int]:
-    if not isinstance(v, list) or not all(_is_int(t) for t in v):
+    if not isinstance(v, list) or not all(is_int64(t) for t in v):
         raise ApiError(f"'{name}' must be a list of integers", param=name)
     bad = [t for t in v if not 0 <= t < vocab_size]
     if bad:
@@ -91,7 +87,7 @@ def prompt_input(body: dict[str, Any]) -> str | list[int]:
         p = p[0]
     if isinstance(p, str):
         return p
-    if isinstance(p, list) and all(_is_int(t) for t in p):
+    if isinstance(p, list) and all(is_int64(t) for t in p):
         return p
     raise ApiError("'prompt' must be a string or a list of token ids", param="prompt")
 

@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from orchestrator.chat_run import ChatRequest, ChatRun, prepare_chat, session_key
 from orchestrator.chat_template import Message, join_text
-from orchestrator.errors import INT64_MAX, INT64_MIN, ApiError, describe
+from orchestrator.errors import ApiError, describe, is_int64
 from orchestrator.http_common import (
     admit,
     check_counts,
@@ -35,10 +35,6 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 
 def _bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(message, param=param)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and INT64_MIN <= v <= INT64_MAX
 
 
 def _number(body: dict[str, Any], name: str, default: float) -> float:
@@ -134,7 +130,7 @@ def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
             raise ApiError(f"'{name}' = {describe(body[name])} is not supported", param=name,
                            code="unsupported")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+    if max_tokens is not None and (not is_int64(max_tokens) or max_tokens < 1):
         raise _bad(f"'max_tokens' must be a positive integer, got {describe(max_tokens)}",
                    "max_tokens")
     temperature, top_p = _number(body, "temperature", 1.0), _number(body, "top_p", 1.0)
@@ -143,9 +139,9 @@ def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
     if not 0 < top_p <= 1:
         raise _bad("'top_p' must be in (0, 1]", "top_p")
     top_k, seed = body.get("top_k"), body.get("seed")
-    if top_k is not None and (not _is_int(top_k) or top_k < -1):
+    if top_k is not None and (not is_int64(top_k) or top_k < -1):
         raise _bad("'top_k' must be a 64-bit integer >= -1", "top_k")
-    if seed is not None and not _is_int(seed):
+    if seed is not None and not is_int64(seed):
         raise _bad("'seed' must be a 64-bit integer", "seed")
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])

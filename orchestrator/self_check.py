@@ -14,20 +14,22 @@ import threading
 import time
 from typing import Any
 
-import httpx
 import structlog
 
+from orchestrator.cache_gate import GateConfig, run_gate
 from orchestrator.http_common import SELF_CHECK_HEADER, ServerState
-from tools.verify import EndpointError, GateConfig, run_gate
 
-SELF_CHECK_FAILED = 3  # the shim's exit status
 # Short answers keep the start-up fast; one block of slack is the gate's own rule.
 SELF_CHECK_MAX_TOKENS = 8
+# A hung engine fails the gate (and the start-up) in minutes, not after 4 x 10 minutes.
+SELF_CHECK_REQUEST_TIMEOUT_S = 120.0
 
 log = structlog.get_logger()
 
 
 class SelfCheck:
+    EXIT_STATUS = 3  # the shim's, when the gate fails
+
     def __init__(self, server: Any, state: ServerState, host: str, port: int,
                  api_key: str | None, doc_tokens: int) -> None:
         self.server = server  # uvicorn.Server: started / should_exit
@@ -41,7 +43,8 @@ class SelfCheck:
         target = f"[{target}]" if ":" in target else target
         self.config = GateConfig(url=f"http://{target}:{port}", api_key=api_key,
                                  doc_tokens=doc_tokens, max_tokens=SELF_CHECK_MAX_TOKENS,
-                                 headers={SELF_CHECK_HEADER: secret})
+                                 headers={SELF_CHECK_HEADER: secret},
+                                 timeout_s=SELF_CHECK_REQUEST_TIMEOUT_S)
 
     def start(self) -> None:
         threading.Thread(target=self._run, name="self-check", daemon=True).start()
@@ -52,14 +55,19 @@ class SelfCheck:
                 return
             time.sleep(0.1)
         log.info("self_check_started", url=self.config.url, doc_tokens=self.config.doc_tokens)
+        reasons, figures = ["the gate stopped before its verdict"], {}
         try:
             report = run_gate(self.config)
             reasons = report.reasons
             figures = {name: {"prompt": a.prompt_tokens, "cached": a.cached_tokens,
                               "ttft_ms": round(1000 * a.ttft_s)}
                        for name, a in report.answers.items()}
-        except (EndpointError, httpx.HTTPError, OSError, ValueError) as exc:
-            reasons, figures = [f"the gate could not run: {exc}"], {}
+        except Exception as exc:  # whatever broke, the shim must not stay at 503 forever
+            reasons = [f"the gate could not run: {exc!r}"]
+        finally:
+            self._verdict(reasons, figures)
+
+    def _verdict(self, reasons: list[str], figures: dict) -> None:
         self.state.self_check_secret = None
         if not reasons:
             self.state.unavailable = None

@@ -10,20 +10,19 @@ from scheduler.executor import Executor
 from scheduler.protocol import EngineStats, RequestOutput, StepResult
 from scheduler.scheduler import EngineLimits, Scheduler
 
-# The full O(capacity) cache check runs this often; the O(live sequences) accounting
-# check and the rank digests run on every step.
-FULL_CHECK_EVERY_STEPS = 1000
-
 
 class RankDivergenceError(RuntimeError):
     """Ranks hold different cache state: never serve past this."""
 
 
 def check_cache(scheduler: Scheduler, step: int) -> None:
-    """The invariant checks that stay on in production; a violation stops the engine
-    (CacheAccountingError) rather than serving wrong KV."""
+    """The accounting check stays on in production (O(live sequences), with the rank
+    digests); the full O(capacity) check walks every cached block in Python, a stall of
+    seconds at deployment scale, so it runs only when asked for (debugging, tests). A
+    violation stops the engine (CacheAccountingError) rather than serving wrong KV."""
     scheduler.check_accounting()
-    if step % FULL_CHECK_EVERY_STEPS == FULL_CHECK_EVERY_STEPS - 1:
+    every = scheduler.config.full_cache_check_every
+    if every and step % every == every - 1:
         try:
             scheduler.cache.check_invariants()
         except AssertionError as exc:

@@ -64,11 +64,11 @@ DEATH_GRACE_S = 0.5
 
 class ZmqExecutor:
     def __init__(self, address: str, config: EngineConfig, start_timeout_s: float = 600,
-                 step_timeout_s: float = 600, control_dir: Path | None = None) -> None:
+                 step_timeout_s: float | None = None, control_dir: Path | None = None) -> None:
         self.config = config
         self.world_size = config.world_size
         self.start_timeout_s = start_timeout_s
-        self.step_timeout_s = step_timeout_s
+        self.step_timeout_s = step_timeout_s or config.step_timeout_s  # None: the config's
         self.control_dir = control_dir  # where the ranks' control sockets are (hang checks)
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -110,32 +110,33 @@ class ZmqExecutor:
             time.sleep(0.05)
 
     def start(self) -> list[WorkerReady]:
+        """Each rank connects (and is sent the config), then loads the model and says it
+        is ready. A fast rank may be ready before a slow one has connected: one loop
+        takes both kinds of message in any order."""
         deadline = time.monotonic() + self.start_timeout_s
         identities: dict[int, bytes] = {}
-        while len(identities) < self.world_size:
-            got = self._recv(deadline, "while connecting")
+        ready: dict[int, WorkerReady] = {}
+        while len(ready) < self.world_size:
+            connecting = len(identities) < self.world_size
+            got = self._recv(deadline, "while connecting" if connecting
+                             else "while loading the model")
             if got is None:
-                raise self._start_timeout("connect")
+                raise self._start_timeout("connect" if connecting else "model load")
             identity, msg = got
+            if isinstance(msg, StepResult) and msg.error:
+                raise self._rank_error(msg.rank, "while loading the model", msg.error)
+            if isinstance(msg, WorkerReady):
+                ready[msg.rank] = msg
+                continue
             assert isinstance(msg, WorkerConnect), msg
             if msg.world_size != self.world_size:
                 raise WorkerFailure(
                     f"rank {msg.rank} has WORLD_SIZE={msg.world_size}, engine has "
                     f"{self.world_size}", [msg.rank])
             identities[msg.rank] = identity
-            self._procs[msg.rank] = RankProcess(msg.rank, msg.pid, msg.hostname)
+            self._procs[msg.rank] = RankProcess(msg.rank, msg.pid, msg.host_id)
             self._sock.send_multipart([identity, codec.encode(self.config)])
         self._identities = [identities[r] for r in range(self.world_size)]
-        ready: dict[int, WorkerReady] = {}
-        while len(ready) < self.world_size:
-            got = self._recv(deadline, "while loading the model")
-            if got is None:
-                raise self._start_timeout("model load")
-            _, msg = got
-            if isinstance(msg, StepResult) and msg.error:
-                raise self._rank_error(msg.rank, "while loading the model", msg.error)
-            assert isinstance(msg, WorkerReady), msg
-            ready[msg.rank] = msg
         return [ready[r] for r in range(self.world_size)]
 
     def _start_timeout(self, waiting_for: str) -> WorkerFailure:

@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     addresses = json.loads((args.run_dir / "addresses.json").read_text())
     log = configure_logging("scheduler")
 
-    executor = ZmqExecutor(addresses["workers"], config, step_timeout_s=config.step_timeout_s,
+    executor = ZmqExecutor(addresses["workers"], config,
                            control_dir=args.run_dir)
     try:
         limits = limits_from_ready(executor.start())

@@ -21,18 +21,32 @@ from scheduler.protocol.control_server import ControlUnavailable, ask, control_a
 PROBE_TIMEOUT_S = 1.0
 
 
+def host_identity() -> str:
+    """This machine and PID namespace. Two processes with the same identity see the same
+    pids; a hostname alone is not enough (containers on host networking share it)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        pid_ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        boot, pid_ns = "", 0
+    return f"{socket.gethostname()}/{boot}/{pid_ns}"
+
+
+_HERE = host_identity()
+
+
 @dataclass(frozen=True)
 class RankProcess:
     """Where a rank runs, from its WorkerConnect."""
 
     rank: int
     pid: int
-    hostname: str
+    host_id: str  # host_identity() of the rank's process
 
     @property
     def local(self) -> bool:
-        """On this host: its pid means something here."""
-        return self.hostname == socket.gethostname()
+        """On this host, in this PID namespace: its pid means something here."""
+        return self.host_id == _HERE
 
 
 def pid_alive(pid: int) -> bool:

@@ -70,7 +70,7 @@ class Scheduler:
         self._pending_outputs: list[RequestOutput] = []  # decided while planning
         self._model_key = config.model
         self._sessions = SessionChains(config.block_size)
-        self._deadlines: list[tuple[float, str]] = []  # heap of (deadline, request id)
+        self._deadlines: list[tuple[float, int, str]] = []  # (deadline, seq id, request id)
 
     # --- requests ------------------------------------------------------------------
 
@@ -101,7 +101,7 @@ class Scheduler:
         self._next_seq_id += 1
         self._by_request[req.request_id] = seq
         if seq.deadline is not None:
-            heapq.heappush(self._deadlines, (seq.deadline, req.request_id))
+            heapq.heappush(self._deadlines, (seq.deadline, seq.seq_id, req.request_id))
 
     def _validate(self, req: GenerateRequest) -> None:
         n, limit = len(req.prompt_token_ids), self.limits.max_model_len
@@ -143,9 +143,10 @@ class Scheduler:
         """End every live request whose deadline has passed, through the abort path
         (so a running one is closed by the plan being built, like any other end)."""
         while self._deadlines and self._deadlines[0][0] <= now:
-            _, request_id = heapq.heappop(self._deadlines)
+            _, seq_id, request_id = heapq.heappop(self._deadlines)
             seq = self._by_request.get(request_id)
-            if seq is None or seq.status is SeqStatus.FINISHED or seq.deadline is None:
+            # ended already (the id may even be reused by a newer request): nothing to do
+            if seq is None or seq.seq_id != seq_id or seq.status is SeqStatus.FINISHED:
                 continue
             seq.error_type = "timeout"
             seq.error = (f"the request's deadline passed ({now - seq.arrival:.1f}s after it "
@@ -166,7 +167,7 @@ class Scheduler:
         return self._by_request.get(request_id)
 
     def has_work(self) -> bool:
-        return bool(self.running or len(self.queue) or self._to_close or self._pending_outputs)
+        return bool(self.running or len(self.queue) or self._to_close)
 
     # --- the close-timing rule -------------------------------------------------------
     #

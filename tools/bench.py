@@ -42,6 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from tqdm import tqdm
 
+from orchestrator.cache_gate import usage_counts
 from tools.bench_agents import percentile
 from tools.bench_report import plot, print_report, ratios
 from tools.served import Served
@@ -145,12 +146,6 @@ async def stream_message(client: httpx.AsyncClient, url: str, body: dict[str, An
     return (e2e if ttft is None else ttft), e2e, usage, blocks
 
 
-def prompt_tokens(usage: dict[str, int]) -> int:
-    # the three input counts add up to the prompt (see orchestrator/anthropic_api.py)
-    return (usage.get("input_tokens", 0) + usage.get("cache_read_input_tokens", 0)
-            + usage.get("cache_creation_input_tokens", 0))
-
-
 async def run_agent(i: int, client: httpx.AsyncClient, url: str, headers: dict[str, str],
                     args: argparse.Namespace, system: str, t0: float, steps: list[Step],
                     progress: tqdm) -> None:
@@ -164,7 +159,7 @@ async def run_agent(i: int, client: httpx.AsyncClient, url: str, headers: dict[s
                 "stream": True, "system": system, "tools": TOOLS, "messages": messages}
         sent = time.perf_counter() - t0
         ttft, e2e, usage, blocks = await stream_message(client, url, body, headers)
-        steps.append(Step(i, turn, sent, ttft, e2e, prompt_tokens(usage),
+        steps.append(Step(i, turn, sent, ttft, e2e, usage_counts("anthropic", usage)[0],
                           usage.get("cache_read_input_tokens", 0),
                           usage.get("output_tokens", 0)))
         progress.update(1)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 import traceback
@@ -30,6 +29,7 @@ from scheduler.protocol import (
 from scheduler.protocol.control_server import control_address, control_dir_for
 from scheduler.protocol.log import configure_logging
 from scheduler.protocol.transport_security import secure_connect
+from scheduler.rank_health import host_identity
 from worker.control import RankControl
 from worker.distributed import (
     RankInfo,
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     sock.setsockopt(zmq.LINGER, 1000)
     secure_connect(sock, args.scheduler)  # CURVE over tcp://
     sock.send(codec.encode(WorkerConnect(info.rank, info.world_size, os.getpid(),
-                                         socket.gethostname())))
+                                         host_identity())))
     config = codec.decode(sock.recv())
     assert isinstance(config, EngineConfig), config
 

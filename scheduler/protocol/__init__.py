@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from scheduler.protocol.control import CONTROL_MESSAGE_TYPES
 from scheduler.protocol.digest import StateDigest
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: WorkerConnect carries pid and host_id
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class EngineConfig:
     max_queued_requests: int = 256
     max_queued_tokens: int = 0  # prompt tokens waiting, all requests together; 0: no limit
     step_timeout_s: float = 300.0  # a rank that answers no step within this is hung
+    full_cache_check_every: int = 0  # debug: the O(capacity) cache check every N steps
     attention_backend: str = "auto"  # auto | torch | flashinfer
     torch_threads: int = 0  # 0: cores / local ranks
     seed: int = 0
@@ -159,12 +160,13 @@ class StepResult:
 @dataclass
 class WorkerConnect:
     """A rank's first message; the scheduler answers with the EngineConfig. `pid` and
-    `hostname` let the scheduler tell a dead rank (on its own host) from a slow one."""
+    `host_id` (scheduler.rank_health.host_identity) let the scheduler tell a dead rank
+    (on its own host) from a slow one."""
 
     rank: int
     world_size: int
     pid: int
-    hostname: str
+    host_id: str
 
 
 @dataclass

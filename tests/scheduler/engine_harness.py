@@ -40,6 +40,8 @@ class RecordingExecutor:
 def zmq_engine(model: str, world_size: int, env: dict[str, str] | None = None, **overrides):
     config = EngineConfig(model=str(model), world_size=world_size, dtype="float32",
                           kv_cache_memory=overrides.pop("kv_cache_memory", 16 << 20),
+                          # the full cache check after every step: tests can afford it
+                          full_cache_check_every=overrides.pop("full_cache_check_every", 1),
                           **overrides)
     with tempfile.TemporaryDirectory(prefix="deepinfer-test-") as run_dir:
         address = f"ipc://{run_dir}/workers.sock"
@@ -95,6 +97,8 @@ def inprocess_engine(model: str, scheduler_cls: type[Scheduler] = Scheduler,
 
     config = EngineConfig(model=str(model), dtype="float32",
                           kv_cache_memory=overrides.pop("kv_cache_memory", 16 << 20),
+                          # the full cache check after every step: tests can afford it
+                          full_cache_check_every=overrides.pop("full_cache_check_every", 1),
                           **overrides)
     recorder = RecordingExecutor(InProcessExecutor(config))
     return EngineCore(scheduler_cls(config, limits_from_ready(recorder.start())), recorder)

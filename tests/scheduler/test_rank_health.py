@@ -4,7 +4,6 @@ DEALER socket each, standing for processes whose pids are real child processes h
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -24,7 +23,7 @@ from scheduler.protocol import (
 )
 from scheduler.protocol.control import RankSnapshot
 from scheduler.protocol.control_server import ControlServer, control_address
-from scheduler.rank_health import RankProcess, hung_ranks, pid_alive
+from scheduler.rank_health import RankProcess, host_identity, hung_ranks, pid_alive
 
 
 def sleeper() -> subprocess.Popen:
@@ -60,7 +59,7 @@ class FakeRank(threading.Thread):
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.address)
-        sock.send(codec.encode(WorkerConnect(self.rank, 2, self.pid, socket.gethostname())))
+        sock.send(codec.encode(WorkerConnect(self.rank, 2, self.pid, host_identity())))
         assert isinstance(codec.decode(sock.recv()), EngineConfig)
         sock.send(codec.encode(WorkerReady(self.rank, "cpu", 8, 0, 100, 64, [1], 1024)))
         while not self.stop.is_set():
@@ -151,7 +150,7 @@ def test_the_ranks_waiting_in_a_collective_are_not_blamed(tmp_path: Path) -> Non
     servers = [ControlServer(control_address(tmp_path, "rank0"), snapshot(0, 3.9)).start(),
                ControlServer(control_address(tmp_path, "rank1"), snapshot(1, 0.0)).start()]
     try:
-        here = socket.gethostname()
+        here = host_identity()
         procs = [RankProcess(r, os.getpid(), here) for r in range(3)]  # rank 2: no socket
         assert hung_ranks(procs, tmp_path) == ([1, 2], [0])
         assert hung_ranks(procs[:1], tmp_path) == ([0], [])  # all waiting: no one to tell

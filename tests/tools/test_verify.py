@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator import cache_gate
+from orchestrator.cache_gate import Answer
 from tests.conftest import REPO, free_port, subprocess_env
 from tests.orchestrator.e2e_helpers import Served, wait_healthy
 from tools import verify
-from tools.verify import Answer
 
 GATE = ["--doc-tokens", "768", "--max-tokens", "6"]
 
@@ -33,9 +34,9 @@ def answers(warm_cached: int, other_cached: int, warm_text: str = "ok",
 
 
 def test_judge_names_each_failed_check() -> None:
-    ok = verify.judge(answers(992, 970), block=16, max_ttft_ratio=0.5)
+    ok = cache_gate.judge(answers(992, 970), block=16, max_ttft_ratio=0.5)
     assert all(c.passed for c in ok), ok
-    bad = {c.name: c for c in verify.judge(answers(976, 900, "other", 1.5), 16, 0.5)}
+    bad = {c.name: c for c in cache_gate.judge(answers(976, 900, "other", 1.5), 16, 0.5)}
     assert not bad["repeat served from cache"].passed
     assert "976 of 1000" in bad["repeat served from cache"].detail
     assert not bad["identical answer"].passed
@@ -45,10 +46,10 @@ def test_judge_names_each_failed_check() -> None:
 
 
 def test_make_document_is_fresh_per_nonce() -> None:
-    a, b = verify.make_document(500, "aaaa"), verify.make_document(500, "bbbb")
+    a, b = cache_gate.make_document(500, "aaaa"), cache_gate.make_document(500, "bbbb")
     assert a != b and a[:30] != b[:30]  # differs from its first line: no shared block
-    assert verify.make_document(500, "aaaa") == a
-    assert len(a) >= 500 * verify.CHARS_PER_TOKEN
+    assert cache_gate.make_document(500, "aaaa") == a
+    assert len(a) >= 500 * cache_gate.CHARS_PER_TOKEN
 
 
 def test_unreachable_endpoint_fails(capsys: pytest.CaptureFixture[str]) -> None:
