@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tools import gpu_check
-from tools.bench_worker import prefill_flop
+from tools.model_flops import prefill_flop
 
 
 def test_cpu_run_records_every_step(default_model: Path, tmp_path: Path) -> None:
