@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,15 @@ from scheduler.protocol.transport_security import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def repo_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment for a child process, with this checkout first on PYTHONPATH: the
+    children import this checkout's packages, whatever is installed."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra or {})
+    return env
 DEFAULT_MODEL = REPO / "models" / "tiny-llama"
 # How the launcher hands the API key to the shim: never on a command line, which any
 # local user can read with `ps`; a process's environment is readable by its owner only.

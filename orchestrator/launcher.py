@@ -36,6 +36,7 @@ from orchestrator.config import (
     REPO,
     add_serve_arguments,
     build_config,
+    repo_env,
     secret_file_env,
 )
 from scheduler.protocol.control_server import CONTROL_DIR_ENV, control_address
@@ -106,10 +107,7 @@ def _die_with_parent() -> None:
 
 
 def spawn(name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
-    full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
-    full_env.update(env or {})
-    proc = subprocess.Popen([sys.executable, "-m", *args], env=full_env, cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", *args], env=repo_env(env), cwd=REPO,
                             start_new_session=True, preexec_fn=_die_with_parent)
     return Child(name, proc)
 

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.config import repo_env
 from orchestrator.launcher import free_port
 from tools.bench_worker_report import add_shares, machine_info, print_table
 from tools.model_flops import num_parameters, prefill_flop
@@ -297,8 +298,7 @@ def rank_main(args: BenchArgs) -> None:
 def run_world(args: BenchArgs, world_size: int, timeout: float) -> dict:
     """Start `world_size` ranks, wait for all, and return rank 0's parsed result."""
     port = free_port()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env = repo_env()
     cmd = [sys.executable, "-m", "tools.bench_worker", "--rank-args",
            json.dumps(dataclasses.asdict(args))]
     procs, logs = [], []

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from orchestrator.config import repo_env
 from tools import gpu_wheels
 from tools.gpu_probe import MARKER as PROBE_MARKER
 
@@ -108,7 +109,8 @@ class Check:
         if timeout < 1:
             raise StepFailed("no time left before the deadline")
         self.log("$ " + " ".join(cmd), echo=False)
-        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(env), stdout=subprocess.PIPE,
+        child_env = repo_env({"PYTHONUNBUFFERED": "1", **(env or {})})
+        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, errors="replace",
                                 start_new_session=True)
         lines: list[str] = []
@@ -148,14 +150,6 @@ class Check:
     def save(self) -> None:
         path = self.results / "gpu_check.json"
         path.write_text(json.dumps(self.record, indent=2, default=str))
-
-
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra or {})
-    return env
 
 
 # --- the steps ---------------------------------------------------------------------

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from orchestrator.config import REPO
+from orchestrator.config import REPO, repo_env
 from orchestrator.launcher import free_port
 
 
@@ -33,10 +32,7 @@ class Served:
         self.run_dir = run_dir
         self.log_path = run_dir.parent / f"launcher-{self.port}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115
-        full_env = dict(os.environ)
-        # the children import this checkout's packages, whatever is installed
-        full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
-        full_env.update(env or {})
+        full_env = repo_env(env)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "orchestrator.launcher", "--nproc-per-node", str(nproc),
              "--run-dir", str(run_dir), *(launcher_args or []),
