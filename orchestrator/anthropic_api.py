@@ -32,16 +32,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from orchestrator.anthropic_request import parse_messages_request, tool_input_json
-from orchestrator.chat_run import ChatRun, prepare_chat, render_prompt
+from orchestrator.chat_run import ChatRun, render_prompt, start_chat
 from orchestrator.errors import ApiError
 from orchestrator.generation import with_keepalive
 from orchestrator.http_common import (
-    admit,
     check_auth,
     check_counts,
     json_result,
     read_json_object,
-    scheduling_hints,
     shim_state,
     sse_response,
     tokenize,
@@ -183,13 +181,8 @@ async def stream(run: ChatRun, msg_id: str, model: str,
 
 async def messages(request: Request) -> Response:
     state = shim_state(request)
-    admit(request, state)
-    body = await read_json_object(request, state)
-    check_counts(body, state)
-    req = parse_messages_request(body, request.headers)
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
-    run = await prepare_chat(state, req, msg_id, api="anthropic",
-                             hints=scheduling_hints(request, state))
+    req, run = await start_chat(request, parse_messages_request, msg_id, api="anthropic")
     model = req.model or state.model_name
     if not req.stream:
         return await json_result(request, collect(run, msg_id, model), run.log_done)

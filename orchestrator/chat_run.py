@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from starlette.requests import Request
 
 from orchestrator.chat_template import Message
 from orchestrator.errors import ApiError
@@ -22,7 +24,12 @@ from orchestrator.http_common import (
     TOKENIZE_IN_THREAD_CHARS,
     SchedulingHints,
     ServerState,
+    admit,
+    check_counts,
+    read_json_object,
     require_engine,
+    scheduling_hints,
+    shim_state,
     tokenize,
 )
 from orchestrator.tool_parsers import Event, ToolCall, ToolParser, make_tool_parser
@@ -166,3 +173,18 @@ async def prepare_chat(state: ServerState, req: ChatRequest, request_id: str, *,
     text = await render_prompt(state, req)
     ids = await prompt_token_ids(state, req.session, text, request_id)
     return ChatRun(state, req, ChatPrompt(text, ids), request_id, api=api, hints=hints)
+
+
+async def start_chat(request: Request, parse: Callable[[dict[str, Any], Any], ChatRequest],
+                     request_id: str, *, api: str) -> tuple[ChatRequest, ChatRun]:
+    """What every chat endpoint does before answering: admit the request, read and bound
+    its body, parse it in the endpoint's API (`parse(body, headers)`), then render and
+    tokenize it for the engine."""
+    state = shim_state(request)
+    admit(request, state)
+    body = await read_json_object(request, state)
+    check_counts(body, state)
+    req = parse(body, request.headers)
+    run = await prepare_chat(state, req, request_id, api=api,
+                             hints=scheduling_hints(request, state))
+    return req, run

@@ -12,15 +12,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from orchestrator.chat_run import ChatRequest, ChatRun, prepare_chat, session_key
+from orchestrator.chat_run import ChatRequest, ChatRun, session_key, start_chat
 from orchestrator.chat_template import Message, join_text
 from orchestrator.errors import ApiError, describe, is_int64
 from orchestrator.http_common import (
-    admit,
-    check_counts,
     json_result,
-    read_json_object,
-    scheduling_hints,
     shim_state,
 )
 from orchestrator.http_common import sse_response as start_sse
@@ -250,13 +246,8 @@ async def stream(run: ChatRun, base: dict[str, Any]) -> AsyncIterator[str]:
 
 async def chat_completions(request: Request) -> Response:
     state = shim_state(request)
-    admit(request, state)
-    body = await read_json_object(request, state)
-    check_counts(body, state)
-    req = parse_chat_request(body, request.headers)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    run = await prepare_chat(state, req, request_id, api="chat",
-                             hints=scheduling_hints(request, state))
+    req, run = await start_chat(request, parse_chat_request, request_id, api="chat")
     base = {"id": request_id, "created": int(time.time()), "model": req.model or state.model_name}
     if not req.stream:
         return await json_result(request, collect(run, base), run.log_done)
