@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from orchestrator.chat_run import ChatRequest, session_key
+from orchestrator.chat_run import ChatRequest, ToolChoice, session_key, tool_choice
 from orchestrator.chat_template import Message, join_text, strip_billing_header
 from orchestrator.errors import ApiError, describe, is_int64
 from scheduler.protocol import SamplingParams
@@ -193,6 +193,27 @@ def convert_tools(tools: Any) -> list[dict[str, Any]]:
     return out
 
 
+_CHOICE_MODES = {"auto": "auto", "none": "none", "any": "required", "tool": "named"}
+
+
+def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> ToolChoice:
+    """{"type": "auto" | "any" | "tool" | "none", "name": (tool), "disable_parallel_tool_use"}"""
+    if choice is None:
+        return ToolChoice()
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind not in _CHOICE_MODES:
+        raise _bad("tool_choice: Input should be an object with type 'auto', 'any', 'tool' "
+                   f"or 'none', got {describe(choice)}", "tool_choice")
+    name = choice.get("name")
+    if kind == "tool" and not isinstance(name, str):
+        raise _bad("tool_choice.name: Field required (a string) for type 'tool'", "tool_choice")
+    no_parallel = choice.get("disable_parallel_tool_use", False)
+    if not isinstance(no_parallel, bool):
+        raise _bad("tool_choice.disable_parallel_tool_use: Input should be a boolean",
+                   "tool_choice")
+    return tool_choice(_CHOICE_MODES[kind], name, not no_parallel, tools)
+
+
 def parse_messages_request(body: dict[str, Any], headers: Any, *,
                            count_only: bool = False) -> ChatRequest:
     """Validate a /v1/messages (or count_tokens) body."""
@@ -208,8 +229,7 @@ def parse_messages_request(body: dict[str, Any], headers: Any, *,
                        "max_tokens")
     messages = system_messages(body.get("system")) + convert_messages(body.get("messages"))
     tools = convert_tools(body.get("tools"))
-    choice = body.get("tool_choice")
-    parse_calls = not (isinstance(choice, dict) and choice.get("type") == "none")
+    choice = _tool_choice(body.get("tool_choice"), tools)
 
     stop = body.get("stop_sequences")
     if stop is None:
@@ -233,7 +253,7 @@ def parse_messages_request(body: dict[str, Any], headers: Any, *,
     return ChatRequest(
         messages=messages,
         tools=tools,
-        parse_tool_calls=parse_calls,
+        tool_choice=choice,
         max_tokens=max_tokens,
         sampling=sampling,
         stop=[s for s in stop if s],

@@ -4,11 +4,17 @@ fits, and turn the engine's text into text and tool-call events.
 
     request (API-specific parse) -> ChatRequest -> prepare_chat() -> ChatRun
     ChatRun.events(): TextEvent | ToolCall, then ChatRun.done() records the turn
+
+tool_choice is applied here, the same way for both APIs: "none" leaves calls as text;
+"required" or a named tool appends the start of a call to the prompt (the parser's
+`opening`), so the answer is a call; without parallel calls the answer ends at the
+first call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 from collections.abc import AsyncIterator, Callable
@@ -39,12 +45,38 @@ NO_HINTS = SchedulingHints()
 
 
 @dataclass
+class ToolChoice:
+    """What the client allows: "auto" (the model decides), "none" (no calls: all text),
+    "required" (a call to any tool) or "named" (a call to `name`). `parallel`: False
+    ends the answer at its first call."""
+
+    mode: str = "auto"
+    name: str | None = None
+    parallel: bool = True
+
+
+def tool_choice(mode: str, name: str | None, parallel: bool,
+                tools: list[dict[str, Any]]) -> ToolChoice:
+    """A ToolChoice checked against the request's tools (HF format); the API modules
+    parse their own shapes into (mode, name, parallel)."""
+    names = [t["function"]["name"] for t in tools]
+    if mode in ("required", "named") and not names:
+        raise ApiError("tool_choice: a tool call was required, but the request has no tools",
+                       param="tool_choice")
+    if mode == "named" and name not in names:
+        raise ApiError(f"tool_choice: no tool named {name!r} in tools", param="tool_choice")
+    if mode == "required" and len(names) == 1:
+        mode, name = "named", names[0]
+    return ToolChoice(mode, name if mode == "named" else None, parallel)
+
+
+@dataclass
 class ChatRequest:
     """A chat request in API-neutral form (the API modules build it)."""
 
     messages: list[Message]
     tools: list[dict[str, Any]] = field(default_factory=list)  # HF format
-    parse_tool_calls: bool = True  # False: tool_choice "none"
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
     max_tokens: int | None = None  # None: all the room left
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
@@ -69,8 +101,23 @@ def session_key(explicit: str | None, model: str, messages: list[Message],
 
 @dataclass
 class ChatPrompt:
-    text: str
+    text: str  # the rendered conversation, then `forced`
     token_ids: list[int]
+    forced: str = ""  # the start of a tool call that tool_choice requires
+
+
+def forced_opening(state: ServerState, req: ChatRequest) -> str:
+    """The text after the generation prompt that makes the answer a tool call: empty
+    unless tool_choice requires one."""
+    choice = req.tool_choice
+    if choice.mode not in ("required", "named"):
+        return ""
+    opening = make_tool_parser(state.tool_call_parser).opening(choice.name)
+    if opening is None:
+        raise ApiError("tool_choice cannot require a tool call: this server does not parse "
+                       f"them (--tool-call-parser {state.tool_call_parser})",
+                       param="tool_choice")
+    return opening
 
 
 async def render_prompt(state: ServerState, req: ChatRequest) -> str:
@@ -133,15 +180,25 @@ class ChatRun:
             timeout_s=hints.timeout_s,
         )
         self.gen = Generation(state.engine, state.tokenizer, request_id, params, api=api)
-        parser_name = state.tool_call_parser if req.tools and req.parse_tool_calls else "none"
-        self.parser: ToolParser = make_tool_parser(parser_name)
+        parse_calls = req.tools and req.tool_choice.mode != "none"
+        self.parser: ToolParser = make_tool_parser(
+            state.tool_call_parser if parse_calls else "none")
+        # the model's answer continues the forced opening: the parser reads it first (and
+        # holds it, as the start of a call)
+        self.parser.feed(prompt.forced)
         self.num_tool_calls = 0
         self._recorded = False
 
     async def events(self) -> AsyncIterator[Event]:
-        async for piece in self.gen.pieces():
-            for event in self.parser.feed(piece.text):
-                yield self._count(event)
+        async with contextlib.aclosing(self.gen.pieces()) as pieces:
+            async for piece in pieces:
+                for event in self.parser.feed(piece.text):
+                    yield self._count(event)
+                    if self.num_tool_calls and not self.req.tool_choice.parallel:
+                        if self.gen.finish_reason is None:  # one call only: it ends the answer
+                            await self.gen.end_here()
+                        self._record()
+                        return
         for event in self.parser.finish():
             yield self._count(event)
         self._record()
@@ -159,7 +216,7 @@ class ChatRun:
         self._recorded = True
         self.state.tracker.record(
             self.req.session, self.prompt.token_ids, self.prompt.text, self.gen.token_ids,
-            output_sent_whole=self.gen.stop_string is None)
+            output_sent_whole=self.gen.stop_string is None and not self.gen.ended_early)
 
     def log_done(self, *, finish_reason: str | None = None, error: str | None = None) -> None:
         self.gen.log_fields["tool_calls"] = self.num_tool_calls
@@ -170,9 +227,10 @@ class ChatRun:
 async def prepare_chat(state: ServerState, req: ChatRequest, request_id: str, *,
                        api: str, hints: SchedulingHints = NO_HINTS) -> ChatRun:
     require_engine(state)  # again: it may have gone while the body was read
-    text = await render_prompt(state, req)
+    forced = forced_opening(state, req)
+    text = await render_prompt(state, req) + forced
     ids = await prompt_token_ids(state, req.session, text, request_id)
-    return ChatRun(state, req, ChatPrompt(text, ids), request_id, api=api, hints=hints)
+    return ChatRun(state, req, ChatPrompt(text, ids, forced), request_id, api=api, hints=hints)
 
 
 async def start_chat(request: Request, parse: Callable[[dict[str, Any], Any], ChatRequest],

@@ -78,6 +78,7 @@ class Generation:
         self.num_device_cached = 0
         self.num_host_cached = 0
         self.finish_reason: str | None = None
+        self.ended_early = False  # end_here(): the client has not seen every token's text
         self.log_fields: dict[str, Any] = {}  # extra fields for the request_done line
         self._t0 = time.monotonic()
         self._logged = False
@@ -114,6 +115,12 @@ class Generation:
             priority=p.priority,
             timeout_s=p.timeout_s,
         )
+
+    async def end_here(self) -> None:
+        """End the answer at what the caller has read (the first tool call, when parallel
+        calls are off): a stop, like a stop string's."""
+        self.finish_reason, self.ended_early = "stop", True
+        await self.engine.abort(self.request_id, "stop")
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """A Piece per engine output; `finish_reason` is set before the last one.

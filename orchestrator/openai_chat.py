@@ -12,7 +12,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from orchestrator.chat_run import ChatRequest, ChatRun, session_key, start_chat
+from orchestrator.chat_run import (
+    ChatRequest,
+    ChatRun,
+    ToolChoice,
+    session_key,
+    start_chat,
+    tool_choice,
+)
 from orchestrator.chat_template import Message, join_text
 from orchestrator.errors import ApiError, describe, is_int64
 from orchestrator.http_common import (
@@ -116,6 +123,25 @@ def convert_tools(tools: Any) -> list[dict[str, Any]]:
     return tools
 
 
+def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> ToolChoice:
+    """"none" | "auto" | "required" | {"type": "function", "function": {"name": ...}},
+    and `parallel_tool_calls`."""
+    choice, parallel = body.get("tool_choice"), body.get("parallel_tool_calls")
+    choice = "auto" if choice is None else choice  # null: the default, as OpenAI reads it
+    parallel = True if parallel is None else parallel
+    if not isinstance(parallel, bool):
+        raise _bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    if choice in ("none", "auto", "required"):
+        return tool_choice(choice, None, parallel, tools)
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if not (isinstance(fn, dict) and choice.get("type") == "function"
+            and isinstance(fn.get("name"), str)):
+        raise _bad("'tool_choice' must be 'none', 'auto', 'required' or "
+                   f"{{'type': 'function', 'function': {{'name': ...}}}}, got {describe(choice)}",
+                   "tool_choice")
+    return tool_choice("named", fn["name"], parallel, tools)
+
+
 def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
     model = body.get("model", "")
     if not isinstance(model, str):
@@ -156,7 +182,7 @@ def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
     return ChatRequest(
         messages=messages,
         tools=tools,
-        parse_tool_calls=body.get("tool_choice") != "none",
+        tool_choice=_tool_choice(body, tools),
         max_tokens=max_tokens,
         sampling=SamplingParams(temperature=temperature, top_p=top_p,
                                 top_k=max(top_k or 0, 0), seed=seed),

@@ -41,6 +41,13 @@ class ToolParser(Protocol):
     def feed(self, text: str) -> list[Event]: ...
     def finish(self) -> list[Event]: ...
 
+    def opening(self, name: str | None) -> str | None:
+        """The start of a call in this format, up to its arguments when `name` is given
+        (else up to the name), or None where the format has no calls. Appended to the
+        prompt, it makes the model's answer the rest of a call: how tool_choice forces
+        one (as Anthropic's API does), without constraining the tokens themselves."""
+        ...
+
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "none")
 
@@ -80,12 +87,21 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+def _json_opening(name: str | None, args_key: str) -> str:
+    if name is None:
+        return '{"name": "'
+    return '{"name": ' + json.dumps(name, ensure_ascii=False) + f', "{args_key}": '
+
+
 class PlainText:
     def feed(self, text: str) -> list[Event]:
         return [TextEvent(text)] if text else []
 
     def finish(self) -> list[Event]:
         return []
+
+    def opening(self, name: str | None) -> str | None:
+        return None
 
 
 class HermesParser:
@@ -97,6 +113,10 @@ class HermesParser:
         self._buf = ""  # outside: held text (a partial tag, trailing whitespace); inside: the call
         self._num_calls = 0
         self._space = ""
+
+    def opening(self, name: str | None) -> str | None:
+        # as the Hermes / Qwen templates render a call back: "<tool_call>\n{...}\n</tool_call>"
+        return self.OPEN + "\n" + _json_opening(name, "arguments")
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
@@ -154,6 +174,9 @@ class Llama3JsonParser:
     def __init__(self) -> None:
         self._mode: str | None = None  # None: undecided; "text" or "json"
         self._buf = ""
+
+    def opening(self, name: str | None) -> str | None:
+        return _json_opening(name, "parameters")
 
     def feed(self, text: str) -> list[Event]:
         if self._mode == "text":

@@ -158,6 +158,35 @@ def test_tool_choice_none_leaves_calls_as_text(sdk, engine) -> None:
     assert m.content[0].type == "text"
 
 
+TWO_TOOLS = TOOLS + [{"name": "Read", "input_schema": {"type": "object"}}]
+
+
+def test_tool_choice_tool_forces_the_call(sdk, engine, tiny_tokenizer) -> None:
+    """type "tool": the prompt ends with the start of that call, so the answer is its
+    arguments (Anthropic prefills the same way); without parallel calls the answer ends
+    at the first call."""
+    engine.script('{"command": "ls"}}\n</tool_call>\n<tool_call>\n{"name": "Read", '
+                  '"arguments": {}}\n</tool_call>')
+    m = sdk.messages.create(model="m", max_tokens=100, messages=HELLO, tools=TWO_TOOLS,
+                            tool_choice={"type": "tool", "name": "Bash",
+                                         "disable_parallel_tool_use": True})
+    prompt = tiny_tokenizer.decode(engine.requests[-1].prompt_token_ids,
+                                   skip_special_tokens=False)
+    assert prompt.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "Bash", "arguments": ')
+    assert [(b.type, b.name, b.input) for b in m.content] == [("tool_use", "Bash",
+                                                                 {"command": "ls"})]
+    assert m.stop_reason == "tool_use" and engine.aborted[-1][1] == "stop"
+    # "any" with one tool names it; with several, the model names one
+    for tools, ending in ((TOOLS, '{"name": "Bash", "arguments": '), (TWO_TOOLS, '{"name": "')):
+        engine.script('Read", "arguments": {}}\n</tool_call>')
+        m = sdk.messages.create(model="m", max_tokens=100, messages=HELLO, tools=tools,
+                                tool_choice={"type": "any"})
+        prompt = tiny_tokenizer.decode(engine.requests[-1].prompt_token_ids,
+                                       skip_special_tokens=False)
+        assert prompt.endswith(ending)
+    assert [(b.type, b.name) for b in m.content] == [("tool_use", "Read")]
+
+
 def test_stop_reasons(sdk, engine) -> None:
     engine.script("one two three four", eos=False)
     m = sdk.messages.create(model="m", max_tokens=2, messages=HELLO)
@@ -274,6 +303,15 @@ def test_models(sdk) -> None:
     ({"messages": HELLO, "stop_sequences": "END"}, "stop_sequences"),
     ({"messages": HELLO, "tools": [{"name": "f", "input_schema": "x"}]}, "input_schema"),
     ({"messages": HELLO, "system": 7}, "system"),
+    ({"messages": HELLO, "tool_choice": {"type": "some"}}, "tool_choice: Input should be"),
+    ({"messages": HELLO, "tool_choice": "auto"}, "tool_choice: Input should be"),
+    ({"messages": HELLO, "tool_choice": {"type": "any"}}, "the request has no tools"),
+    ({"messages": HELLO, "tools": TOOLS, "tool_choice": {"type": "tool"}}, "tool_choice.name"),
+    ({"messages": HELLO, "tools": TOOLS, "tool_choice": {"type": "tool", "name": "Rm"}},
+     "no tool named 'Rm'"),
+    ({"messages": HELLO, "tools": TOOLS,
+      "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}},
+     "disable_parallel_tool_use"),
     ({"messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                      "data": "iVBO"}}]}]}, "image content is not supported"),

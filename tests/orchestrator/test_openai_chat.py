@@ -107,6 +107,36 @@ def test_bad_requests(client, engine, body, param) -> None:
     assert engine.requests == []
 
 
+def test_tool_choice_required_and_named(sdk, engine, tiny_tokenizer) -> None:
+    """"required" with one tool, or a named function: the prompt ends with the start of
+    that call; parallel_tool_calls=False keeps only the first call."""
+    second = '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        engine.script('{"city": "Paris"}}\n</tool_call>' + second)
+        r = sdk.chat.completions.create(model="m", messages=HELLO, tools=TOOLS,
+                                        tool_choice=choice, parallel_tool_calls=False)
+        prompt = tiny_tokenizer.decode(engine.requests[-1].prompt_token_ids,
+                                       skip_special_tokens=False)
+        assert prompt.endswith('assistant\n<tool_call>\n{"name": "get_weather", "arguments": ')
+        calls = r.choices[0].message.tool_calls
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+            ("get_weather", {"city": "Paris"})]
+        assert r.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"tool_choice": "sometimes", "tools": TOOLS}, "'tool_choice' must be"),
+    ({"tool_choice": "required"}, "the request has no tools"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}, "tools": TOOLS},
+     "no tool named 'f'"),
+    ({"parallel_tool_calls": "no", "tools": TOOLS}, "'parallel_tool_calls'"),
+])
+def test_bad_tool_choice(client, engine, body, message) -> None:
+    r = client.post("/v1/chat/completions", json={"model": "m", "messages": HELLO, **body})
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert engine.requests == []
+
+
 def test_overloaded_is_429(client, engine) -> None:
     engine.script("x", error_type="overloaded")
     r = client.post("/v1/chat/completions", json={"model": "m", "messages": HELLO,

@@ -115,3 +115,22 @@ def test_none_and_unknown() -> None:
     assert run("none", [CALL]) == [TextEvent(CALL)]
     with pytest.raises(ValueError, match="unknown tool call parser"):
         make_tool_parser("xml")
+
+
+@pytest.mark.parametrize("parser, rest, expected", [
+    ("hermes", '{"x": 1}}\n</tool_call>', [ToolCall("f", {"x": 1})]),
+    ("hermes", "oops", [TextEvent('<tool_call>\n{"name": "f", "arguments": oops')]),
+    ("llama3_json", '{"x": 1}}', [ToolCall("f", {"x": 1})]),
+])
+def test_a_forced_opening_is_read_as_the_start_of_the_call(parser, rest, expected) -> None:
+    """tool_choice appends the opening to the prompt; the parser reads it before the
+    model's answer, so the answer completes a call (or, if it does not, the client sees
+    the whole text)."""
+    p = make_tool_parser(parser)
+    opening = p.opening("f")
+    assert p.feed(opening) == []
+    assert p.feed(rest) + p.finish() == expected
+    any_tool = make_tool_parser(parser)
+    assert any_tool.opening(None).endswith('{"name": "')
+    assert any_tool.feed(any_tool.opening(None)) == []
+    assert make_tool_parser("none").opening("f") is None
