@@ -20,6 +20,7 @@ from typing import Any
 from orchestrator.chat_run import ChatRequest, ToolChoice, session_key, tool_choice
 from orchestrator.chat_template import Message, join_text, strip_billing_header
 from orchestrator.errors import ApiError, describe, is_int64
+from orchestrator.structured_output import json_grammar
 from scheduler.protocol import SamplingParams
 
 ROLES = ("user", "assistant", "system")
@@ -214,6 +215,23 @@ def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> ToolChoice:
     return tool_choice(_CHOICE_MODES[kind], name, not no_parallel, tools)
 
 
+def _output_grammar(body: dict[str, Any]) -> str | None:
+    """Structured outputs: `output_config.format` or (beta) `output_format`, each
+    {"type": "json_schema", "schema": {...}}. Other output_config fields (effort, ...)
+    change nothing here."""
+    config = body.get("output_config")
+    fmt = config.get("format") if isinstance(config, dict) else None
+    param = "output_config.format"
+    if fmt is None:
+        fmt, param = body.get("output_format"), "output_format"
+    if fmt is None:
+        return None
+    if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema"):
+        raise _bad(f"{param}: Input should be an object with type 'json_schema', got "
+                   f"{describe(fmt)}", param)
+    return json_grammar(fmt.get("schema"), param)
+
+
 def parse_messages_request(body: dict[str, Any], headers: Any, *,
                            count_only: bool = False) -> ChatRequest:
     """Validate a /v1/messages (or count_tokens) body."""
@@ -260,6 +278,7 @@ def parse_messages_request(body: dict[str, Any], headers: Any, *,
         stream=stream,
         session=session_key(explicit, model, messages, tools),
         model=model,
+        grammar=None if count_only else _output_grammar(body),
     )
 
 

@@ -7,8 +7,8 @@ fits, and turn the engine's text into text and tool-call events.
 
 tool_choice is applied here, the same way for both APIs: "none" leaves calls as text;
 "required" or a named tool appends the start of a call to the prompt (the parser's
-`opening`), so the answer is a call; without parallel calls the answer ends at the
-first call.
+`opening`) and a grammar holds the rest to the tool's schema, so the answer is a call;
+without parallel calls the answer ends at the first call.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from orchestrator.http_common import (
     shim_state,
     tokenize,
 )
+from orchestrator.structured_output import tool_call_grammar
 from orchestrator.tool_parsers import Event, ToolCall, ToolParser, make_tool_parser
 from scheduler.protocol import SamplingParams
 
@@ -84,6 +85,7 @@ class ChatRequest:
     include_usage: bool = False
     session: str = ""
     model: str = ""  # as the client named it
+    grammar: str | None = None  # the answer's format (response_format, output_format)
 
 
 def session_key(explicit: str | None, model: str, messages: list[Message],
@@ -104,20 +106,29 @@ class ChatPrompt:
     text: str  # the rendered conversation, then `forced`
     token_ids: list[int]
     forced: str = ""  # the start of a tool call that tool_choice requires
+    grammar: str | None = None  # what the answer must follow (orchestrator/structured_output.py)
 
 
-def forced_opening(state: ServerState, req: ChatRequest) -> str:
-    """The text after the generation prompt that makes the answer a tool call: empty
-    unless tool_choice requires one."""
+@dataclass
+class ForcedCall:
+    opening: str = ""  # the start of the call, appended to the prompt
+    grammar: str | None = None  # what the answer may add to it
+
+
+def forced_call(state: ServerState, req: ChatRequest) -> ForcedCall:
+    """The call tool_choice requires, if any: its start goes after the generation prompt
+    (the tool parser's opening, as Anthropic prefills) and the grammar holds the rest to
+    the tool's input schema."""
     choice = req.tool_choice
     if choice.mode not in ("required", "named"):
-        return ""
-    opening = make_tool_parser(state.tool_call_parser).opening(choice.name)
+        return ForcedCall()
+    parser = make_tool_parser(state.tool_call_parser)
+    opening = parser.opening(choice.name)
     if opening is None:
         raise ApiError("tool_choice cannot require a tool call: this server does not parse "
                        f"them (--tool-call-parser {state.tool_call_parser})",
                        param="tool_choice")
-    return opening
+    return ForcedCall(opening, tool_call_grammar(req.tools, choice.name, parser.opening))
 
 
 async def render_prompt(state: ServerState, req: ChatRequest) -> str:
@@ -178,6 +189,7 @@ class ChatRun:
             session_id=req.session,
             priority=hints.priority,
             timeout_s=hints.timeout_s,
+            grammar=prompt.grammar,
         )
         self.gen = Generation(state.engine, state.tokenizer, request_id, params, api=api)
         parse_calls = req.tools and req.tool_choice.mode != "none"
@@ -227,10 +239,11 @@ class ChatRun:
 async def prepare_chat(state: ServerState, req: ChatRequest, request_id: str, *,
                        api: str, hints: SchedulingHints = NO_HINTS) -> ChatRun:
     require_engine(state)  # again: it may have gone while the body was read
-    forced = forced_opening(state, req)
-    text = await render_prompt(state, req) + forced
+    forced = forced_call(state, req)
+    text = await render_prompt(state, req) + forced.opening
     ids = await prompt_token_ids(state, req.session, text, request_id)
-    return ChatRun(state, req, ChatPrompt(text, ids, forced), request_id, api=api, hints=hints)
+    prompt = ChatPrompt(text, ids, forced.opening, forced.grammar or req.grammar)
+    return ChatRun(state, req, prompt, request_id, api=api, hints=hints)
 
 
 async def start_chat(request: Request, parse: Callable[[dict[str, Any], Any], ChatRequest],

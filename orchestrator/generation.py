@@ -43,6 +43,7 @@ class GenerationParams:
     session_id: str | None = None  # lets the scheduler reuse the session's block hashes
     priority: int = 0
     timeout_s: float | None = None
+    grammar: str | None = None  # llguidance grammar the output follows (structured outputs)
 
 
 @dataclass
@@ -114,6 +115,7 @@ class Generation:
             session_id=p.session_id,
             priority=p.priority,
             timeout_s=p.timeout_s,
+            grammar=p.grammar,
         )
 
     async def end_here(self) -> None:

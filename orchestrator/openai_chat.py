@@ -29,6 +29,7 @@ from orchestrator.http_common import (
 from orchestrator.http_common import sse_response as start_sse
 from orchestrator.json_body import loads
 from orchestrator.openai_api import SSE_DONE, sse, usage
+from orchestrator.structured_output import json_grammar
 from orchestrator.tool_parsers import TextEvent, ToolCall
 from scheduler.protocol import SamplingParams
 
@@ -142,6 +143,22 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> ToolChoic
     return tool_choice("named", fn["name"], parallel, tools)
 
 
+def response_format_grammar(body: dict[str, Any]) -> str | None:
+    """`response_format`: "text" (None), "json_object" or "json_schema"."""
+    fmt = body.get("response_format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return json_grammar({"type": "object"}, "response_format")
+    spec = fmt.get("json_schema")
+    if kind == "json_schema" and isinstance(spec, dict):
+        return json_grammar(spec.get("schema", {}), "response_format")
+    raise _bad("'response_format' must be {'type': 'text'}, {'type': 'json_object'} or "
+               "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}",
+               "response_format")
+
+
 def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
     model = body.get("model", "")
     if not isinstance(model, str):
@@ -191,6 +208,7 @@ def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
         include_usage=options.get("include_usage") is True,
         session=session_key(explicit, model, messages, tools),
         model=model,
+        grammar=response_format_grammar(body),
     )
 
 

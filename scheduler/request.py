@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from cache.hashing import BlockHashChain
+from scheduler.guided import Guide
 from scheduler.protocol import SamplingParams
 
 
@@ -46,6 +47,7 @@ class Sequence:
     deadline: float | None = None  # time.monotonic() past which it ends with "timeout"
     error: str | None = None  # why it ended, when it ended with an error
     error_type: str | None = None
+    guide: Guide | None = None  # the grammar its output follows (guided decoding)
 
     def __post_init__(self) -> None:
         # prompt + output in one list, appended in place: a 450K-token prompt must not

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from cache.hashing import make_extra_key
 from cache.manager import CacheConfig, KVCacheManager
+from scheduler.guided import GrammarError, GuideFactory
 from scheduler.protocol import (
     AppendBlocks,
     EngineConfig,
@@ -71,6 +72,7 @@ class Scheduler:
         self._model_key = config.model
         self._sessions = SessionChains(config.block_size)
         self._deadlines: list[tuple[float, int, str]] = []  # (deadline, seq id, request id)
+        self._guides = GuideFactory(config.model, limits.vocab_size, list(limits.eos_token_ids))
 
     # --- requests ------------------------------------------------------------------
 
@@ -90,6 +92,11 @@ class Scheduler:
         )
         seq.session_id = req.session_id
         seq.priority = req.priority
+        if req.grammar is not None:
+            try:
+                seq.guide = self._guides.guide(req.grammar)
+            except GrammarError as exc:
+                raise RequestRejected(str(exc)) from exc
         if req.timeout_s is not None:
             seq.deadline = seq.arrival + req.timeout_s
         if self.config.enable_prefix_caching:
@@ -311,8 +318,10 @@ class Scheduler:
             seq.num_sent_blocks = len(seq.block_ids)
         start = seq.num_computed
         end = start + num_new
+        sample = end == seq.num_tokens
+        allowed = seq.guide.allowed() if sample and seq.guide is not None else None
         plan.chunks.append(ScheduledChunk(seq.seq_id, seq.tokens[start:end], start,
-                                          sample=end == seq.num_tokens))
+                                          sample=sample, allowed=allowed))
         seq.num_computed = end
         seq.last_step = step
         # Blocks whose KV this step writes are registered now: steps run in order,
@@ -342,6 +351,13 @@ class Scheduler:
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         if token in seq.stop_token_ids:
             return "stop"
+        if seq.guide is not None:
+            if not seq.guide.accept(token):  # rank 0 sampled outside the mask it was sent
+                seq.error_type = "internal"
+                seq.error = f"token {token} broke the request's grammar: {seq.guide.error}"
+                return "error"
+            if seq.guide.complete:  # the grammar allows nothing more: the answer is whole
+                return "stop"
         if len(seq.output) >= seq.max_tokens:
             return "length"
         if seq.num_tokens >= self.limits.max_model_len:

@@ -59,6 +59,7 @@ WHEELS: tuple[Wheel, ...] = (
     Wheel("structlog", "structlog", needed=True),
     Wheel("starlette", "starlette", needed=True),
     Wheel("uvicorn", "uvicorn", needed=True),
+    Wheel("llguidance", "llguidance", compiled=True, needed=True),  # one abi3 wheel
     # On the image today (KINDS.md); small enough to carry in case it changes.
     Wheel("msgpack", "msgpack", compiled=True),
     Wheel("safetensors", "safetensors", compiled=True),

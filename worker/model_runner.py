@@ -219,7 +219,7 @@ class ModelRunner:
         params = [self.sampling[c.seq_id][0] for c in chunks]
         seeds = [self.sampling[c.seq_id][1] for c in chunks]
         positions = [c.start_pos + len(c.token_ids) for c in chunks]
-        tokens = sample(logits, params, seeds, positions)
+        tokens = sample(logits, params, seeds, positions, [c.allowed for c in chunks])
         return [(c.seq_id, t) for c, t in zip(chunks, tokens)]
 
 

@@ -2,6 +2,8 @@
 
 A seeded request draws from a generator keyed by (seed, position), so its
 tokens do not depend on what else was in the batch or on the step it ran in.
+A guided request's row first loses the tokens its grammar excludes (the bitmask the
+scheduler sent with the chunk: scheduler/guided.py).
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ _SEED_MIX = 0x9E3779B97F4A7C15
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-           positions: list[int]) -> list[int]:
-    """logits: [B, vocab] float32. Returns one token id per row."""
+           positions: list[int], allowed: list[bytes | None] | None = None) -> list[int]:
+    """logits: [B, vocab] float32, masked in place where `allowed` has a bitmask.
+    Returns one token id per row."""
+    for row, mask in enumerate(allowed or []):
+        if mask is not None:
+            _keep_allowed(logits[row], mask)
     tokens = logits.argmax(dim=-1).tolist()
     for row, p in enumerate(params):
         if p.temperature >= MIN_TEMPERATURE:  # below it: greedy, whoever sent it
@@ -39,3 +45,19 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, seed: int, position: in
     gen = torch.Generator(device=logits.device)
     gen.manual_seed((seed * _SEED_MIX + position) % (1 << 63))
     return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def _keep_allowed(logits: torch.Tensor, mask: bytes) -> None:
+    """Set the logits of tokens outside `mask` (bit i of little-endian 32-bit words:
+    token i; bytes LSB first on little-endian hosts) to -inf."""
+    packed = torch.frombuffer(bytearray(mask), dtype=torch.uint8).to(logits.device)
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    keep = ((packed.unsqueeze(1) >> shifts) & 1).flatten().bool()
+    n = min(keep.numel(), logits.numel())
+    if not keep[:n].any():
+        # nothing allowed: a broken grammar. Sampling -inf everywhere would fail the whole
+        # step; sampled unmasked, the scheduler sees the grammar refuse the token and ends
+        # only this request with an error.
+        return
+    logits[:n].masked_fill_(~keep[:n], float("-inf"))
+    logits[n:] = float("-inf")

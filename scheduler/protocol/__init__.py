@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from scheduler.protocol.control import CONTROL_MESSAGE_TYPES
 from scheduler.protocol.digest import StateDigest
 
-SCHEMA_VERSION = 2  # 2: WorkerConnect carries pid and host_id
+SCHEMA_VERSION = 3  # 2: WorkerConnect carries pid and host_id; 3: guided decoding
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,9 @@ class ScheduledChunk:
     token_ids: list[int]
     start_pos: int
     sample: bool
+    # guided decoding (scheduler/guided.py): the tokens the sample may take, bit i of
+    # the little-endian 32-bit words for token i; None: any
+    allowed: bytes | None = None
 
 
 @dataclass
@@ -198,6 +201,7 @@ class GenerateRequest:
     session_id: str | None = None  # lets the scheduler reuse the session's block hashes
     priority: int = 0  # admission order: lower first (scheduler/queue.py)
     timeout_s: float | None = None  # deadline from arrival; past it: error "timeout"
+    grammar: str | None = None  # llguidance grammar the output follows (scheduler/guided.py)
 
 
 @dataclass

@@ -145,6 +145,39 @@ def test_openai_sdk_chat(served) -> None:
     assert [m.id for m in client.models.list().data] == ["tiny-llama"]
 
 
+def test_structured_outputs_and_forced_tool_calls(served, claude) -> None:
+    """Unguided, the random model never writes JSON; guided by a schema (OpenAI
+    response_format, Anthropic output_config) or a forced tool call (tool_choice), it
+    writes what the schema allows, sampled or greedy."""
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                               "ok": {"type": "boolean"}},
+              "required": ["color", "ok"], "additionalProperties": False}
+
+    def valid(value: dict) -> bool:
+        return set(value) == {"color", "ok"} and value["color"] in ("red", "green", "blue") \
+            and isinstance(value["ok"], bool)
+
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=0, timeout=300)
+    hello = [{"role": "user", "content": "Pick a color."}]
+    for temperature in (0, 1):
+        r = client.chat.completions.create(
+            model="x", messages=hello, temperature=temperature, seed=1, response_format={
+                "type": "json_schema", "json_schema": {"name": "pick", "schema": schema}})
+        assert valid(json.loads(r.choices[0].message.content)), r.choices[0].message.content
+    m = claude.messages.create(model="tiny", max_tokens=100, messages=hello, extra_body={
+        **GREEDY, "output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    assert valid(json.loads(m.content[0].text)) and m.stop_reason == "end_turn"
+    tools = [{"name": "Pick", "input_schema": schema},
+             {"name": "Done", "input_schema": {"type": "object", "properties": {},
+                                               "additionalProperties": False}}]
+    for choice in ({"type": "tool", "name": "Pick"}, {"type": "any"}):
+        m = claude.messages.create(model="tiny", max_tokens=100, messages=hello, tools=tools,
+                                   tool_choice=choice, extra_body=GREEDY)
+        assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["tool_use"], m
+        use = m.content[0]
+        assert valid(use.input) if use.name == "Pick" else (use.name, use.input) == ("Done", {})
+
+
 def test_claude_code_sessions_share_their_prefix(served) -> None:
     """Two sessions differ in the billing header only: the second is served from cache
     from token 0 (the header is dropped before rendering)."""

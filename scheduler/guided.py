@@ -1,0 +1,69 @@
+"""Guided decoding: the grammar a request's output must follow (structured outputs).
+
+The shim turns a JSON schema, a forced tool call or an any-JSON request into one
+llguidance grammar (orchestrator/structured_output.py) and sends it with the request.
+Here each guided sequence holds a matcher. Before a step samples the sequence, the
+matcher's token bitmask goes into the plan with the chunk; rank 0 drops the tokens
+it excludes before sampling (worker/sampler.py). The sampled token then advances the
+matcher. The mask travels in the plan, like everything a rank acts on, so no rank
+decides anything alone; steps run one after another, so each mask is computed from
+every token sampled so far.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+import llguidance
+
+
+class GrammarError(ValueError):
+    """The grammar does not compile (a message for the client)."""
+
+
+class GuideFactory:
+    """Compiles grammars against the model's tokenizer, loaded on first use (guided
+    requests are rare; an engine that never sees one never pays for it)."""
+
+    def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size  # the logits' width, which may pad the tokenizer's
+        self.eos_token_ids = list(eos_token_ids)
+
+    @cached_property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        text = (Path(self.model_dir) / "tokenizer.json").read_text()
+        return llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
+                                      eos_token=self.eos_token_ids or None)
+
+    def guide(self, grammar: str) -> Guide:
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"grammar: {matcher.get_error()}")
+        return Guide(matcher)
+
+
+class Guide:
+    """One sequence's grammar state."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._matcher = matcher
+
+    def allowed(self) -> bytes:
+        """The tokens the next sample may take: bit i (of little-endian 32-bit words)
+        set for token i."""
+        return self._matcher.compute_bitmask()
+
+    def accept(self, token: int) -> bool:
+        """Advance by a sampled token; False if the grammar does not allow it."""
+        return self._matcher.consume_token(token)
+
+    @property
+    def complete(self) -> bool:
+        """The grammar is satisfied and allows nothing more (only an end of sequence)."""
+        return self._matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self._matcher.get_error()
