@@ -49,6 +49,12 @@ def loads(text: str, what: str) -> Any:
     return value
 
 
+def check_value(value: Any, what: str) -> None:
+    """The rules above for a value parsed elsewhere (a tool call the model wrote):
+    ApiError if it breaks one."""
+    _check_tree(value, what, strings=True)
+
+
 def _check_tree(root: Any, what: str, *, strings: bool) -> None:
     """Depth (iteratively: the point is not to recurse) and, if asked, every string."""
     stack: list[tuple[Any, int]] = [(root, 1)]

@@ -200,6 +200,7 @@ def sse(obj: dict[str, Any]) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+SSE_PING = ": ping\n\n"  # an SSE comment: keeps the connection busy; clients skip it
 
 
 class CompletionRun:

@@ -22,13 +22,14 @@ from orchestrator.chat_run import (
 )
 from orchestrator.chat_template import Message, join_text
 from orchestrator.errors import ApiError, describe, is_int64
+from orchestrator.generation import with_keepalive
 from orchestrator.http_common import (
     json_result,
     shim_state,
 )
 from orchestrator.http_common import sse_response as start_sse
 from orchestrator.json_body import loads
-from orchestrator.openai_api import SSE_DONE, sse, usage
+from orchestrator.openai_api import SSE_DONE, SSE_PING, sse, usage
 from orchestrator.structured_output import json_grammar
 from orchestrator.tool_parsers import TextEvent, ToolCall
 from scheduler.protocol import SamplingParams
@@ -168,7 +169,9 @@ def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
         if bad:
             raise ApiError(f"'{name}' = {describe(body[name])} is not supported", param=name,
                            code="unsupported")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:  # absent or null: the older name
+        max_tokens = body.get("max_tokens")
     if max_tokens is not None and (not is_int64(max_tokens) or max_tokens < 1):
         raise _bad(f"'max_tokens' must be a positive integer, got {describe(max_tokens)}",
                    "max_tokens")
@@ -237,7 +240,9 @@ async def collect(run: ChatRun, base: dict[str, Any]) -> dict[str, Any]:
             calls.append(_tool_call(event))
         else:
             texts.append(event.text)
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+    # null only beside tool calls, as OpenAI: an empty answer is ""
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": "".join(texts) or (None if calls else "")}
     if calls:
         message["tool_calls"] = calls
     choice = {"index": 0, "message": message, "logprobs": None,
@@ -245,7 +250,12 @@ async def collect(run: ChatRun, base: dict[str, Any]) -> dict[str, Any]:
     return {**base, "object": "chat.completion", "choices": [choice], "usage": _usage(run)}
 
 
-async def stream(run: ChatRun, base: dict[str, Any]) -> AsyncIterator[str]:
+async def stream(run: ChatRun, base: dict[str, Any], ping_interval_s: float) -> AsyncIterator[str]:
+    """The streaming response. Its first chunk (the role) comes with the first output,
+    or after `ping_interval_s` without one (an engine error before it is still an HTTP
+    error status); then an SSE comment each `ping_interval_s` without output, so that
+    proxies and clients with read timeouts wait through a queue, a long prefill or a
+    tool call the parser holds until it is whole. OpenAI clients skip comment lines."""
     base = {**base, "object": "chat.completion.chunk"}
     with_usage = run.req.include_usage
 
@@ -257,13 +267,18 @@ async def stream(run: ChatRun, base: dict[str, Any]) -> AsyncIterator[str]:
         return sse(c)
 
     events = run.events()
+    keepalive = with_keepalive(events, ping_interval_s)
     started = False
     num_calls = 0
     try:
-        async for event in events:
+        async for event in keepalive:
             if not started:
                 started = True
                 yield chunk({"role": "assistant", "content": ""})
+            elif event is None:
+                yield SSE_PING
+            if event is None:
+                continue
             if isinstance(event, TextEvent):
                 if event.text:
                     yield chunk({"content": event.text})
@@ -278,6 +293,7 @@ async def stream(run: ChatRun, base: dict[str, Any]) -> AsyncIterator[str]:
         yield SSE_DONE
         return
     finally:
+        await keepalive.aclose()  # first: it may be waiting on `events`
         await events.aclose()
         run.log_done()
     if not started:
@@ -295,4 +311,4 @@ async def chat_completions(request: Request) -> Response:
     base = {"id": request_id, "created": int(time.time()), "model": req.model or state.model_name}
     if not req.stream:
         return await json_result(request, collect(run, base), run.log_done)
-    return await start_sse(request, stream(run, base), run.log_done)
+    return await start_sse(request, stream(run, base, state.ping_interval_s), run.log_done)

@@ -22,6 +22,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from orchestrator.errors import ApiError
+from orchestrator.json_body import check_value
+
 
 @dataclass
 class TextEvent:
@@ -63,18 +66,24 @@ def make_tool_parser(name: str) -> ToolParser:
 
 
 def _call_from_json(obj: Any) -> ToolCall | None:
-    """{"name": str, "arguments" | "parameters": object or JSON string of one}."""
+    """{"name": str, "arguments" | "parameters": object or JSON string of one}. A call
+    the client could not be sent (a lone surrogate, nesting past json_body's limit)
+    is no call: it stays the model's text."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if args is None:
         args = {}
     if not isinstance(args, dict):
+        return None
+    try:
+        check_value([obj["name"], args], "a tool call")
+    except ApiError:
         return None
     return ToolCall(obj["name"], args)
 
@@ -160,7 +169,7 @@ class HermesParser:
     def _parse(self, body: str, *, closed: bool) -> Event:
         try:
             call = _call_from_json(json.loads(body))
-        except ValueError:
+        except (ValueError, RecursionError):
             call = None
         if call is not None:
             self._num_calls += 1
@@ -215,7 +224,7 @@ class Llama3JsonParser:
                 return calls or None
             try:
                 obj, pos = decoder.raw_decode(text, pos)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
             call = _call_from_json(obj)
             if call is None:

@@ -137,6 +137,37 @@ def test_bad_tool_choice(client, engine, body, message) -> None:
     assert engine.requests == []
 
 
+def test_stream_keeps_the_connection_busy_while_waiting(engine, tiny_tokenizer,
+                                                        tiny_template) -> None:
+    """The role chunk after ping_interval_s without output, then SSE comments: a tool
+    call is held until whole, and a proxy's read timeout must not cut it."""
+    engine.script(CALL, delay_s=0.15)
+    app = build_app(engine, tiny_tokenizer, model_name="tiny", chat_template=tiny_template,
+                    ping_interval_s=0.1)
+    with TestClient(app) as c:
+        r = c.post("/v1/chat/completions", json={"model": "m", "messages": HELLO,
+                                                 "tools": TOOLS, "stream": True})
+    blocks = r.text.strip().split("\n\n")
+    assert json.loads(blocks[0][6:])["choices"][0]["delta"]["role"] == "assistant"
+    assert ": ping" in blocks[1:-3] and blocks[-1] == "data: [DONE]"
+    calls = [json.loads(b[6:])["choices"][0]["delta"].get("tool_calls") for b in blocks
+             if b.startswith("data: {")]
+    assert [c[0]["function"]["name"] for c in calls if c] == ["get_weather"]
+
+
+def test_empty_answer_and_null_max_completion_tokens(sdk, client, engine) -> None:
+    """An empty answer's content is "" (null only beside tool calls); a null
+    max_completion_tokens leaves max_tokens in force."""
+    engine.script("")
+    r = client.post("/v1/chat/completions", json={
+        "model": "m", "messages": HELLO, "max_completion_tokens": None, "max_tokens": 5})
+    assert r.json()["choices"][0]["message"]["content"] == ""
+    assert engine.requests[-1].max_tokens == 5
+    engine.script(CALL)
+    r = sdk.chat.completions.create(model="m", messages=HELLO, tools=TOOLS)
+    assert r.choices[0].message.content is None and r.choices[0].message.tool_calls
+
+
 def test_overloaded_is_429(client, engine) -> None:
     engine.script("x", error_type="overloaded")
     r = client.post("/v1/chat/completions", json={"model": "m", "messages": HELLO,
