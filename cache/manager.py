@@ -160,7 +160,8 @@ class KVCacheManager:
     # --- per-step mutations -----------------------------------------------------------
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
-                 extra_key: bytes, chain: BlockHashChain | None = None) -> list[int] | None:
+                 extra_key: bytes, chain: BlockHashChain | None = None, *,
+                 count_hit: bool = True) -> list[int] | None:
         """Give ``seq_id`` enough device blocks for its first ``num_tokens`` tokens.
 
         ``token_ids``: every known token of the sequence (prompt + generated so far).
@@ -170,10 +171,13 @@ class KVCacheManager:
         are shared (refcount + 1); host hits get a fresh block and a queued swap_in.
         Returns the block ids appended to the sequence's table, in order (hit blocks
         first), or None when there is not enough room -- and then nothing has changed.
+        ``count_hit=False``: the first call's hit stays out of the stats (a preempted
+        sequence, readmitted, hits the blocks it wrote itself).
         """
         seq = self._seqs.get(seq_id)
         if seq is None:
-            return self._allocate_first(seq_id, token_ids, num_tokens, extra_key, chain)
+            return self._allocate_first(seq_id, token_ids, num_tokens, extra_key, chain,
+                                        count_hit)
         assert seq.extra_key == extra_key, "extra_key changed for a live sequence"
         need = -(-num_tokens // self.block_size) - len(seq.blocks)
         if need <= 0:
@@ -346,7 +350,8 @@ class KVCacheManager:
         return PrefixHit(n_dev * self.block_size, (m.num_blocks - n_dev) * self.block_size)
 
     def _allocate_first(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
-                        extra_key: bytes, chain: BlockHashChain | None) -> list[int] | None:
+                        extra_key: bytes, chain: BlockHashChain | None,
+                        count_hit: bool) -> list[int] | None:
         if self.config.enable_prefix_caching:
             chain = self._chain_for(extra_key, chain)
             m = self._match(token_ids, chain)
@@ -384,9 +389,10 @@ class KVCacheManager:
 
         hit = self._hit_of(m)
         self._seqs[seq_id] = _Seq(extra_key, chain, array("i", table.tobytes()), hit, n_hit)
-        self.stats.num_queried_tokens += len(token_ids)
-        self.stats.num_device_hit_tokens += hit.num_device_tokens
-        self.stats.num_host_hit_tokens += hit.num_host_tokens
+        if count_hit:
+            self.stats.num_queried_tokens += len(token_ids)
+            self.stats.num_device_hit_tokens += hit.num_device_tokens
+            self.stats.num_host_hit_tokens += hit.num_host_tokens
         return table.tolist()
 
     def _take_fresh(self, k: int) -> np.ndarray:

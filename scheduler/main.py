@@ -190,13 +190,14 @@ def main(argv: list[str] | None = None) -> int:
              control=control.server.address)
     try:
         server.run()
-    except (RankDivergenceError, WorkerFailure, CacheAccountingError, AssertionError) as exc:
+    except Exception as exc:  # noqa: BLE001 -- whatever it was, the clients hear of it
         telemetry.failed(str(exc), digest_mismatch=isinstance(exc, RankDivergenceError))
         failure = exc if isinstance(exc, WorkerFailure) else None
+        expected = (RankDivergenceError, WorkerFailure, CacheAccountingError, AssertionError)
         log.error("engine_failed", error=str(exc),
                   ranks=failure.ranks if failure else None,
                   cause=failure.cause if failure else type(exc).__name__,
-                  in_flight=server.num_in_flight)
+                  in_flight=server.num_in_flight, exc_info=not isinstance(exc, expected))
         server.fail_all(f"engine failed: {exc}")
         return 1
     finally:

@@ -127,9 +127,11 @@ class Scheduler:
         if req.timeout_s is not None and not req.timeout_s > 0:
             raise RequestRejected("timeout_s must be > 0")
         if -(-n // self.block_size) > self.limits.num_device_blocks:
+            # worded as for the context length: agents (Claude Code) compact on it
             raise RequestRejected(
-                f"prompt of {n} tokens can never fit the device KV cache "
-                f"({self.limits.num_device_blocks * self.block_size} tokens)")
+                f"prompt is too long: {n} tokens > "
+                f"{self.limits.num_device_blocks * self.block_size} maximum "
+                "(the device KV cache can never hold it)")
 
     def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         """Stop a request now. A queued one just leaves; a running one is closed by the
@@ -239,7 +241,7 @@ class Scheduler:
                 self._preempt(self.running[-1], plan)
                 grown = self._grow(seq, num_new)
             if grown:
-                scheduled.append((seq, num_new))
+                self._schedule(seq, num_new, scheduled)
                 budget -= num_new
                 i += 1
             elif len(self.running) == 1:  # alone and still out of room: it can never fit
@@ -259,7 +261,7 @@ class Scheduler:
             self.queue.pop()
             num_new = min(seq.num_tokens - seq.num_computed, budget)
             self.running.append(seq)
-            scheduled.append((seq, num_new))
+            self._schedule(seq, num_new, scheduled)
             budget -= num_new
 
         for seq, num_new in scheduled:
@@ -270,19 +272,30 @@ class Scheduler:
         self.step += 1
         return plan
 
+    def _schedule(self, seq: Sequence, num_new: int,
+                  scheduled: list[tuple[Sequence, int]]) -> None:
+        """Run `num_new` more tokens of `seq` this step. The blocks whose KV this step
+        writes are registered at once: steps run in order, and in each layer the ranks
+        write the whole batch's KV before attention reads any, so a later step -- or a
+        sequence admitted later in this one, e.g. a second agent sent the same fresh
+        context -- may hit them."""
+        scheduled.append((seq, num_new))
+        self.cache.commit(seq.seq_id, seq.tokens, seq.num_computed + num_new)
+
     def _admit(self, seq: Sequence, budget: int) -> bool:
         """Take the prefix hit and blocks for the first chunk; False (nothing changed) if
         the blocks are not there."""
         tokens = seq.tokens
         hit = self.cache.lookup(tokens, seq.extra_key, seq.chain)
         num_new = min(seq.num_tokens - hit.num_tokens, budget)
+        first = seq.num_preemptions == 0  # a readmission hits its own blocks: not counted
         blocks = self.cache.allocate(seq.seq_id, tokens, hit.num_tokens + num_new, seq.extra_key,
-                                     seq.chain)
+                                     seq.chain, count_hit=first)
         if blocks is None:
             return False
         took = self.cache.num_cached_tokens(seq.seq_id)
         seq.num_computed = took.num_device_tokens + took.num_host_tokens
-        if not seq.output:  # accounting is for the prompt as first received
+        if first:  # accounting is for the prompt as first received
             seq.num_device_cached = took.num_device_tokens
             seq.num_host_cached = took.num_host_tokens
         seq.block_ids = blocks
@@ -317,16 +330,13 @@ class Scheduler:
             plan.append.append(AppendBlocks(seq.seq_id, seq.block_ids[seq.num_sent_blocks:]))
             seq.num_sent_blocks = len(seq.block_ids)
         start = seq.num_computed
-        end = start + num_new
+        end = start + num_new  # registered already (_schedule)
         sample = end == seq.num_tokens
         allowed = seq.guide.allowed() if sample and seq.guide is not None else None
         plan.chunks.append(ScheduledChunk(seq.seq_id, seq.tokens[start:end], start,
                                           sample=sample, allowed=allowed))
         seq.num_computed = end
         seq.last_step = step
-        # Blocks whose KV this step writes are registered now: steps run in order,
-        # so any later step that hits them reads finished KV.
-        self.cache.commit(seq.seq_id, seq.tokens, end)
 
     # --- results ----------------------------------------------------------------------
 
