@@ -138,6 +138,8 @@ class Generation:
                     self.num_host_cached = out.num_host_cached_tokens
                 if out.finish_reason == "error":
                     raise engine_error(out.error_type, out.error)
+                if not out.token_ids and not out.finished:
+                    continue  # the cached counts of a long prefill, ahead of its tokens
                 self.token_ids += out.token_ids
                 delta = self.detok.add(out.token_ids)
                 if delta.stopped:

@@ -263,6 +263,10 @@ class Scheduler:
             self.running.append(seq)
             self._schedule(seq, num_new, scheduled)
             budget -= num_new
+            if seq.num_preemptions == 0 and seq.num_computed + num_new < seq.num_tokens:
+                # a prefill of several steps: tell the requester its cached share now (an
+                # output without tokens), not only with the first token
+                self._pending_outputs.append(self._output(seq))
 
         for seq, num_new in scheduled:
             self._emit_chunk(plan, seq, num_new, step)

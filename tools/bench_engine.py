@@ -1,11 +1,13 @@
 """Engine benchmark: the real scheduler driving real ranks over ZeroMQ, no HTTP.
 
     python -m tools.bench_engine --model models/tiny-llama [--world-sizes 1,4]
-        [--num-requests 32] [--prompt-len 256] [--max-tokens 32] [--json OUT]
+        [--num-requests 32] [--prompt-len 256] [--max-tokens 32] [--guided] [--json OUT]
 
 Per world size: requests/s and tokens/s for a batch of concurrent requests, and
 the share of step time spent outside rank 0's forward pass (planning, msgpack
-encoding, IPC and waiting for the slowest rank, applying results).
+encoding, IPC and waiting for the slowest rank, applying results). With --guided,
+each world size runs a second time with every request under a grammar (structured
+outputs: a JSON array of short lowercase strings), for the cost of the token masks.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from orchestrator.launcher import free_port, spawn, stop_all
+from orchestrator.structured_output import json_grammar
 from scheduler.engine import EngineCore, limits_from_ready
 from scheduler.executor import ZmqExecutor
 from scheduler.protocol import (
@@ -33,8 +36,13 @@ from scheduler.protocol import (
 )
 from scheduler.scheduler import Scheduler
 
+# too long to close within max_tokens: a guided request runs as long as a free one
+GUIDED_SCHEMA = {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                 "minItems": 1000}
 
-def run_one(model: str, world_size: int, args: argparse.Namespace) -> dict:
+
+def run_one(model: str, world_size: int, args: argparse.Namespace,
+            guided: bool = False) -> dict:
     config = EngineConfig(model=model, world_size=world_size, dtype="float32",
                           kv_cache_memory=256 << 20, max_num_seqs=args.num_requests,
                           max_num_batched_tokens=args.max_num_batched_tokens,
@@ -50,15 +58,16 @@ def run_one(model: str, world_size: int, args: argparse.Namespace) -> dict:
         try:
             core = EngineCore(Scheduler(config, limits_from_ready(executor.start())), executor)
             rng = random.Random(0)
+            grammar = json_grammar(GUIDED_SCHEMA, "bench") if guided else None
             make = lambda tag: [  # noqa: E731
                 GenerateRequest(f"{tag}{i}", [rng.randrange(10, 8000)
                                               for _ in range(args.prompt_len)],
-                                args.max_tokens, ignore_eos=True)
+                                args.max_tokens, ignore_eos=True, grammar=grammar)
                 for i in range(args.num_requests)]
             _drive(core, make("warm")[:2])  # warm-up: first-step allocations, thread pools
             core.timings.totals.clear()
             start = time.perf_counter()
-            steps = _drive(core, make("r"))
+            steps, tokens_out = _drive(core, make("r"))
             wall = time.perf_counter() - start
             encode_s = _encode_cost(core)  # msgpack cost of a plan, apart from IPC
         finally:
@@ -67,9 +76,9 @@ def run_one(model: str, world_size: int, args: argparse.Namespace) -> dict:
     t = core.timings.totals
     step_total = t["schedule"] + t["execute"] + t["update"]
     outside = step_total - t["forward"]
-    tokens_out = args.num_requests * args.max_tokens
     return {
         "world_size": world_size,
+        "guided": guided,
         "requests_per_s": args.num_requests / wall,
         "output_tokens_per_s": tokens_out / wall,
         "total_tokens_per_s": (tokens_out + args.num_requests * args.prompt_len) / wall,
@@ -83,14 +92,15 @@ def run_one(model: str, world_size: int, args: argparse.Namespace) -> dict:
     }
 
 
-def _drive(core: EngineCore, requests: list[GenerateRequest]) -> int:
+def _drive(core: EngineCore, requests: list[GenerateRequest]) -> tuple[int, int]:
+    """(steps, output tokens) to run `requests` to the end."""
     for r in requests:
         core.scheduler.add_request(r)
-    steps = 0
+    steps = tokens = 0
     while core.scheduler.has_work():
-        core.step()
+        tokens += sum(len(out.token_ids) for out in core.step())
         steps += 1
-    return steps
+    return steps, tokens
 
 
 def _encode_cost(core: EngineCore, repeats: int = 200) -> float:
@@ -113,18 +123,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--guided", action="store_true",
+                   help="also run every world size with each request under a grammar")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    sizes = [int(x) for x in args.world_sizes.split(",")]
-    rows = [run_one(args.model, ws, args) for ws in tqdm(sizes, desc="world sizes")]
+    runs = [(int(x), guided) for x in args.world_sizes.split(",")
+            for guided in ((False, True) if args.guided else (False,))]
+    rows = [run_one(args.model, ws, args, guided) for ws, guided in tqdm(runs, desc="runs")]
 
     table = Table(title=f"engine: {args.num_requests} concurrent requests, "
                         f"{args.prompt_len}-token prompts, {args.max_tokens} output tokens")
-    for col in ("world size", "req/s", "out tok/s", "total tok/s", "steps", "outside fwd",
+    for col in ("world size", "guided", "req/s", "out tok/s", "total tok/s", "steps", "outside fwd",
                 "schedule ms", "IPC+wait ms", "update ms", "forward ms", "codec ms/plan"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r["world_size"]), f"{r['requests_per_s']:.2f}",
+        table.add_row(str(r["world_size"]), "yes" if r["guided"] else "no",
+                      f"{r['requests_per_s']:.2f}",
                       f"{r['output_tokens_per_s']:.1f}", f"{r['total_tokens_per_s']:.0f}",
                       str(r["steps"]), f"{100 * r['outside_forward_share']:.1f}%",
                       f"{r['schedule_ms_per_step']:.2f}", f"{r['ipc_and_wait_ms_per_step']:.2f}",

@@ -145,6 +145,23 @@ def test_requests_admitted_in_one_step_share_their_prefix():
     assert b.num_device_cached == 96 and b.block_ids[:6] == a.block_ids[:6]
 
 
+def test_a_long_prefill_reports_its_cached_share_before_its_first_token():
+    """So a client's message_start (sent on a keep-alive timer during a long prefill)
+    already carries cache_read_input_tokens."""
+    s = make(max_num_batched_tokens=32)
+    s.add_request(req("a", n=40))
+    while s.has_work():
+        run_step(s)
+    s.add_request(req("b", n=100))  # 32 tokens cached (a's two full blocks), 68 to compute
+    _, outs = run_step(s)
+    assert [(o.request_id, o.token_ids, o.finished, o.num_device_cached_tokens)
+            for o in outs] == [("b", [], False, 32)]
+    _, outs = run_step(s)
+    assert outs == []  # said once
+    s.add_request(GenerateRequest("c", list(range(600, 620)), 4))  # one step: no early output
+    assert [o.token_ids for o in run_step(s)[1] if o.request_id == "c"] == [[7]]
+
+
 def test_a_readmitted_sequence_does_not_count_its_own_blocks_as_hits():
     s = make(num_blocks=5, max_num_batched_tokens=64)
     s.add_request(req("old", n=30, max_tokens=40, ignore_eos=True))
