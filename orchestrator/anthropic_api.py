@@ -4,7 +4,7 @@ calls) and `POST /v1/messages/count_tokens`.
 Streaming is SSE with `event:` lines, in Anthropic's order:
 
     message_start
-    (content_block_start, content_block_delta*, content_block_stop)*   text / tool_use
+    (content_block_start, content_block_delta*, content_block_stop)*   thinking / text / tool_use
     message_delta (stop_reason, usage)
     message_stop
 
@@ -23,6 +23,8 @@ Usage (the three input counts add up to the prompt, as in Anthropic's API):
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -32,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from orchestrator.anthropic_request import parse_messages_request, tool_input_json
-from orchestrator.chat_run import ChatRun, render_prompt, start_chat
+from orchestrator.chat_run import ChatRun, Event, render_prompt, start_chat
 from orchestrator.errors import ApiError
 from orchestrator.generation import with_keepalive
 from orchestrator.http_common import (
@@ -44,7 +46,8 @@ from orchestrator.http_common import (
     sse_response,
     tokenize,
 )
-from orchestrator.tool_parsers import TextEvent, ToolCall
+from orchestrator.reasoning import Reasoning
+from orchestrator.tool_parsers import ToolCall
 
 
 def sse_event(kind: str, data: dict[str, Any]) -> str:
@@ -95,6 +98,12 @@ def _message(run: ChatRun, msg_id: str, model: str, content: list[dict[str, Any]
             "usage": usage(run)}
 
 
+def thinking_signature(thinking: str) -> str:
+    """A thinking block's `signature`. Clients send it back with the block and we do
+    not check it (the block only goes back into the prompt); a digest of the text."""
+    return base64.b64encode(hashlib.sha256(thinking.encode()).digest()).decode()
+
+
 async def collect(run: ChatRun, msg_id: str, model: str) -> dict[str, Any]:
     """The non-streaming response."""
     content: list[dict[str, Any]] = []
@@ -102,12 +111,81 @@ async def collect(run: ChatRun, msg_id: str, model: str) -> dict[str, Any]:
         if isinstance(event, ToolCall):
             content.append({"type": "tool_use", "id": tool_use_id(), "name": event.name,
                             "input": event.arguments})
-        elif event.text:
-            if content and content[-1]["type"] == "text":
-                content[-1]["text"] += event.text
-            else:
-                content.append({"type": "text", "text": event.text})
+            continue
+        if not event.text:
+            continue
+        kind, key = ("thinking", "thinking") if isinstance(event, Reasoning) else ("text", "text")
+        if content and content[-1]["type"] == kind:
+            content[-1][key] += event.text
+        else:
+            content.append({"type": kind, key: event.text})
+    for block in content:
+        if block["type"] == "thinking":
+            block["signature"] = thinking_signature(block["thinking"])
     return _message(run, msg_id, model, content, final=True)
+
+
+class BlockStream:
+    """A streamed message's content blocks as SSE events: a thinking or text block stays
+    open while its deltas come (a thinking block closes with its signature); a tool_use
+    block arrives whole (one input_json_delta)."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None  # "thinking" or "text"
+        self.thinking = ""
+
+    def add(self, event: Event) -> list[str]:
+        if isinstance(event, ToolCall):
+            closed = self.close()
+            self.index += 1
+            return [*closed, _start(self.index, {
+                "type": "tool_use", "id": tool_use_id(), "name": event.name, "input": {}}),
+                _delta(self.index, {"type": "input_json_delta",
+                                    "partial_json": tool_input_json(event.arguments)}),
+                _stop(self.index)]
+        if not event.text:
+            return []
+        out = []
+        kind = "thinking" if isinstance(event, Reasoning) else "text"
+        if self.open != kind:
+            out += self.close()
+            self.index += 1
+            self.open = kind
+            out.append(_start(self.index, {"type": "thinking", "thinking": "", "signature": ""}
+                              if kind == "thinking" else {"type": "text", "text": ""}))
+        if kind == "thinking":
+            self.thinking += event.text
+            out.append(_delta(self.index, {"type": "thinking_delta", "thinking": event.text}))
+        else:
+            out.append(_delta(self.index, {"type": "text_delta", "text": event.text}))
+        return out
+
+    def close(self) -> list[str]:
+        """End the open thinking or text block, if any."""
+        if self.open is None:
+            return []
+        out = []
+        if self.open == "thinking":
+            out.append(_delta(self.index, {"type": "signature_delta",
+                                           "signature": thinking_signature(self.thinking)}))
+            self.thinking = ""
+        self.open = None
+        return [*out, _stop(self.index)]
+
+
+def _start(index: int, block: dict[str, Any]) -> str:
+    return sse_event("content_block_start", {"type": "content_block_start", "index": index,
+                                             "content_block": block})
+
+
+def _delta(index: int, delta: dict[str, Any]) -> str:
+    return sse_event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                             "delta": delta})
+
+
+def _stop(index: int) -> str:
+    return sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
 
 
 async def stream(run: ChatRun, msg_id: str, model: str,
@@ -118,8 +196,7 @@ async def stream(run: ChatRun, msg_id: str, model: str,
     events = run.events()
     keepalive = with_keepalive(events, ping_interval_s)
     started = False
-    index = -1
-    text_open = False
+    blocks = BlockStream()
     try:
         async for event in keepalive:
             if not started:
@@ -129,34 +206,9 @@ async def stream(run: ChatRun, msg_id: str, model: str,
                     "message": _message(run, msg_id, model, [], final=False)})
             if event is None:
                 yield sse_event("ping", {"type": "ping"})
-            elif isinstance(event, TextEvent):
-                if not event.text:
-                    continue
-                if not text_open:
-                    index += 1
-                    text_open = True
-                    yield sse_event("content_block_start", {
-                        "type": "content_block_start", "index": index,
-                        "content_block": {"type": "text", "text": ""}})
-                yield sse_event("content_block_delta", {
-                    "type": "content_block_delta", "index": index,
-                    "delta": {"type": "text_delta", "text": event.text}})
-            else:
-                if text_open:
-                    text_open = False
-                    yield sse_event("content_block_stop",
-                                    {"type": "content_block_stop", "index": index})
-                index += 1
-                yield sse_event("content_block_start", {
-                    "type": "content_block_start", "index": index,
-                    "content_block": {"type": "tool_use", "id": tool_use_id(),
-                                      "name": event.name, "input": {}}})
-                yield sse_event("content_block_delta", {
-                    "type": "content_block_delta", "index": index,
-                    "delta": {"type": "input_json_delta",
-                              "partial_json": tool_input_json(event.arguments)}})
-                yield sse_event("content_block_stop",
-                                {"type": "content_block_stop", "index": index})
+                continue
+            for chunk in blocks.add(event):
+                yield chunk
     except ApiError as err:
         run.log_done(finish_reason="error", error=err.message)
         if not started:
@@ -170,8 +222,8 @@ async def stream(run: ChatRun, msg_id: str, model: str,
     if not started:
         yield sse_event("message_start", {
             "type": "message_start", "message": _message(run, msg_id, model, [], final=False)})
-    if text_open:
-        yield sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
+    for chunk in blocks.close():
+        yield chunk
     reason, sequence = stop_reason(run)
     yield sse_event("message_delta", {
         "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},

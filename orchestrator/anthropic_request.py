@@ -215,6 +215,19 @@ def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> ToolChoice:
     return tool_choice(_CHOICE_MODES[kind], name, not no_parallel, tools)
 
 
+def _thinking(thinking: Any) -> bool:
+    """`thinking`: {"type": "enabled", "budget_tokens": N} (or "adaptive") turns the
+    model's reasoning on where its template can switch it (Qwen3); absent or
+    {"type": "disabled"}, off, as Anthropic's models do."""
+    if thinking is None:
+        return False
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if not isinstance(kind, str):
+        raise _bad(f"thinking: Input should be an object with a 'type', got "
+                   f"{describe(thinking)}", "thinking")
+    return kind != "disabled"
+
+
 def _output_grammar(body: dict[str, Any]) -> str | None:
     """Structured outputs: `output_config.format` or (beta) `output_format`, each
     {"type": "json_schema", "schema": {...}}. Other output_config fields (effort, ...)
@@ -279,6 +292,7 @@ def parse_messages_request(body: dict[str, Any], headers: Any, *,
         session=session_key(explicit, model, messages, tools),
         model=model,
         grammar=None if count_only else _output_grammar(body),
+        enable_thinking=_thinking(body.get("thinking")),
     )
 
 

@@ -3,7 +3,7 @@ render the conversation, tokenize it so the session's prefix keeps matching, che
 fits, and turn the engine's text into text and tool-call events.
 
     request (API-specific parse) -> ChatRequest -> prepare_chat() -> ChatRun
-    ChatRun.events(): TextEvent | ToolCall, then ChatRun.done() records the turn
+    ChatRun.events(): Reasoning | TextEvent | ToolCall, then the turn is recorded
 
 tool_choice is applied here, the same way for both APIs: "none" leaves calls as text;
 "required" or a named tool appends the start of a call to the prompt (the parser's
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 from collections.abc import AsyncIterator, Callable
@@ -38,11 +39,13 @@ from orchestrator.http_common import (
     shim_state,
     tokenize,
 )
+from orchestrator.reasoning import Answer, Reasoning, make_splitter
 from orchestrator.structured_output import tool_call_grammar
-from orchestrator.tool_parsers import Event, ToolCall, ToolParser, make_tool_parser
+from orchestrator.tool_parsers import TextEvent, ToolCall, ToolParser, make_tool_parser
 from scheduler.protocol import SamplingParams
 
 NO_HINTS = SchedulingHints()
+Event = TextEvent | ToolCall | Reasoning  # what a chat answer is made of, in order
 
 
 @dataclass
@@ -86,6 +89,7 @@ class ChatRequest:
     session: str = ""
     model: str = ""  # as the client named it
     grammar: str | None = None  # the answer's format (response_format, output_format)
+    enable_thinking: bool | None = None  # to the chat template; None: its default
 
 
 def session_key(explicit: str | None, model: str, messages: list[Message],
@@ -136,9 +140,11 @@ async def render_prompt(state: ServerState, req: ChatRequest) -> str:
         raise ApiError("this model has no chat template (tokenizer_config.json), so it "
                        "serves /v1/completions only")
     template = state.chat_template
+    render = functools.partial(template.render, req.messages, req.tools,
+                               enable_thinking=req.enable_thinking)
     if sum(len(m.get("content") or "") for m in req.messages) > TOKENIZE_IN_THREAD_CHARS:
-        return await asyncio.to_thread(template.render, req.messages, req.tools)
-    return template.render(req.messages, req.tools)
+        return await asyncio.to_thread(render)
+    return render()
 
 
 async def prompt_token_ids(state: ServerState, session: str, text: str,
@@ -198,22 +204,31 @@ class ChatRun:
         # the model's answer continues the forced opening: the parser reads it first (and
         # holds it, as the start of a call)
         self.parser.feed(prompt.forced)
+        self.splitter = make_splitter(state.reasoning_parser, prompt.text)
         self.num_tool_calls = 0
         self._recorded = False
 
     async def events(self) -> AsyncIterator[Event]:
+        """Reasoning, answer text and tool calls, in the order the model wrote them."""
         async with contextlib.aclosing(self.gen.pieces()) as pieces:
             async for piece in pieces:
-                for event in self.parser.feed(piece.text):
+                for event in self._parse(self.splitter.feed(piece.text)):
                     yield self._count(event)
                     if self.num_tool_calls and not self.req.tool_choice.parallel:
                         if self.gen.finish_reason is None:  # one call only: it ends the answer
                             await self.gen.end_here()
                         self._record()
                         return
-        for event in self.parser.finish():
+        for event in self._parse(self.splitter.finish()) + self.parser.finish():
             yield self._count(event)
         self._record()
+
+    def _parse(self, parts: list[Reasoning | Answer]) -> list[Event]:
+        """Reasoning goes out as it is; the answer goes through the tool-call parser."""
+        events: list[Event] = []
+        for part in parts:
+            events += [part] if isinstance(part, Reasoning) else self.parser.feed(part.text)
+        return events
 
     def _count(self, event: Event) -> Event:
         if isinstance(event, ToolCall):

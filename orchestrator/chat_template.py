@@ -126,13 +126,15 @@ class ChatTemplate:
         return cls(template, tool_template=tool_template, special_tokens=special)
 
     def render(self, messages: list[Message], tools: list[dict[str, Any]] | None = None,
-               *, add_generation_prompt: bool = True) -> str:
+               *, add_generation_prompt: bool = True, enable_thinking: bool | None = None) -> str:
         """The prompt text. A conversation ending with an assistant message is continued
         (its text is the start of the answer: Anthropic's prefill), with no generation
         prompt. A template that refuses a system message after the first (most accept
-        them) gets it as a user message instead."""
+        them) gets it as a user message instead. `enable_thinking`, when given, goes to
+        the template (Qwen3's switches its reasoning on or off with it; others ignore it)."""
+        extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         try:
-            return self._render(messages, tools, add_generation_prompt)
+            return self._render(messages, tools, add_generation_prompt, extra)
         except jinja2.exceptions.TemplateError as exc:
             late_system = [i for i, m in enumerate(messages) if m["role"] == "system" and i > 0]
             if not late_system:
@@ -140,12 +142,12 @@ class ChatTemplate:
             messages = [{**m, "role": "user"} if i in late_system else m
                         for i, m in enumerate(messages)]
             try:
-                return self._render(messages, tools, add_generation_prompt)
+                return self._render(messages, tools, add_generation_prompt, extra)
             except jinja2.exceptions.TemplateError as exc2:
                 raise ApiError(f"the chat template refused the conversation: {exc2}") from None
 
     def _render(self, messages: list[Message], tools: list[dict[str, Any]] | None,
-                add_generation_prompt: bool) -> str:
+                add_generation_prompt: bool, extra: dict[str, Any]) -> str:
         template = self._tool_template if tools and self._tool_template else self._template
         last = messages[-1] if messages else None
         continue_final = (last is not None and last["role"] == "assistant"
@@ -154,7 +156,7 @@ class ChatTemplate:
             messages = [*messages[:-1], {**last, "content": last["content"] + _CONTINUE_TAG}]
         text = template.render(messages=messages, tools=tools or None,
                                add_generation_prompt=add_generation_prompt and not continue_final,
-                               **self.special_tokens)
+                               **self.special_tokens, **extra)
         if continue_final:
             cut = text.rfind(_CONTINUE_TAG)
             if cut < 0:

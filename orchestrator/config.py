@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator.reasoning import REASONING_PARSERS
 from orchestrator.tool_parsers import TOOL_CALL_PARSERS
 from scheduler.protocol import EngineConfig
 from scheduler.protocol.transport_security import (
@@ -44,6 +45,7 @@ class ServeOptions:
     served_model_name: str | None = None
     max_output_tokens: int = 0  # cap on any request's output tokens; 0: none
     tool_call_parser: str = "hermes"
+    reasoning_parser: str = "none"
     self_check_tokens: int = 0  # > 0: run the prefix-cache gate at start-up, this long
     request_timeout_s: float = 0.0  # default per-request deadline; 0: none
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
@@ -57,6 +59,7 @@ class ServeOptions:
         args = ["--host", self.host, "--port", str(self.port),
                 "--max-output-tokens", str(self.max_output_tokens),
                 "--tool-call-parser", self.tool_call_parser,
+                "--reasoning-parser", self.reasoning_parser,
                 "--request-timeout", str(self.request_timeout_s),
                 "--max-request-bytes", str(self.max_request_bytes),
                 "--max-tools", str(self.max_tools), "--max-messages", str(self.max_messages),
@@ -84,6 +87,10 @@ def add_shim_arguments(p: argparse.ArgumentParser) -> None:
                         "(0: only the context limits it)")
     p.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
                    help="how the shim reads tool calls back from the model's output")
+    p.add_argument("--reasoning-parser", default="none", choices=REASONING_PARSERS,
+                   help="'think' (also 'qwen3', 'deepseek_r1'): the <think>...</think> span "
+                        "the model writes goes to the client as reasoning (Anthropic thinking "
+                        "blocks, OpenAI reasoning_content)")
     p.add_argument("--request-timeout", type=float, default=0.0,
                    help="default deadline of every request, in seconds (0: none); a request "
                         "may set its own with the x-request-timeout header")
@@ -186,6 +193,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
         host=args.host, port=args.port, api_key=api_key_from(args),
         served_model_name=args.served_model_name, max_output_tokens=args.max_output_tokens,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         self_check_tokens=args.self_check_tokens if args.self_check else 0,
         request_timeout_s=args.request_timeout, max_request_bytes=args.max_request_bytes,
         max_tools=args.max_tools, max_messages=args.max_messages,

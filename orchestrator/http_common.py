@@ -62,6 +62,7 @@ class ServerState:
     created: int = 0
     chat_template: ChatTemplate | None = None
     tool_call_parser: str = "hermes"
+    reasoning_parser: str = "none"
     max_output_tokens: int = 0  # server-side cap on any request's output; 0: none
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_tools: int = DEFAULT_MAX_TOOLS

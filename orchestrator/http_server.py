@@ -173,6 +173,7 @@ def build_app(
     max_model_len: int = 0,
     chat_template: ChatTemplate | None = None,
     tool_call_parser: str = "hermes",
+    reasoning_parser: str = "none",
     max_output_tokens: int = 0,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_tools: int = DEFAULT_MAX_TOOLS,
@@ -185,7 +186,8 @@ def build_app(
     lowers the engine's context limit for requests (it cannot raise it). Without a
     `chat_template` the chat endpoints answer 400."""
     state = ServerState(engine, tokenizer, model_name, api_key, chat_template=chat_template,
-                        tool_call_parser=tool_call_parser, max_output_tokens=max_output_tokens,
+                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                        max_output_tokens=max_output_tokens,
                         max_request_bytes=max_request_bytes, max_tools=max_tools,
                         max_messages=max_messages, ping_interval_s=ping_interval_s,
                         request_timeout_s=request_timeout_s)
@@ -336,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=args.max_model_len,
         chat_template=ChatTemplate.from_model_dir(model_dir),
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         max_output_tokens=args.max_output_tokens,
         max_request_bytes=args.max_request_bytes,
         request_timeout_s=args.request_timeout,

@@ -30,6 +30,7 @@ from orchestrator.http_common import (
 from orchestrator.http_common import sse_response as start_sse
 from orchestrator.json_body import loads
 from orchestrator.openai_api import SSE_DONE, SSE_PING, sse, usage
+from orchestrator.reasoning import Reasoning
 from orchestrator.structured_output import json_grammar
 from orchestrator.tool_parsers import TextEvent, ToolCall
 from scheduler.protocol import SamplingParams
@@ -144,6 +145,19 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> ToolChoic
     return tool_choice("named", fn["name"], parallel, tools)
 
 
+def _enable_thinking(body: dict[str, Any]) -> bool | None:
+    """`chat_template_kwargs.enable_thinking` (as vLLM and SGLang take it): reasoning on
+    or off where the template can switch it; None: the template's default."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return None
+    value = kwargs.get("enable_thinking") if isinstance(kwargs, dict) else "?"
+    if value is not None and not isinstance(value, bool):
+        raise _bad("'chat_template_kwargs' must be an object; its 'enable_thinking' a boolean",
+                   "chat_template_kwargs")
+    return value
+
+
 def response_format_grammar(body: dict[str, Any]) -> str | None:
     """`response_format`: "text" (None), "json_object" or "json_schema"."""
     fmt = body.get("response_format")
@@ -212,6 +226,7 @@ def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
         session=session_key(explicit, model, messages, tools),
         model=model,
         grammar=response_format_grammar(body),
+        enable_thinking=_enable_thinking(body),
     )
 
 
@@ -234,10 +249,13 @@ def _usage(run: ChatRun) -> dict[str, Any]:
 
 async def collect(run: ChatRun, base: dict[str, Any]) -> dict[str, Any]:
     texts: list[str] = []
+    reasoning: list[str] = []
     calls: list[dict[str, Any]] = []
     async for event in run.events():
         if isinstance(event, ToolCall):
             calls.append(_tool_call(event))
+        elif isinstance(event, Reasoning):
+            reasoning.append(event.text)
         else:
             texts.append(event.text)
     # null only beside tool calls, as OpenAI: an empty answer is ""
@@ -245,6 +263,8 @@ async def collect(run: ChatRun, base: dict[str, Any]) -> dict[str, Any]:
                                "content": "".join(texts) or (None if calls else "")}
     if calls:
         message["tool_calls"] = calls
+    if reasoning:  # vLLM's and DeepSeek's field
+        message["reasoning_content"] = "".join(reasoning)
     choice = {"index": 0, "message": message, "logprobs": None,
               "finish_reason": _finish_reason(run)}
     return {**base, "object": "chat.completion", "choices": [choice], "usage": _usage(run)}
@@ -279,9 +299,10 @@ async def stream(run: ChatRun, base: dict[str, Any], ping_interval_s: float) -> 
                 yield SSE_PING
             if event is None:
                 continue
-            if isinstance(event, TextEvent):
+            if isinstance(event, (TextEvent, Reasoning)):
                 if event.text:
-                    yield chunk({"content": event.text})
+                    key = "content" if isinstance(event, TextEvent) else "reasoning_content"
+                    yield chunk({key: event.text})
             else:
                 yield chunk({"tool_calls": [_tool_call(event, num_calls)]})
                 num_calls += 1

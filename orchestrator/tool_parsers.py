@@ -88,7 +88,7 @@ def _call_from_json(obj: Any) -> ToolCall | None:
     return ToolCall(obj["name"], args)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for k in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-k:]):
@@ -149,7 +149,7 @@ class HermesParser:
                 self._inside = True
                 continue
             # Hold a possible partial tag, and trailing whitespace (dropped if a call follows).
-            keep = _partial_suffix(self._buf, self.OPEN)
+            keep = partial_suffix(self._buf, self.OPEN)
             head, held = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
             stripped = head.rstrip()
             if stripped:

@@ -1,0 +1,133 @@
+"""Reasoning (<think>...</think>) split from the answer, whatever the chunking; sent as
+Anthropic thinking blocks (streamed and not, with signatures, before text and
+tool_use) and as OpenAI reasoning_content; the request's thinking switch reaches the
+chat template."""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import pytest
+from starlette.testclient import TestClient
+
+from orchestrator.chat_template import ChatTemplate
+from orchestrator.http_server import build_app
+from orchestrator.reasoning import Answer, Reasoning, make_splitter
+from tests.orchestrator.scripted_engine import ScriptedEngine
+from tests.orchestrator.test_tool_parsers import chunkings
+
+TOOLS = [{"name": "Bash", "input_schema": {"type": "object"}}]
+HELLO = [{"role": "user", "content": "hi"}]
+THOUGHT = '<think>\nThe user greets me. I should run ls.\n</think>\n\nHello!\n' \
+    '<tool_call>\n{"name": "Bash", "arguments": {"command": "ls"}}\n</tool_call>'
+
+
+def split(text_chunks: list[str], prompt: str = "") -> list[Reasoning | Answer]:
+    splitter = make_splitter("think", prompt)
+    parts = [p for c in text_chunks for p in splitter.feed(c)] + splitter.finish()
+    merged: list[Reasoning | Answer] = []
+    for p in parts:
+        if merged and type(merged[-1]) is type(p):
+            merged[-1] = type(p)(merged[-1].text + p.text)
+        else:
+            merged.append(p)
+    return merged
+
+
+@pytest.mark.parametrize("text, prompt, expected", [
+    ("<think>a b</think>\n\nThe answer.", "", [Reasoning("a b"), Answer("The answer.")]),
+    ("\n<think>x</think>y", "", [Reasoning("x"), Answer("y")]),
+    ("a b</think>\n\nThe answer.", "<|im_start|>assistant\n<think>\n",  # R1: opened in the prompt
+     [Reasoning("a b"), Answer("The answer.")]),
+    ("No reasoning here.", "", [Answer("No reasoning here.")]),
+    ("<thinking>not a tag", "", [Answer("<thinking>not a tag")]),
+    ("<think>cut off by max_tokens", "", [Reasoning("cut off by max_tokens")]),
+    ("<think></think>\n\nDirect.", "", [Answer("Direct.")]),  # Qwen3 with thinking off
+    ("<think>a < b and </thin is not the end</think>ok", "",
+     [Reasoning("a < b and </thin is not the end"), Answer("ok")]),
+])
+def test_split(text, prompt, expected) -> None:
+    for chunks in chunkings(text):
+        assert split(chunks, prompt) == expected, chunks
+
+
+def test_none_is_all_answer() -> None:
+    splitter = make_splitter("none", "")
+    assert splitter.feed("<think>x</think>") == [Answer("<think>x</think>")]
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        make_splitter("o1", "")
+
+
+@pytest.fixture
+def engine(tiny_tokenizer) -> ScriptedEngine:
+    return ScriptedEngine(tiny_tokenizer)
+
+
+@pytest.fixture
+def client(engine, tiny_tokenizer, tiny_template):
+    app = build_app(engine, tiny_tokenizer, model_name="tiny", chat_template=tiny_template,
+                    reasoning_parser="qwen3")
+    with TestClient(app) as c:
+        yield c
+
+
+def test_anthropic_thinking_blocks(client, engine) -> None:
+    sdk = anthropic.Anthropic(base_url="http://testserver", api_key="k", http_client=client,
+                              max_retries=0)
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    engine.script(THOUGHT)
+    m = sdk.messages.create(model="m", max_tokens=200, messages=HELLO, tools=TOOLS,
+                            thinking=thinking)
+    engine.script(THOUGHT)
+    with sdk.messages.stream(model="m", max_tokens=200, messages=HELLO, tools=TOOLS,
+                             thinking=thinking) as s:
+        streamed = s.get_final_message()
+    for message in (m, streamed):
+        assert [b.type for b in message.content] == ["thinking", "text", "tool_use"]
+        think, text, use = message.content
+        assert think.thinking == "\nThe user greets me. I should run ls.\n" and think.signature
+        assert text.text == "Hello!" and use.input == {"command": "ls"}
+        assert message.stop_reason == "tool_use"
+    # the client sends the thinking block back: accepted, and the turn goes on
+    engine.script("Done.")
+    m = sdk.messages.create(model="m", max_tokens=50, thinking=thinking, tools=TOOLS, messages=[
+        *HELLO, {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                      "content": "a.py"}]}])
+    assert m.content[0].text == "Done."
+
+
+def test_openai_reasoning_content(client, engine) -> None:
+    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="k", http_client=client,
+                        max_retries=0)
+    engine.script("<think>hmm</think>\n\nHi.")
+    r = sdk.chat.completions.create(model="m", messages=HELLO)
+    assert (r.choices[0].message.content, r.choices[0].message.reasoning_content) == ("Hi.", "hmm")
+    engine.script("<think>hmm</think>\n\nHi.")
+    chunks = list(sdk.chat.completions.create(model="m", messages=HELLO, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "hmm"
+    assert "".join(d.content or "" for d in deltas) == "Hi."
+
+
+def test_the_thinking_switch_reaches_the_template(engine, tiny_tokenizer) -> None:
+    """Anthropic: on only when `thinking` asks (as Claude's API); OpenAI: vLLM's
+    chat_template_kwargs.enable_thinking, else the template's default."""
+    template = ChatTemplate("{{ messages[-1].content }}|{{ enable_thinking if enable_thinking "
+                            "is defined else 'default' }}|")
+    app = build_app(engine, tiny_tokenizer, model_name="tiny", chat_template=template,
+                    reasoning_parser="think")
+    prompts = []
+    with TestClient(app) as c:
+        for body in ({}, {"thinking": {"type": "enabled", "budget_tokens": 2048}},
+                     {"thinking": {"type": "disabled"}}):
+            c.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": HELLO,
+                                         **body})
+            prompts.append(tiny_tokenizer.decode(engine.requests[-1].prompt_token_ids))
+        for body in ({}, {"chat_template_kwargs": {"enable_thinking": False}}):
+            c.post("/v1/chat/completions", json={"model": "m", "messages": HELLO, **body})
+            prompts.append(tiny_tokenizer.decode(engine.requests[-1].prompt_token_ids))
+        bad = c.post("/v1/chat/completions", json={"model": "m", "messages": HELLO,
+                                                   "chat_template_kwargs": {"enable_thinking": 1}})
+    assert prompts == ["hi|False|", "hi|True|", "hi|False|", "hi|default|", "hi|False|"]
+    assert bad.status_code == 400
