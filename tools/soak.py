@@ -7,15 +7,16 @@ Each request is drawn at random: an API (Anthropic messages, OpenAI chat, OpenAI
 completions), streaming or not, a prompt of random size that often continues one of a
 few shared conversations (so the prefix cache is exercised), a small max_tokens, and a
 fate: served to the end, cancelled by the client part-way (closing the stream, or
-giving up before the answer), given a deadline too short to meet (408), or replaced by
-a malformed body (4xx). The engine runs with a small queue so overload (529/429) is
-exercised too.
+giving up before the answer), given a deadline too short to meet (408), replaced by
+a malformed body (4xx), or guided (structured outputs: a JSON schema the answer must
+follow, checked). The engine runs with a small queue so overload (529/429) is exercised
+too.
 
 At the end, once the engine is idle, it prints requests served, responses by kind,
 blocks still referenced (leaks: must be 0), rank digest mismatches (must be 0),
 whether `deepinfer-inspect check` finds every rank agreeing with the scheduler, and
 the peak resident memory of each process. Exit status 1 if anything leaked, diverged,
-or any response was a 5xx or a broken connection.
+any response was a 5xx or a broken connection, or a guided answer broke its schema.
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ BAD_BODIES: list[Any] = [
     {"max_tokens": 4, "messages": []}, {"max_tokens": 4.5, "messages": "x"},
     {"max_tokens": 4, "messages": [{"role": "user", "content": "x" * 10}], "tools": "all"},
 ]
+GUIDED_SCHEMA = {"type": "object", "properties": {
+    "file": {"enum": ["a.py", "b.py"]}, "line": {"type": "integer", "minimum": 1, "maximum": 999},
+    "fixed": {"type": "boolean"}}, "required": ["file", "line", "fixed"],
+    "additionalProperties": False}
+GUIDED_MAX_TOKENS = 64  # the schema's answer is about 20 tokens: it always completes
+BROKE_SCHEMA = "guided answer broke its schema"
 
 
 def text(rng: random.Random, words: int) -> str:
@@ -72,19 +79,28 @@ def make_request(rng: random.Random, conversations: list[str], args: argparse.Na
         return "bad", path, rng.choice(BAD_BODIES), {}
     fate = ("cancel" if roll < args.bad_share + args.cancel_share else
             "deadline" if roll < args.bad_share + args.cancel_share + 0.05 else "serve")
+    if fate == "serve" and api != "completions" and rng.random() < args.guided_share:
+        fate = "guided"
     base = rng.choice(conversations)
     prompt = base + " " + text(rng, rng.randint(1, args.max_prompt_words))
     stream = rng.random() < 0.6 or fate == "cancel"
     max_tokens = rng.randint(1, args.max_tokens)
     headers = {"x-request-timeout": "0.001"} if fate == "deadline" else {}
     messages = [{"role": "user", "content": prompt}]
+    if fate == "guided":  # answered whole, so the answer can be checked
+        stream, max_tokens = False, GUIDED_MAX_TOKENS
     if api == "anthropic":
         body = {"model": "m", "max_tokens": max_tokens, "messages": messages, "stream": stream,
                 "temperature": 0}
+        if fate == "guided":
+            body["output_config"] = {"format": {"type": "json_schema", "schema": GUIDED_SCHEMA}}
         return fate, "/v1/messages", body, headers
     if api == "chat":
-        return fate, "/v1/chat/completions", {"model": "m", "max_tokens": max_tokens,
-                                              "messages": messages, "stream": stream}, headers
+        body = {"model": "m", "max_tokens": max_tokens, "messages": messages, "stream": stream}
+        if fate == "guided":
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "fix", "schema": GUIDED_SCHEMA}}
+        return fate, "/v1/chat/completions", body, headers
     return fate, "/v1/completions", {"model": "m", "max_tokens": max_tokens, "prompt": prompt,
                                      "stream": stream}, headers
 
@@ -94,6 +110,11 @@ async def send(client: httpx.AsyncClient, url: str, fate: str, path: str, body: 
     """One request; returns how it ended, as a kind for the report."""
     kwargs: dict[str, Any] = {"content": body} if isinstance(body, bytes) else {"json": body}
     try:
+        if fate == "guided":
+            r = await client.post(url + path, headers=headers, **kwargs)
+            if r.status_code != 200:
+                return _error_kind(r)
+            return "served (guided)" if follows_schema(r.json()) else BROKE_SCHEMA
         if fate == "cancel" and rng.random() < 0.3:  # give up before any answer
             async with asyncio.timeout(rng.uniform(0.01, 0.5)):
                 await client.post(url + path, headers=headers, **kwargs)
@@ -115,6 +136,21 @@ async def send(client: httpx.AsyncClient, url: str, fate: str, path: str, body: 
         return "cancelled before the answer"
     except httpx.HTTPError as exc:
         return f"connection failed ({type(exc).__name__})"
+
+
+def follows_schema(response: dict[str, Any]) -> bool:
+    """The answer of a guided request (either API) is a JSON object GUIDED_SCHEMA allows."""
+    if "choices" in response:
+        text = response["choices"][0]["message"]["content"]
+    else:
+        text = "".join(b.get("text", "") for b in response["content"])
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError):
+        return False
+    return (isinstance(value, dict) and set(value) == {"file", "line", "fixed"}
+            and value["file"] in ("a.py", "b.py") and isinstance(value["fixed"], bool)
+            and isinstance(value["line"], int) and 1 <= value["line"] <= 999)
 
 
 def _event_error_type(line: str) -> str:
@@ -190,7 +226,7 @@ def report(kinds: Counter, metrics: dict[str, float], agree: bool, peaks: dict[s
     # 5xx other than 529 (overloaded: expected, the queue is small on purpose), and
     # connections that broke: neither may happen
     broken = sum(n for k, n in kinds.items()
-                 if k.startswith(("5", "connection")) and not k.startswith("529"))
+                 if k.startswith(("5", "connection", BROKE_SCHEMA)) and not k.startswith("529"))
     return {
         "requests": sum(kinds.values()), "wall_s": round(wall_s, 1),
         "served": sum(n for k, n in kinds.items() if k.startswith("served")),
@@ -227,6 +263,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--bad-share", type=float, default=0.25)
     p.add_argument("--cancel-share", type=float, default=0.2)
+    p.add_argument("--guided-share", type=float, default=0.2,
+                   help="of the chat requests served to the end: guided by a JSON schema")
     p.add_argument("--max-queued-requests", type=int, default=16)
     p.add_argument("--url", default=None, help="soak a running engine (with --run-dir)")
     p.add_argument("--run-dir", default=None)

@@ -232,6 +232,9 @@ ANTHROPIC_OPTIONAL = {
     "temperature": temperatures, "top_p": top_ps, "top_k": ints,
     "stream": st.booleans(), "metadata": st.fixed_dictionaries({"user_id": small_texts}),
     "thinking": st.just({"type": "enabled", "budget_tokens": 1024}),
+    "output_config": st.fixed_dictionaries({}, optional={
+        "effort": st.sampled_from(["low", "high"]),
+        "format": st.fixed_dictionaries({"type": st.just("json_schema"), "schema": schemas()})}),
 }
 ANTHROPIC_PATHS = st.sampled_from(["/v1/messages", "/v1/messages?beta=true",
                                    "/v1/messages/count_tokens"])
@@ -272,7 +275,11 @@ CHAT_OPTIONAL = {
     "tool_choice": st.sampled_from(["auto", "none", "required",
                                     {"type": "function", "function": {"name": "Bash"}}]),
     "n": st.sampled_from([1, 2]), "logprobs": st.booleans(), "user": small_texts,
-    "response_format": st.just({"type": "json_object"}), "parallel_tool_calls": st.booleans(),
+    "response_format": st.one_of(
+        st.sampled_from([{"type": "json_object"}, {"type": "text"}]),
+        st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema":
+                               st.fixed_dictionaries({"name": small_texts, "schema": schemas()})})),
+    "parallel_tool_calls": st.booleans(),
 }
 CHAT_REQUIRED = {"model": "gpt-fuzz",
                  "messages": st.lists(mostly(CHAT_MESSAGE, json_values), min_size=1, max_size=4)}

@@ -16,11 +16,12 @@ def test_soak_small(default_model: Path, tmp_path: Path) -> None:
     console = Console(file=io.StringIO(), width=120)
     status = soak.main(["--model", str(default_model), "--world-size", "2", "--requests", "40",
                         "--concurrency", "6", "--max-prompt-words", "60", "--max-tokens", "4",
-                        "--json", str(out)], console=console)
+                        "--guided-share", "0.5", "--json", str(out)], console=console)
     result = json.loads(out.read_text())
     assert status == 0, result
     assert result["requests"] == 40 and result["served"] > 0
     assert result["blocks_leaked"] == 0 and result["digest_mismatches"] == 0
     assert result["ranks_agree"] and result["server_errors"] == 0
     assert any(k.startswith("400") for k in result["by_kind"])  # bad bodies were sent
+    assert result["by_kind"].get("served (guided)", 0) > 0  # and checked against the schema
     assert set(result["peak_rss_mib"]) >= {"scheduler", "shim", "rank 0", "rank 1"}
