@@ -38,7 +38,12 @@ class GuideFactory:
                                       eos_token=self.eos_token_ids or None)
 
     def guide(self, grammar: str) -> Guide:
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        try:
+            tokenizer = self.tokenizer
+        except Exception as exc:  # noqa: BLE001 -- one request refused, not the engine down
+            raise GrammarError(f"guided decoding is unavailable for this model's tokenizer: "
+                               f"{exc}") from exc
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"grammar: {matcher.get_error()}")
         return Guide(matcher)

@@ -75,3 +75,11 @@ def test_guided_across_ranks(default_model) -> None:
         out = run_until_done(core, [GenerateRequest("g", PROMPT, max_tokens=200,
                                                     grammar=grammar(SCHEMA))])
     check_weather(tokenizer.decode(out["g"]["tokens"]))
+
+
+def test_a_tokenizer_guided_decoding_cannot_read_refuses_the_request(tmp_path) -> None:
+    """Not the engine: the scheduler answers that request with a 400 and goes on."""
+    from scheduler.guided import GrammarError, GuideFactory
+
+    with pytest.raises(GrammarError, match="unavailable for this model's tokenizer"):
+        GuideFactory(str(tmp_path), 100, [3]).guide(grammar(SCHEMA))
