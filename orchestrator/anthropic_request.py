@@ -215,12 +215,14 @@ def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> ToolChoice:
     return tool_choice(_CHOICE_MODES[kind], name, not no_parallel, tools)
 
 
-def _thinking(thinking: Any) -> bool:
+def _thinking(thinking: Any) -> bool | None:
     """`thinking`: {"type": "enabled", "budget_tokens": N} (or "adaptive") turns the
-    model's reasoning on where its template can switch it (Qwen3); absent or
-    {"type": "disabled"}, off, as Anthropic's models do."""
+    model's reasoning on where its template can switch it (Qwen3), {"type": "disabled"}
+    off. Absent: the template's default. (Not off: Qwen3's template ends a prompt
+    without thinking in an empty think span that it does not render back, so every
+    next turn would miss the prefix cache from the previous answer on.)"""
     if thinking is None:
-        return False
+        return None
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if not isinstance(kind, str):
         raise _bad(f"thinking: Input should be an object with a 'type', got "

@@ -198,13 +198,19 @@ class ChatRun:
             grammar=prompt.grammar,
         )
         self.gen = Generation(state.engine, state.tokenizer, request_id, params, api=api)
-        parse_calls = req.tools and req.tool_choice.mode != "none"
+        # An answer held to a response format is that format, not calls or reasoning: its
+        # grammar holds from the first token (a template that opens <think> in the
+        # prompt would otherwise make the whole answer reasoning).
+        formatted = prompt.grammar is not None and not prompt.forced
+        parse_calls = req.tools and req.tool_choice.mode != "none" and not formatted
         self.parser: ToolParser = make_tool_parser(
-            state.tool_call_parser if parse_calls else "none")
+            state.tool_call_parser if parse_calls else "none",
+            [t["function"]["name"] for t in req.tools])
         # the model's answer continues the forced opening: the parser reads it first (and
         # holds it, as the start of a call)
         self.parser.feed(prompt.forced)
-        self.splitter = make_splitter(state.reasoning_parser, prompt.text)
+        self.splitter = make_splitter("none" if formatted else state.reasoning_parser,
+                                      prompt.text)
         self.num_tool_calls = 0
         self._recorded = False
 

@@ -55,11 +55,13 @@ class ToolParser(Protocol):
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "none")
 
 
-def make_tool_parser(name: str) -> ToolParser:
+def make_tool_parser(name: str, tool_names: list[str] | None = None) -> ToolParser:
+    """`tool_names`: the request's tools. A Llama 3 answer is a call only if it names one
+    of them (it has no tag: an answer that is JSON with a "name" is not a call)."""
     if name == "hermes":
         return HermesParser()
     if name == "llama3_json":
-        return Llama3JsonParser()
+        return Llama3JsonParser(tool_names)
     if name == "none":
         return PlainText()
     raise ValueError(f"unknown tool call parser {name!r} (choose from {TOOL_CALL_PARSERS})")
@@ -180,9 +182,10 @@ class HermesParser:
 class Llama3JsonParser:
     PYTHON_TAG = "<|python_tag|>"
 
-    def __init__(self) -> None:
+    def __init__(self, tool_names: list[str] | None = None) -> None:
         self._mode: str | None = None  # None: undecided; "text" or "json"
         self._buf = ""
+        self._names = None if tool_names is None else set(tool_names)
 
     def opening(self, name: str | None) -> str | None:
         return _json_opening(name, "parameters")
@@ -227,6 +230,6 @@ class Llama3JsonParser:
             except (ValueError, RecursionError):
                 return None
             call = _call_from_json(obj)
-            if call is None:
+            if call is None or (self._names is not None and call.name not in self._names):
                 return None
             calls.append(call)

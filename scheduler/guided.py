@@ -12,7 +12,7 @@ every token sampled so far.
 
 from __future__ import annotations
 
-from functools import cached_property
+import threading
 from pathlib import Path
 
 import llguidance
@@ -23,27 +23,36 @@ class GrammarError(ValueError):
 
 
 class GuideFactory:
-    """Compiles grammars against the model's tokenizer, loaded on first use (guided
-    requests are rare; an engine that never sees one never pays for it)."""
+    """Compiles grammars against the model's tokenizer. The tokenizer is read in a
+    background thread from start-up (a 150K-token vocabulary takes about a second: not
+    a stall of the scheduler loop at the first guided request); a failure to read it is
+    kept, and refuses guided requests only."""
 
     def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: list[int]) -> None:
         self.model_dir = model_dir
         self.vocab_size = vocab_size  # the logits' width, which may pad the tokenizer's
         self.eos_token_ids = list(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._error = ""
+        self._loaded = threading.Event()
+        threading.Thread(target=self._load, name="guided-tokenizer", daemon=True).start()
 
-    @cached_property
-    def tokenizer(self) -> llguidance.LLTokenizer:
-        text = (Path(self.model_dir) / "tokenizer.json").read_text()
-        return llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
-                                      eos_token=self.eos_token_ids or None)
+    def _load(self) -> None:
+        try:
+            text = (Path(self.model_dir) / "tokenizer.json").read_text()
+            self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
+                                                     eos_token=self.eos_token_ids or None)
+        except Exception as exc:  # noqa: BLE001 -- kept for the requests that need it
+            self._error = str(exc)
+        finally:
+            self._loaded.set()
 
     def guide(self, grammar: str) -> Guide:
-        try:
-            tokenizer = self.tokenizer
-        except Exception as exc:  # noqa: BLE001 -- one request refused, not the engine down
-            raise GrammarError(f"guided decoding is unavailable for this model's tokenizer: "
-                               f"{exc}") from exc
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        self._loaded.wait()
+        if self._tokenizer is None:
+            raise GrammarError("guided decoding is unavailable for this model's tokenizer: "
+                               f"{self._error}")
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"grammar: {matcher.get_error()}")
         return Guide(matcher)

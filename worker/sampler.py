@@ -8,6 +8,7 @@ scheduler sent with the chunk: scheduler/guided.py).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from scheduler.protocol import MIN_TEMPERATURE, SamplingParams
@@ -19,9 +20,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
            positions: list[int], allowed: list[bytes | None] | None = None) -> list[int]:
     """logits: [B, vocab] float32, masked in place where `allowed` has a bitmask.
     Returns one token id per row."""
-    for row, mask in enumerate(allowed or []):
-        if mask is not None:
-            _keep_allowed(logits[row], mask)
+    if allowed:
+        _mask_disallowed(logits, allowed)
     tokens = logits.argmax(dim=-1).tolist()
     for row, p in enumerate(params):
         if p.temperature >= MIN_TEMPERATURE:  # below it: greedy, whoever sent it
@@ -47,17 +47,25 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, seed: int, position: in
     return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
-def _keep_allowed(logits: torch.Tensor, mask: bytes) -> None:
-    """Set the logits of tokens outside `mask` (bit i of little-endian 32-bit words:
-    token i; bytes LSB first on little-endian hosts) to -inf."""
-    packed = torch.frombuffer(bytearray(mask), dtype=torch.uint8).to(logits.device)
-    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
-    keep = ((packed.unsqueeze(1) >> shifts) & 1).flatten().bool()
-    n = min(keep.numel(), logits.numel())
-    if not keep[:n].any():
-        # nothing allowed: a broken grammar. Sampling -inf everywhere would fail the whole
-        # step; sampled unmasked, the scheduler sees the grammar refuse the token and ends
-        # only this request with an error.
+def _mask_disallowed(logits: torch.Tensor, allowed: list[bytes | None]) -> None:
+    """Set to -inf the logits of tokens each row's bitmask excludes (bit i of little-endian
+    32-bit words: token i, so the bytes read least significant bit first). The masks are
+    unpacked on the host and sent in one copy: no per-row device sync."""
+    rows = [row for row, mask in enumerate(allowed) if mask is not None]
+    if not rows:
         return
-    logits[:n].masked_fill_(~keep[:n], float("-inf"))
-    logits[n:] = float("-inf")
+    vocab = logits.shape[1]
+    keep = np.zeros((len(rows), vocab), dtype=bool)
+    for i, row in enumerate(rows):
+        bits = np.unpackbits(np.frombuffer(allowed[row], dtype=np.uint8),
+                             bitorder="little")[:vocab].astype(bool)
+        if not bits.any():
+            # nothing allowed: a broken grammar. Sampling -inf everywhere would fail the
+            # whole step; sampled unmasked, the scheduler sees the grammar refuse the token
+            # and ends only this request with an error.
+            keep[i] = True
+            continue
+        keep[i, :len(bits)] = bits  # tokens past the mask (vocab padding) stay excluded
+    index = torch.tensor(rows, device=logits.device)
+    keep_t = torch.from_numpy(keep).to(logits.device)
+    logits[index] = logits[index].masked_fill(~keep_t, float("-inf"))

@@ -111,8 +111,8 @@ def test_openai_reasoning_content(client, engine) -> None:
 
 
 def test_the_thinking_switch_reaches_the_template(engine, tiny_tokenizer) -> None:
-    """Anthropic: on only when `thinking` asks (as Claude's API); OpenAI: vLLM's
-    chat_template_kwargs.enable_thinking, else the template's default."""
+    """Anthropic's `thinking` (enabled / disabled) and OpenAI's (vLLM's)
+    chat_template_kwargs.enable_thinking; neither given: the template's default."""
     template = ChatTemplate("{{ messages[-1].content }}|{{ enable_thinking if enable_thinking "
                             "is defined else 'default' }}|")
     app = build_app(engine, tiny_tokenizer, model_name="tiny", chat_template=template,
@@ -129,5 +129,24 @@ def test_the_thinking_switch_reaches_the_template(engine, tiny_tokenizer) -> Non
             prompts.append(tiny_tokenizer.decode(engine.requests[-1].prompt_token_ids))
         bad = c.post("/v1/chat/completions", json={"model": "m", "messages": HELLO,
                                                    "chat_template_kwargs": {"enable_thinking": 1}})
-    assert prompts == ["hi|False|", "hi|True|", "hi|False|", "hi|default|", "hi|False|"]
+    assert prompts == ["hi|default|", "hi|True|", "hi|False|", "hi|default|", "hi|False|"]
     assert bad.status_code == 400
+
+
+def test_a_formatted_answer_is_content_even_if_the_prompt_opened_reasoning(
+        engine, tiny_tokenizer) -> None:
+    """R1-style templates end the generation prompt with <think>; a response format's
+    grammar holds from the first token, so the answer is the format, not reasoning, and
+    a JSON answer with a "name" is not a tool call either."""
+    template = ChatTemplate("{{ messages[-1].content }}<think>\n")
+    app = build_app(engine, tiny_tokenizer, model_name="tiny", chat_template=template,
+                    reasoning_parser="deepseek_r1", tool_call_parser="llama3_json")
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    with TestClient(app) as c:
+        engine.script('{"name": "Bob", "age": 3}')
+        r = c.post("/v1/chat/completions", json={
+            "model": "m", "messages": HELLO, "tools": tools,
+            "response_format": {"type": "json_object"}})
+    message = r.json()["choices"][0]["message"]
+    assert message["content"] == '{"name": "Bob", "age": 3}'
+    assert "reasoning_content" not in message and "tool_calls" not in message

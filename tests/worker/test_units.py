@@ -53,6 +53,26 @@ def test_top_k_and_top_p_restrict_the_support():
     assert sample(lg[None], [SamplingParams(1e-300)], [0], [0])[0] == best
 
 
+def bitmask(allowed: set[int], vocab: int) -> bytes:
+    """llguidance's layout: bit i of little-endian 32-bit words is token i."""
+    words = [0] * (-(-vocab // 32))
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return b"".join(w.to_bytes(4, "little") for w in words)
+
+
+def test_guided_rows_sample_only_allowed_tokens():
+    vocab = 45  # the logits may be wider than the mask (padding): the rest is excluded
+    lg = logits(4, vocab + 3)
+    allowed = [{3, 40}, None, {44}, set()]  # an empty mask (a broken grammar): unmasked
+    masks = [None if a is None else bitmask(a, vocab) for a in allowed]
+    params = [SamplingParams(1.0), SamplingParams(), SamplingParams(), SamplingParams()]
+    for seed in range(20):
+        tokens = sample(lg.clone(), params, [seed] * 4, [0] * 4, masks)
+        assert tokens[0] in {3, 40} and tokens[2] == 44
+        assert tokens[1] == int(lg[1].argmax()) and tokens[3] == int(lg[3].argmax())
+
+
 def write_config(tmp_path, **fields):
     base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
