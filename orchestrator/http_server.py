@@ -158,7 +158,7 @@ async def completions(request: Request) -> Response:
     )
     if not params.stream:
         return await json_result(request, run.collect(), run.log_done)
-    return await sse_response(request, run.sse_chunks(), run.log_done)
+    return await sse_response(request, run.sse_chunks(state.ping_interval_s), run.log_done)
 
 
 # --- the app -------------------------------------------------------------------------

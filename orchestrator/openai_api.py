@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from tokenizers import Tokenizer
 
 from orchestrator.errors import ApiError, engine_error, is_int64
-from orchestrator.generation import Generation, GenerationParams
+from orchestrator.generation import Generation, GenerationParams, with_keepalive
 from scheduler.protocol import GenerateRequest, SamplingParams
 
 __all__ = ["ApiError", "engine_error"]  # re-exported: the API modules' shared errors
@@ -248,16 +248,21 @@ class CompletionRun:
         text = "".join([p.text async for p in self.gen.pieces()])
         return {**self._response([self._choice(text, self.token_ids)]), "usage": self.usage()}
 
-    async def sse_chunks(self) -> AsyncIterator[str]:
+    async def sse_chunks(self, ping_interval_s: float = 5.0) -> AsyncIterator[str]:
         """The streaming response, as SSE events. An engine error before the first
         chunk propagates (the caller can still answer with an HTTP error status); after
-        it, it is sent as an error event."""
+        it, it is sent as an error event. A comment goes out each `ping_interval_s`
+        without output (queue, long prefill), for proxies with read timeouts."""
         pieces = self.gen.pieces()
+        keepalive = with_keepalive(pieces, ping_interval_s)
         started = False
         try:
             try:
-                async for piece in pieces:
+                async for piece in keepalive:
                     started = True
+                    if piece is None:
+                        yield SSE_PING
+                        continue
                     chunk = self._response([self._choice(piece.text, piece.token_ids)])
                     if self.params.include_usage:
                         chunk["usage"] = None  # as OpenAI: null on all chunks but the last
@@ -272,6 +277,7 @@ class CompletionRun:
                     yield sse({**self._response([]), "usage": self.usage()})
             yield SSE_DONE
         finally:
+            await keepalive.aclose()  # first: it may be waiting on `pieces`
             await pieces.aclose()
             self.log_done()
 

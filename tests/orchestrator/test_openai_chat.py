@@ -153,6 +153,14 @@ def test_stream_keeps_the_connection_busy_while_waiting(engine, tiny_tokenizer,
     calls = [json.loads(b[6:])["choices"][0]["delta"].get("tool_calls") for b in blocks
              if b.startswith("data: {")]
     assert [c[0]["function"]["name"] for c in calls if c] == ["get_weather"]
+    # /v1/completions too, while a request waits for its first token
+    engine.script("slow", delay_s=0.35)
+    with TestClient(app) as c:
+        r = c.post("/v1/completions", json={"model": "m", "prompt": "hi", "stream": True})
+    blocks = r.text.strip().split("\n\n")
+    assert blocks[0] == ": ping" and blocks[-1] == "data: [DONE]"
+    assert "".join(json.loads(b[6:])["choices"][0]["text"] for b in blocks
+                   if b.startswith("data: {")) == "slow"
 
 
 def test_empty_answer_and_null_max_completion_tokens(sdk, client, engine) -> None:
