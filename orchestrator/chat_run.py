@@ -211,6 +211,10 @@ class ChatRun:
         self.parser.feed(prompt.forced)
         self.splitter = make_splitter("none" if formatted else state.reasoning_parser,
                                       prompt.text)
+        if prompt.grammar is not None:
+            by = "tool_choice" if prompt.forced else "response_format"
+            self.gen.log_fields["guided_by"] = by
+            state.metrics.guided_requests.labels(by=by).inc()
         self.num_tool_calls = 0
         self._recorded = False
 

@@ -139,6 +139,10 @@ class Metrics:
                                      registry=r)
         self.generation_tokens = Counter("deepinfer_generation_tokens",
                                          "Tokens generated", registry=r)
+        self.guided_requests = Counter(
+            "deepinfer_guided_requests", "Chat requests whose answer a grammar held, by what "
+            "asked for it (response_format / output_config, or a tool_choice that requires a "
+            "call)", ["by"], registry=r)
         self.prefix_breaks = Counter(
             "deepinfer_prefix_breaks", "Prompts that did not extend their session's previous "
             "prompt plus output (see the prefix_break log lines)", registry=r)

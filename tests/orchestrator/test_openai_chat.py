@@ -107,7 +107,7 @@ def test_bad_requests(client, engine, body, param) -> None:
     assert engine.requests == []
 
 
-def test_tool_choice_required_and_named(sdk, engine, tiny_tokenizer) -> None:
+def test_tool_choice_required_and_named(sdk, client, engine, tiny_tokenizer) -> None:
     """"required" with one tool, or a named function: the prompt ends with the start of
     that call; parallel_tool_calls=False keeps only the first call."""
     second = '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
@@ -122,6 +122,7 @@ def test_tool_choice_required_and_named(sdk, engine, tiny_tokenizer) -> None:
         assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
             ("get_weather", {"city": "Paris"})]
         assert r.choices[0].finish_reason == "tool_calls"
+    assert 'deepinfer_guided_requests_total{by="tool_choice"} 2.0' in client.get("/metrics").text
 
 
 @pytest.mark.parametrize("body, message", [
