@@ -5,8 +5,7 @@ torch backend, and measure, writing RESULTS/gpu_check.json and RESULTS/gpu_check
     python -m tools.gpu_check --download wheels        # here, where PyPI is reachable
     python -m tools.gpu_check --build-kernels wheels   # optional: FlashInfer kernels, nvcc
 
-Steps, in order, each timed, guarded (a failure is recorded and the next step runs)
-and logged with its children's output:
+Steps, in order, each timed, guarded (a failure is logged, the next step runs):
 
   env         Python, torch, CUDA, the GPU, nvcc, cuRAND headers (tools/gpu_probe.py)
   install     the wheels whose modules are missing, --no-deps, from --wheels alone
@@ -26,8 +25,8 @@ the start), so the run ends inside the device tool's 10 minutes. Without CUDA (o
 --cpu) the same steps run on the CPU with tiny shapes, the install is a pip dry run,
 and the CUDA-only step is skipped with its reason: that is how this tool is tested.
 
-On the lent H200 (no network, 64 MiB carried), from the checkout the device tool sends,
-with wheels/ fetched there first (git-ignored; 39 MiB, with prebuilt kernels 42 MiB):
+On the lent H200 (no network, 64 MiB carried), with wheels/ fetched here first
+(git-ignored; 42 MiB, with prebuilt kernels 45 MiB):
 
     python -m tools.gpu_check --download wheels          # here
     python -m tools.gpu_check --build-kernels wheels     # here, optional (nvcc; slow)
