@@ -76,17 +76,19 @@ def stop_reason(run: ChatRun) -> tuple[str, str | None]:
     ("max_tokens": Claude Code then asks the model to continue, and fails after a few
     tries), the end of the context ("model_context_window_exceeded"), or the server's
     --max-output-tokens, which is the operator's limit on a turn and ends it
-    ("end_turn"), so agents carry on with the shorter answer instead of failing."""
+    ("end_turn"), so agents carry on with the shorter answer instead of failing.
+    A whole tool call is "tool_use" even if the model wrote on past it until a limit:
+    the call is complete, and an agent told "max_tokens" would not run it."""
     gen = run.gen
     if gen.stop_string is not None:
         return "stop_sequence", gen.stop_string
+    if run.num_tool_calls:
+        return "tool_use", None
     if gen.finish_reason == "length":
         by = run.limited_by
         if by == "server":
             return "end_turn", None
         return ("max_tokens" if by == "request" else "model_context_window_exceeded"), None
-    if run.num_tool_calls:
-        return "tool_use", None
     return "end_turn", None
 
 

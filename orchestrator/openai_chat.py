@@ -231,9 +231,10 @@ def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
 
 
 def _finish_reason(run: ChatRun) -> str:
-    if run.gen.finish_reason == "length":
-        return "length"
-    return "tool_calls" if run.num_tool_calls else "stop"
+    """A whole tool call wins over a length cut after it (as in stop_reason)."""
+    if run.num_tool_calls:
+        return "tool_calls"
+    return "length" if run.gen.finish_reason == "length" else "stop"
 
 
 def _tool_call(event: ToolCall, index: int | None = None) -> dict[str, Any]:

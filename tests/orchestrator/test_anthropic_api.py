@@ -187,6 +187,15 @@ def test_tool_choice_tool_forces_the_call(sdk, engine, tiny_tokenizer) -> None:
     assert [(b.type, b.name) for b in m.content] == [("tool_use", "Read")]
 
 
+def test_a_whole_call_is_tool_use_even_if_the_model_wrote_on(sdk, engine) -> None:
+    """Cut by max_tokens after a complete call: an agent told "max_tokens" would not run
+    the call, so it is "tool_use"."""
+    engine.script(CALL + "\nand then some more words that run on", eos=False)
+    m = sdk.messages.create(model="m", max_tokens=30, messages=HELLO, tools=TOOLS)
+    assert m.usage.output_tokens == 30 and m.stop_reason == "tool_use"
+    assert [b.type for b in m.content][:1] == ["tool_use"]
+
+
 def test_stop_reasons(sdk, engine) -> None:
     engine.script("one two three four", eos=False)
     m = sdk.messages.create(model="m", max_tokens=2, messages=HELLO)
