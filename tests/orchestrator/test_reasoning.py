@@ -8,6 +8,8 @@ from __future__ import annotations
 import anthropic
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from orchestrator.chat_template import ChatTemplate
@@ -150,3 +152,19 @@ def test_a_formatted_answer_is_content_even_if_the_prompt_opened_reasoning(
     message = r.json()["choices"][0]["message"]
     assert message["content"] == '{"name": "Bob", "age": 3}'
     assert "reasoning_content" not in message and "tool_calls" not in message
+
+
+@settings(max_examples=300, deadline=None)
+@given(reasoning=st.text(st.sampled_from("ab <>/\n").map(str), max_size=30).filter(
+           lambda t: "</think>" not in t),
+       answer=st.text(st.sampled_from("xy <>/\n").map(str), max_size=30),
+       opened_in_prompt=st.booleans(), cuts=st.lists(st.integers(0, 80), max_size=6))
+def test_split_keeps_every_character(reasoning, answer, opened_in_prompt, cuts) -> None:
+    """Whatever the text and its chunking: the reasoning comes back whole, and the
+    answer too, less only the whitespace that follows </think>."""
+    text = ("" if opened_in_prompt else "<think>") + reasoning + "</think>" + answer
+    bounds = sorted({min(c, len(text)) for c in cuts})
+    chunks = [text[a:b] for a, b in zip([0, *bounds], [*bounds, len(text)])]
+    parts = split(chunks, "<think>\n" if opened_in_prompt else "")
+    assert "".join(p.text for p in parts if isinstance(p, Reasoning)) == reasoning
+    assert "".join(p.text for p in parts if isinstance(p, Answer)) == answer.lstrip()
