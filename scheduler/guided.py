@@ -2,7 +2,9 @@
 
 The shim turns a JSON schema, a forced tool call or an any-JSON request into one
 llguidance grammar (orchestrator/structured_output.py) and sends it with the request.
-Here each guided sequence holds a matcher. Before a step samples the sequence, the
+Here each guided sequence holds a matcher, compiled in a thread pool while the request
+waits in the queue (llguidance drops the GIL: a schema that takes 100 ms to compile
+does not pause the steps of everyone else). Before a step samples the sequence, the
 matcher's token bitmask goes into the plan with the chunk; rank 0 drops the tokens
 it excludes before sampling (worker/sampler.py). The sampled token then advances the
 matcher. The mask travels in the plan, like everything a rank acts on, so no rank
@@ -13,6 +15,7 @@ every token sampled so far.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import llguidance
@@ -36,6 +39,11 @@ class GuideFactory:
         self._error = ""
         self._loaded = threading.Event()
         threading.Thread(target=self._load, name="guided-tokenizer", daemon=True).start()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+
+    def compile(self, grammar: str) -> Future[Guide]:
+        """`guide(grammar)` in the pool: the future's result, or its GrammarError."""
+        return self._pool.submit(self.guide, grammar)
 
     def _load(self) -> None:
         try:

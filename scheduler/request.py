@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from cache.hashing import BlockHashChain
@@ -48,6 +49,7 @@ class Sequence:
     error: str | None = None  # why it ended, when it ended with an error
     error_type: str | None = None
     guide: Guide | None = None  # the grammar its output follows (guided decoding)
+    guide_pending: Future[Guide] | None = None  # ... while it compiles (it cannot run yet)
 
     def __post_init__(self) -> None:
         # prompt + output in one list, appended in place: a 450K-token prompt must not

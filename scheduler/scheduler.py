@@ -42,6 +42,9 @@ class EngineLimits:
     kv_bytes_per_block: int = 0
 
 
+GRAMMAR_WAIT_S = 0.05  # an idle step waits this long for the queue head's grammar
+
+
 class RequestRejected(ValueError):
     def __init__(self, message: str, error_type: str = "invalid_request") -> None:
         super().__init__(message)
@@ -93,10 +96,7 @@ class Scheduler:
         seq.session_id = req.session_id
         seq.priority = req.priority
         if req.grammar is not None:
-            try:
-                seq.guide = self._guides.guide(req.grammar)
-            except GrammarError as exc:
-                raise RequestRejected(str(exc)) from exc
+            seq.guide_pending = self._guides.compile(req.grammar)
         if req.timeout_s is not None:
             seq.deadline = seq.arrival + req.timeout_s
         if self.config.enable_prefix_caching:
@@ -256,7 +256,11 @@ class Scheduler:
         preempted = len(self.running) < num_running_before
         while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.queue.peek()
-            if seq is None or not self._admit(seq, budget):
+            if seq is None or not self._grammar_ready(seq, wait=not scheduled):
+                break
+            if seq.status is SeqStatus.FINISHED:  # its grammar failed: next
+                continue
+            if not self._admit(seq, budget):
                 break
             self.queue.pop()
             num_new = min(seq.num_tokens - seq.num_computed, budget)
@@ -285,6 +289,30 @@ class Scheduler:
         context -- may hit them."""
         scheduled.append((seq, num_new))
         self.cache.commit(seq.seq_id, seq.tokens, seq.num_computed + num_new)
+
+    def _grammar_ready(self, seq: Sequence, *, wait: bool) -> bool:
+        """Whether the queue's head may be admitted: its grammar, if any, has compiled
+        (else it waits its turn; with nothing else to run this step, up to a poll's
+        length). A grammar that failed ends the request here with the error (400)."""
+        future = seq.guide_pending
+        if future is None:
+            return True
+        if not future.done():
+            if not wait:
+                return False
+            try:
+                future.exception(timeout=GRAMMAR_WAIT_S)  # waits; the error comes below
+            except TimeoutError:
+                return False
+        seq.guide_pending = None
+        try:
+            seq.guide = future.result()
+        except GrammarError as exc:
+            self.queue.pop()
+            seq.error_type, seq.error = "invalid_request", str(exc)
+            self._finish(seq, "error")
+            self._pending_outputs.append(self._output(seq))
+        return True
 
     def _admit(self, seq: Sequence, budget: int) -> bool:
         """Take the prefix hit and blocks for the first chunk; False (nothing changed) if

@@ -11,7 +11,6 @@ import pytest
 from tokenizers import Tokenizer
 
 from scheduler.protocol import GenerateRequest, SamplingParams
-from scheduler.scheduler import RequestRejected
 from tests.scheduler.engine_harness import inprocess_engine, run_until_done, zmq_engine
 
 SCHEMA = {"type": "object", "properties": {
@@ -60,12 +59,20 @@ def test_output_follows_the_schema(default_model) -> None:
     assert all(c.allowed is None for c in chunks if c.seq_id == 1)
 
 
-def test_a_bad_grammar_is_refused(default_model) -> None:
+def test_grammars_compile_off_the_loop_and_a_bad_one_fails_only_its_request(default_model):
+    """A grammar compiles in a thread while its request waits in the queue; one that does
+    not compile ends that request with an invalid_request error (a 400), and the engine
+    goes on with the others."""
     core = inprocess_engine(default_model)
     bad = llguidance.LLMatcher.grammar_from_lark('start: "a" undefined_rule')
-    with pytest.raises(RequestRejected, match="grammar"):
-        core.scheduler.add_request(GenerateRequest("bad", PROMPT, max_tokens=5, grammar=bad))
-    assert not core.scheduler.has_work()
+    core.scheduler.add_request(GenerateRequest("bad", PROMPT, max_tokens=5, grammar=bad))
+    assert core.scheduler.sequence("bad").guide_pending is not None  # not compiled inline
+    failed = [o for _ in range(3) for o in core.step() if o.request_id == "bad"]
+    assert [(o.finish_reason, o.error_type) for o in failed] == [("error", "invalid_request")]
+    assert "grammar" in failed[0].error
+    out = run_until_done(core, [GenerateRequest("good", PROMPT, max_tokens=200,
+                                                grammar=grammar(SCHEMA))])
+    assert out["good"]["finish_reason"] == "stop" and not core.scheduler.has_work()
 
 
 def test_guided_across_ranks(default_model) -> None:

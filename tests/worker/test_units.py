@@ -61,9 +61,10 @@ def bitmask(allowed: set[int], vocab: int) -> bytes:
     return b"".join(w.to_bytes(4, "little") for w in words)
 
 
-def test_guided_rows_sample_only_allowed_tokens():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_guided_rows_sample_only_allowed_tokens(device):
     vocab = 45  # the logits may be wider than the mask (padding): the rest is excluded
-    lg = logits(4, vocab + 3)
+    lg = logits(4, vocab + 3).to(device)
     allowed = [{3, 40}, None, {44}, set()]  # an empty mask (a broken grammar): unmasked
     masks = [None if a is None else bitmask(a, vocab) for a in allowed]
     params = [SamplingParams(1.0), SamplingParams(), SamplingParams(), SamplingParams()]
