@@ -34,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from orchestrator.anthropic_request import parse_messages_request, tool_input_json
-from orchestrator.chat_run import ChatRun, Event, render_prompt, start_chat
+from orchestrator.chat_run import ChatEvent, ChatRun, render_prompt, start_chat
 from orchestrator.errors import ApiError
 from orchestrator.generation import with_keepalive
 from orchestrator.http_common import (
@@ -137,7 +137,7 @@ class BlockStream:
         self.open: str | None = None  # "thinking" or "text"
         self.thinking = ""
 
-    def add(self, event: Event) -> list[str]:
+    def add(self, event: ChatEvent) -> list[str]:
         if isinstance(event, ToolCall):
             closed = self.close()
             self.index += 1

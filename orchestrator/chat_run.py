@@ -1,9 +1,9 @@
 """The part of a chat request both chat APIs share (Anthropic Messages, OpenAI chat):
 render the conversation, tokenize it so the session's prefix keeps matching, check it
-fits, and turn the engine's text into text and tool-call events.
+fits, and turn the engine's text into reasoning, text and tool-call events.
 
     request (API-specific parse) -> ChatRequest -> prepare_chat() -> ChatRun
-    ChatRun.events(): Reasoning | TextEvent | ToolCall, then the turn is recorded
+    ChatRun.events(): ChatEvent (Reasoning | TextEvent | ToolCall), then the turn is recorded
 
 tool_choice is applied here, the same way for both APIs: "none" leaves calls as text;
 "required" or a named tool appends the start of a call to the prompt (the parser's
@@ -45,7 +45,7 @@ from orchestrator.tool_parsers import TextEvent, ToolCall, ToolParser, make_tool
 from scheduler.protocol import SamplingParams
 
 NO_HINTS = SchedulingHints()
-Event = TextEvent | ToolCall | Reasoning  # what a chat answer is made of, in order
+ChatEvent = TextEvent | ToolCall | Reasoning  # what a chat answer is made of, in order
 
 
 @dataclass
@@ -175,7 +175,8 @@ def output_budget(state: ServerState, num_prompt: int, requested: int | None) ->
 
 
 class ChatRun:
-    """One chat request through the engine: a Generation plus a tool-call parser."""
+    """One chat request through the engine: a Generation, a reasoning splitter and a
+    tool-call parser."""
 
     def __init__(self, state: ServerState, req: ChatRequest, prompt: ChatPrompt,
                  request_id: str, *, api: str,
@@ -218,7 +219,7 @@ class ChatRun:
         self.num_tool_calls = 0
         self._recorded = False
 
-    async def events(self) -> AsyncIterator[Event]:
+    async def events(self) -> AsyncIterator[ChatEvent]:
         """Reasoning, answer text and tool calls, in the order the model wrote them."""
         async with contextlib.aclosing(self.gen.pieces()) as pieces:
             async for piece in pieces:
@@ -233,14 +234,14 @@ class ChatRun:
             yield self._count(event)
         self._record()
 
-    def _parse(self, parts: list[Reasoning | Answer]) -> list[Event]:
+    def _parse(self, parts: list[Reasoning | Answer]) -> list[ChatEvent]:
         """Reasoning goes out as it is; the answer goes through the tool-call parser."""
-        events: list[Event] = []
+        events: list[ChatEvent] = []
         for part in parts:
             events += [part] if isinstance(part, Reasoning) else self.parser.feed(part.text)
         return events
 
-    def _count(self, event: Event) -> Event:
+    def _count(self, event: ChatEvent) -> ChatEvent:
         if isinstance(event, ToolCall):
             self.num_tool_calls += 1
         return event

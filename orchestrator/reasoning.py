@@ -36,7 +36,8 @@ class ThinkSplitter:
     """Streamed text -> Reasoning and Answer pieces."""
 
     def __init__(self, *, inside: bool = False) -> None:
-        # "start": the output may still open a span; "inside" it; "answer" after it
+        # "start": the output may still open a span; "inside" it; "after_close": the
+        # whitespace after it (dropped); "answer"
         self._state = "inside" if inside else "start"
         self._buf = ""
 
@@ -45,12 +46,10 @@ class ThinkSplitter:
         out: list[Reasoning | Answer] = []
         if self._state == "start":
             head = self._buf.lstrip()
-            if OPEN.startswith(head):  # still may be (or is) the bare opening tag
-                if head != OPEN:
-                    return out
-                self._buf, self._state = "", "inside"
-            elif head.startswith(OPEN):
+            if head.startswith(OPEN):
                 self._buf, self._state = head[len(OPEN):], "inside"
+            elif OPEN.startswith(head):  # may still become the opening tag
+                return out
             else:
                 self._state = "answer"
         if self._state == "inside":
@@ -59,13 +58,10 @@ class ThinkSplitter:
                 cut = len(self._buf) - partial_suffix(self._buf, CLOSE)
                 thought, self._buf = self._buf[:cut], self._buf[cut:]
                 return out + ([Reasoning(thought)] if thought else [])
-            thought, self._buf = self._buf[:end], self._buf[end + len(CLOSE):].lstrip()
-            self._state = "answer"
+            thought, self._buf = self._buf[:end], self._buf[end + len(CLOSE):]
+            self._state = "after_close"
             if thought:
                 out.append(Reasoning(thought))
-            if not self._buf:  # the answer's leading whitespace may still come
-                self._state = "after_close"
-                return out
         if self._state == "after_close":
             self._buf = self._buf.lstrip()
             if not self._buf:
