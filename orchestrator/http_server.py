@@ -276,7 +276,7 @@ def configure_logging(role: str, level: int = logging.INFO) -> None:
         processors=[*shared, structlog.processors.format_exc_info,
                     structlog.processors.JSONRenderer()],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
     handler = logging.StreamHandler(sys.stderr)

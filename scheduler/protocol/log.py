@@ -33,7 +33,9 @@ def configure_logging(role: str, rank: int | None = None, level: str | None = No
             *renderers(sys.stderr),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # one write per line (print() writes the newline apart): ranks sharing a log file
+        # never glue two events onto one line
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
     log = structlog.get_logger().bind(role=role)
