@@ -9,7 +9,7 @@ TORCH_CPU := torch==2.13.0+cpu
 PYTEST_ARGS ?=
 
 .PHONY: install test lint serve bench bench-worker bench-engine bench-agents bench-index \
-	simulate clean e2e-claude-code soak gpu-check gpu-wheels
+	simulate clean e2e-claude-code soak fuzz gpu-check gpu-wheels
 
 install: $(INSTALLED) $(MODEL)/deepinfer_tiny.json
 
@@ -64,6 +64,17 @@ soak: install
 	$(PY) -m tools.soak --model $(MODEL)
 
 # The Claude Code CLI (npm) against the engine; needs npm and network. Not in `make test`.
+# `make test` replays the same hypothesis examples every run; this draws new ones, in
+# FUZZ_RUNS rounds (a failure prints the @reproduce_failure blob to keep as an @example).
+FUZZ_RUNS ?= 3
+fuzz: install
+	for i in $$(seq $(FUZZ_RUNS)); do \
+		HYPOTHESIS_PROFILE=explore $(PY) -m pytest -q -p no:cacheprovider \
+			tests/orchestrator/test_fuzz_api.py tests/cache tests/scheduler/test_queue.py \
+			tests/scheduler/test_protocol.py tests/orchestrator/test_reasoning.py \
+			tests/orchestrator/test_detokenizer.py || exit 1; \
+	done
+
 e2e-claude-code: install
 	$(PY) -m tests.orchestrator.claude_code_e2e
 

@@ -161,12 +161,14 @@ def _enable_thinking(body: dict[str, Any]) -> bool | None:
 def response_format_grammar(body: dict[str, Any]) -> str | None:
     """`response_format`: "text" (None), "json_object" or "json_schema"."""
     fmt = body.get("response_format")
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if fmt is None or kind == "text":
+    if fmt is None:
+        return None
+    fields = fmt if isinstance(fmt, dict) else {}
+    kind, spec = fields.get("type"), fields.get("json_schema")
+    if kind == "text":
         return None
     if kind == "json_object":
         return json_grammar({"type": "object"}, "response_format")
-    spec = fmt.get("json_schema")
     if kind == "json_schema" and isinstance(spec, dict):
         return json_grammar(spec.get("schema", {}), "response_format")
     raise _bad("'response_format' must be {'type': 'text'}, {'type': 'json_object'} or "

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from orchestrator.config import repo_env
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "tiny-llama"
+
+# `make test` (CI) draws the same examples on every run, so its verdict depends on the
+# code and not on the draw; `make fuzz` explores fresh ones (HYPOTHESIS_PROFILE=explore),
+# and what it finds is kept as an @example.
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -200,6 +200,9 @@ DEEP_ARGUMENTS = post("/v1/chat/completions", json.dumps({
     "max_tokens": 1, "messages": [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "c", "type": "function", "function": {
             "name": "f", "arguments": "[" * 100_000 + "]" * 100_000}}]}]}).encode())
+# A response_format that is not an object (here a list) raised AttributeError.
+LIST_RESPONSE_FORMAT = post("/v1/chat/completions", b'{"max_tokens": 1, "response_format": '
+                            b'["json_object"], "messages": [{"role": "user", "content": "hi"}]}')
 HUGE_CHAT_SEED = post("/v1/chat/completions", b'{"max_tokens": 1, "seed": 18446744073709551616, '
                       b'"messages": [{"role": "user", "content": "hi"}]}')
 
@@ -217,7 +220,7 @@ def test_fuzz_anthropic_messages(http: httpx.Client, reqs: list[Request]) -> Non
 
 @fuzz(max_examples=150)
 @given(reqs=batches(chat_request()))
-@example(reqs=[HUGE_CHAT_SEED, TINY_TEMPERATURE, DEEP_ARGUMENTS])
+@example(reqs=[HUGE_CHAT_SEED, TINY_TEMPERATURE, DEEP_ARGUMENTS, LIST_RESPONSE_FORMAT])
 def test_fuzz_openai_chat(http: httpx.Client, reqs: list[Request]) -> None:
     send_all(http, reqs)
 
