@@ -215,19 +215,24 @@ def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> ToolChoice:
     return tool_choice(_CHOICE_MODES[kind], name, not no_parallel, tools)
 
 
-def _thinking(thinking: Any) -> bool | None:
+def _thinking(thinking: Any) -> tuple[bool | None, int | None]:
     """`thinking`: {"type": "enabled", "budget_tokens": N} (or "adaptive") turns the
-    model's reasoning on where its template can switch it (Qwen3), {"type": "disabled"}
+    model's reasoning on where its template can switch it (Qwen3), and caps it at N
+    tokens (the engine then ends the span: scheduler/thinking.py); {"type": "disabled"}
     off. Absent: the template's default. (Not off: Qwen3's template ends a prompt
     without thinking in an empty think span that it does not render back, so every
     next turn would miss the prefix cache from the previous answer on.)"""
     if thinking is None:
-        return None
+        return None, None
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if not isinstance(kind, str):
         raise _bad(f"thinking: Input should be an object with a 'type', got "
                    f"{describe(thinking)}", "thinking")
-    return kind != "disabled"
+    budget = thinking.get("budget_tokens") if kind == "enabled" else None
+    if budget is not None and (not is_int64(budget) or budget < 1):
+        raise _bad("thinking.enabled.budget_tokens: Input should be a positive integer, got "
+                   f"{describe(budget)}", "thinking")
+    return kind != "disabled", budget
 
 
 def _output_grammar(body: dict[str, Any]) -> str | None:
@@ -263,6 +268,7 @@ def parse_messages_request(body: dict[str, Any], headers: Any, *,
     messages = system_messages(body.get("system")) + convert_messages(body.get("messages"))
     tools = convert_tools(body.get("tools"))
     choice = _tool_choice(body.get("tool_choice"), tools)
+    enable_thinking, thinking_budget = _thinking(body.get("thinking"))
 
     stop = body.get("stop_sequences")
     if stop is None:
@@ -294,7 +300,8 @@ def parse_messages_request(body: dict[str, Any], headers: Any, *,
         session=session_key(explicit, model, messages, tools),
         model=model,
         grammar=None if count_only else _output_grammar(body),
-        enable_thinking=_thinking(body.get("thinking")),
+        enable_thinking=enable_thinking,
+        thinking_budget=thinking_budget,
     )
 
 

@@ -39,7 +39,7 @@ from orchestrator.http_common import (
     shim_state,
     tokenize,
 )
-from orchestrator.reasoning import Answer, Reasoning, make_splitter
+from orchestrator.reasoning import Answer, Reasoning, make_splitter, thinking_span
 from orchestrator.structured_output import tool_call_grammar
 from orchestrator.tool_parsers import TextEvent, ToolCall, ToolParser, make_tool_parser
 from scheduler.protocol import SamplingParams
@@ -90,6 +90,7 @@ class ChatRequest:
     model: str = ""  # as the client named it
     grammar: str | None = None  # the answer's format (response_format, output_format)
     enable_thinking: bool | None = None  # to the chat template; None: its default
+    thinking_budget: int | None = None  # reasoning tokens before the span is ended
 
 
 def session_key(explicit: str | None, model: str, messages: list[Message],
@@ -186,6 +187,15 @@ class ChatRun:
         self.prompt = prompt
         max_tokens, self.limited_by = output_budget(state, len(prompt.token_ids),
                                                     req.max_tokens)
+        # An answer held to a response format is that format, not calls or reasoning: its
+        # grammar holds from the first token (a template that opens <think> in the
+        # prompt would otherwise make the whole answer reasoning).
+        formatted = prompt.grammar is not None and not prompt.forced
+        self.splitter = make_splitter("none" if formatted else state.reasoning_parser,
+                                      prompt.text)
+        # the engine follows the span unless a grammar holds the answer (a forced call)
+        thinking = None if prompt.grammar is not None else thinking_span(
+            state.tokenizer, self.splitter, req.thinking_budget)
         params = GenerationParams(
             prompt_token_ids=prompt.token_ids,
             max_tokens=max_tokens,
@@ -197,12 +207,9 @@ class ChatRun:
             priority=hints.priority,
             timeout_s=hints.timeout_s,
             grammar=prompt.grammar,
+            thinking=thinking,
         )
         self.gen = Generation(state.engine, state.tokenizer, request_id, params, api=api)
-        # An answer held to a response format is that format, not calls or reasoning: its
-        # grammar holds from the first token (a template that opens <think> in the
-        # prompt would otherwise make the whole answer reasoning).
-        formatted = prompt.grammar is not None and not prompt.forced
         parse_calls = req.tools and req.tool_choice.mode != "none" and not formatted
         self.parser: ToolParser = make_tool_parser(
             state.tool_call_parser if parse_calls else "none",
@@ -210,8 +217,6 @@ class ChatRun:
         # the model's answer continues the forced opening: the parser reads it first (and
         # holds it, as the start of a call)
         self.parser.feed(prompt.forced)
-        self.splitter = make_splitter("none" if formatted else state.reasoning_parser,
-                                      prompt.text)
         if prompt.grammar is not None:
             by = "tool_choice" if prompt.forced else "response_format"
             self.gen.log_fields["guided_by"] = by

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from orchestrator.detokenizer import Detokenizer
 from orchestrator.engine_client import EngineUnavailableError
 from orchestrator.errors import engine_error
-from scheduler.protocol import GenerateRequest, SamplingParams
+from scheduler.protocol import GenerateRequest, SamplingParams, ThinkingSpan
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -44,6 +44,7 @@ class GenerationParams:
     priority: int = 0
     timeout_s: float | None = None
     grammar: str | None = None  # llguidance grammar the output follows (structured outputs)
+    thinking: ThinkingSpan | None = None  # a reasoning model's span, counted and capped
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Generation:
         self.token_ids: list[int] = []
         self.num_device_cached = 0
         self.num_host_cached = 0
+        self.num_reasoning_tokens = 0  # as the engine counts them (params.thinking)
         self.finish_reason: str | None = None
         self.ended_early = False  # end_here(): the client has not seen every token's text
         self.log_fields: dict[str, Any] = {}  # extra fields for the request_done line
@@ -116,6 +118,7 @@ class Generation:
             priority=p.priority,
             timeout_s=p.timeout_s,
             grammar=p.grammar,
+            thinking=p.thinking,
         )
 
     async def end_here(self) -> None:
@@ -136,6 +139,8 @@ class Generation:
                 if out.num_device_cached_tokens + out.num_host_cached_tokens > self.num_cached:
                     self.num_device_cached = out.num_device_cached_tokens
                     self.num_host_cached = out.num_host_cached_tokens
+                self.num_reasoning_tokens = max(self.num_reasoning_tokens,
+                                                out.num_reasoning_tokens)
                 if out.finish_reason == "error":
                     raise engine_error(out.error_type, out.error)
                 if not out.token_ids and not out.finished:

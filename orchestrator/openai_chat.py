@@ -229,7 +229,18 @@ def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
         model=model,
         grammar=response_format_grammar(body),
         enable_thinking=_enable_thinking(body),
+        thinking_budget=_thinking_budget(body),
     )
+
+
+def _thinking_budget(body: dict[str, Any]) -> int | None:
+    """`thinking_token_budget` (vLLM's name): reasoning tokens before the engine ends the
+    span (scheduler/thinking.py)."""
+    budget = body.get("thinking_token_budget")
+    if budget is not None and (not is_int64(budget) or budget < 1):
+        raise _bad(f"'thinking_token_budget' must be a positive integer, got {describe(budget)}",
+                   "thinking_token_budget")
+    return budget
 
 
 def _finish_reason(run: ChatRun) -> str:
@@ -247,7 +258,9 @@ def _tool_call(event: ToolCall, index: int | None = None) -> dict[str, Any]:
 
 
 def _usage(run: ChatRun) -> dict[str, Any]:
-    return usage(run.gen.num_prompt_tokens, len(run.gen.token_ids), run.gen.num_cached)
+    counts = usage(run.gen.num_prompt_tokens, len(run.gen.token_ids), run.gen.num_cached)
+    counts["completion_tokens_details"] = {"reasoning_tokens": run.gen.num_reasoning_tokens}
+    return counts
 
 
 async def collect(run: ChatRun, base: dict[str, Any]) -> dict[str, Any]:

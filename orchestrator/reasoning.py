@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenizers import Tokenizer
+
 from orchestrator.tool_parsers import partial_suffix
+from scheduler.protocol import ThinkingSpan
 
 REASONING_PARSERS = ("none", "think", "qwen3", "deepseek_r1")  # the last two: vLLM's names
 OPEN, CLOSE = "<think>", "</think>"
@@ -40,6 +43,10 @@ class ThinkSplitter:
         # whitespace after it (dropped); "answer"
         self._state = "inside" if inside else "start"
         self._buf = ""
+
+    @property
+    def inside(self) -> bool:
+        return self._state == "inside"
 
     def feed(self, text: str) -> list[Reasoning | Answer]:
         self._buf += text
@@ -93,3 +100,17 @@ def make_splitter(name: str, prompt: str) -> ThinkSplitter | NoReasoning:
     if name in ("think", "qwen3", "deepseek_r1"):
         return ThinkSplitter(inside=prompt.rstrip().endswith(OPEN))
     raise ValueError(f"unknown reasoning parser {name!r} (choose from {REASONING_PARSERS})")
+
+
+def thinking_span(tokenizer: Tokenizer, splitter: ThinkSplitter | NoReasoning,
+                  budget: int | None) -> ThinkingSpan | None:
+    """The span for the engine to follow, by token ids, before the splitter has read
+    anything: the engine counts its tokens (`reasoning_tokens`) and ends it after
+    `budget` of them (scheduler/thinking.py). None without reasoning, or where a tag is
+    not a single token of the model's vocabulary (then nothing is counted or capped)."""
+    if not isinstance(splitter, ThinkSplitter):
+        return None
+    start, end = tokenizer.token_to_id(OPEN), tokenizer.token_to_id(CLOSE)
+    if start is None or end is None:
+        return None
+    return ThinkingSpan(start, end, inside=splitter.inside, budget=budget)

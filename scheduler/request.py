@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from cache.hashing import BlockHashChain
 from scheduler.guided import Guide
 from scheduler.protocol import SamplingParams
+from scheduler.thinking import ThinkingBudget
 
 
 class SeqStatus(enum.Enum):
@@ -50,6 +51,7 @@ class Sequence:
     error_type: str | None = None
     guide: Guide | None = None  # the grammar its output follows (guided decoding)
     guide_pending: Future[Guide] | None = None  # ... while it compiles (it cannot run yet)
+    thinking: ThinkingBudget | None = None  # its reasoning span, counted and capped
 
     def __post_init__(self) -> None:
         # prompt + output in one list, appended in place: a 450K-token prompt must not

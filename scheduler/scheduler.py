@@ -28,6 +28,7 @@ from scheduler.protocol import (
 from scheduler.queue import QueueFullError, RequestQueue
 from scheduler.request import SeqStatus, Sequence
 from scheduler.session_chains import SessionChains
+from scheduler.thinking import ThinkingBudget
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,8 @@ class Scheduler:
         seq.priority = req.priority
         if req.grammar is not None:
             seq.guide_pending = self._guides.compile(req.grammar)
+        if req.thinking is not None:
+            seq.thinking = ThinkingBudget(req.thinking, self.limits.vocab_size)
         if req.timeout_s is not None:
             seq.deadline = seq.arrival + req.timeout_s
         if self.config.enable_prefix_caching:
@@ -126,6 +129,12 @@ class Scheduler:
             raise RequestRejected("max_tokens must be at least 1")
         if req.timeout_s is not None and not req.timeout_s > 0:
             raise RequestRejected("timeout_s must be > 0")
+        span = req.thinking
+        if span is not None:
+            if not (0 <= span.start_token_id < vocab and 0 <= span.end_token_id < vocab):
+                raise RequestRejected("the thinking span's tag ids are outside the vocabulary")
+            if req.grammar is not None:  # two masks for one sample: neither may win alone
+                raise RequestRejected("a thinking span and a grammar cannot go together")
         if -(-n // self.block_size) > self.limits.num_device_blocks:
             # worded as for the context length: agents (Claude Code) compact on it
             raise RequestRejected(
@@ -364,7 +373,11 @@ class Scheduler:
         start = seq.num_computed
         end = start + num_new  # registered already (_schedule)
         sample = end == seq.num_tokens
-        allowed = seq.guide.allowed() if sample and seq.guide is not None else None
+        allowed = None
+        if sample and seq.guide is not None:
+            allowed = seq.guide.allowed()
+        elif sample and seq.thinking is not None:
+            allowed = seq.thinking.allowed()  # the end tag alone once the budget is spent
         plan.chunks.append(ScheduledChunk(seq.seq_id, seq.tokens[start:end], start,
                                           sample=sample, allowed=allowed))
         seq.num_computed = end
@@ -391,6 +404,8 @@ class Scheduler:
         return outputs
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        if seq.thinking is not None:
+            seq.thinking.accept(token)
         if token in seq.stop_token_ids:
             return "stop"
         if seq.guide is not None:
@@ -420,4 +435,5 @@ class Scheduler:
             num_host_cached_tokens=seq.num_host_cached,
             error=seq.error if finished else None,
             error_type=seq.error_type if finished else None,
+            num_reasoning_tokens=seq.thinking.num_tokens if seq.thinking is not None else 0,
         )

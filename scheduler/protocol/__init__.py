@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from scheduler.protocol.control import CONTROL_MESSAGE_TYPES
 from scheduler.protocol.digest import StateDigest
 
-SCHEMA_VERSION = 3  # 2: WorkerConnect carries pid and host_id; 3: guided decoding
+SCHEMA_VERSION = 4  # 2: WorkerConnect carries pid and host_id; 3: guided decoding;
+# 4: reasoning spans (GenerateRequest.thinking, RequestOutput.num_reasoning_tokens)
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,17 @@ class WorkerReady:
 
 
 @dataclass
+class ThinkingSpan:
+    """Where a reasoning model's `<think>` span is in its output, by token ids, and how
+    long it may grow (scheduler/thinking.py). `inside`: the prompt opened it already."""
+
+    start_token_id: int
+    end_token_id: int
+    inside: bool = False
+    budget: int | None = None  # reasoning tokens before the end tag is forced; None: no cap
+
+
+@dataclass
 class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
@@ -202,6 +214,7 @@ class GenerateRequest:
     priority: int = 0  # admission order: lower first (scheduler/queue.py)
     timeout_s: float | None = None  # deadline from arrival; past it: error "timeout"
     grammar: str | None = None  # llguidance grammar the output follows (scheduler/guided.py)
+    thinking: ThinkingSpan | None = None  # counted, and capped if it has a budget
 
 
 @dataclass
@@ -224,6 +237,7 @@ class RequestOutput:
     error: str | None = None
     # invalid_request | overloaded | timeout | unavailable | internal
     error_type: str | None = None
+    num_reasoning_tokens: int = 0  # output tokens inside the thinking span so far
 
 
 @dataclass

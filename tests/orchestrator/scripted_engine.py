@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 
 from scheduler.protocol import EngineInfo, EngineStats, GenerateRequest, RequestOutput
+from scheduler.thinking import ThinkingBudget
 
 EOS = 3  # <|im_end|> in the tiny model's tokenizer
 
@@ -80,7 +81,12 @@ class ScriptedEngine:
                                     f"{s.error_type}", error_type=s.error_type, **common)
                 return
             ids = s.token_ids[: request.max_tokens]
+            # reasoning counted as the scheduler counts it (its budget is not applied)
+            span = request.thinking and ThinkingBudget(request.thinking, 1 << 16)
             for i, t in enumerate(ids):
+                if span:
+                    span.accept(t)
+                    common["num_reasoning_tokens"] = span.num_tokens
                 if s.delay_s:
                     await asyncio.sleep(s.delay_s)
                 else:

@@ -1,7 +1,8 @@
 """Reasoning (<think>...</think>) split from the answer, whatever the chunking; sent as
 Anthropic thinking blocks (streamed and not, with signatures, before text and
 tool_use) and as OpenAI reasoning_content; the request's thinking switch reaches the
-chat template."""
+chat template, and its budget the engine (as a span of token ids; the engine's side
+is tests/scheduler/test_thinking.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from starlette.testclient import TestClient
 from orchestrator.chat_template import ChatTemplate
 from orchestrator.http_server import build_app
 from orchestrator.reasoning import Answer, Reasoning, make_splitter
+from scheduler.protocol import ThinkingSpan
 from tests.orchestrator.scripted_engine import ScriptedEngine
 from tests.orchestrator.test_tool_parsers import chunkings
 
@@ -110,6 +112,53 @@ def test_openai_reasoning_content(client, engine) -> None:
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "hmm"
     assert "".join(d.content or "" for d in deltas) == "Hi."
+
+
+THINK, END_THINK = 6, 7  # the tiny tokenizer's <think> and </think>
+
+
+def test_the_budget_reaches_the_engine_and_reasoning_tokens_are_counted(client, engine) -> None:
+    """Anthropic budget_tokens and OpenAI (vLLM) thinking_token_budget become the span's
+    budget; without one the span is still sent, to count the reasoning tokens (OpenAI
+    usage.completion_tokens_details.reasoning_tokens)."""
+    sdk = anthropic.Anthropic(base_url="http://testserver", api_key="k", http_client=client,
+                              max_retries=0)
+    engine.script(THOUGHT)
+    sdk.messages.create(model="m", max_tokens=200, messages=HELLO,
+                        thinking={"type": "enabled", "budget_tokens": 1024})
+    assert engine.requests[-1].thinking == ThinkingSpan(THINK, END_THINK, budget=1024)
+    for body, budget in (({"thinking_token_budget": 64}, 64), ({}, None)):
+        engine.script("<think>hmm, let me see</think>\n\nHi.")
+        r = client.post("/v1/chat/completions", json={"model": "m", "messages": HELLO, **body})
+        assert engine.requests[-1].thinking == ThinkingSpan(THINK, END_THINK, budget=budget)
+        reasoning = len(engine.tokenizer.encode("hmm, let me see").ids)
+        assert r.json()["usage"]["completion_tokens_details"] == {"reasoning_tokens": reasoning}
+    for bad in (0, -1, 1.5, "8", True):
+        r = client.post("/v1/chat/completions", json={
+            "model": "m", "messages": HELLO, "thinking_token_budget": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget"
+        r = client.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": HELLO,
+                                              "thinking": {"type": "enabled",
+                                                           "budget_tokens": bad}})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_the_span_follows_the_template_and_stays_out_of_grammars(engine, tiny_tokenizer) -> None:
+    """A prompt that opens <think> (R1) starts the span inside; a response format (its
+    grammar holds the whole answer) or a parser without reasoning sends no span."""
+    template = ChatTemplate("{{ messages[-1].content }}<think>\n")
+    for parser, expected in (("deepseek_r1", ThinkingSpan(THINK, END_THINK, inside=True)),
+                             ("none", None)):
+        app = build_app(engine, tiny_tokenizer, model_name="tiny", chat_template=template,
+                        reasoning_parser=parser)
+        with TestClient(app) as c:
+            engine.script("a b</think>Hi.")
+            c.post("/v1/chat/completions", json={"model": "m", "messages": HELLO})
+            assert engine.requests[-1].thinking == expected
+            engine.script("{}")
+            c.post("/v1/chat/completions", json={"model": "m", "messages": HELLO,
+                                                 "response_format": {"type": "json_object"}})
+            assert engine.requests[-1].thinking is None
 
 
 def test_the_thinking_switch_reaches_the_template(engine, tiny_tokenizer) -> None:

@@ -1,0 +1,49 @@
+"""A reasoning model's thinking span, followed token by token, and its budget.
+
+Reasoning models (Qwen3, QwQ, DeepSeek-R1) write `<think> ... </think>` before their
+answer. The shim names the two tags' token ids (and whether the prompt opened the span
+already); here each sampled token moves the span along, so the scheduler knows how many
+output tokens were reasoning (OpenAI's `reasoning_tokens`) and can hold the span to a
+budget (Anthropic's `thinking.budget_tokens`): once the span holds `budget` tokens, the
+only token the next sample may take is the end tag, sent to rank 0 as the chunk's mask
+like a grammar's (scheduler/guided.py). The model then answers, within the request's
+max_tokens, as SGLang and vLLM do.
+
+The tags must be single tokens (they are in the tokenizers of these models); the shim
+sends no span otherwise, and the budget is not enforced. A span opens in the prompt or
+with the output's first token, as these models write it; a start tag later on is text
+(the shim's splitter, orchestrator/reasoning.py, reads it so too).
+"""
+
+from __future__ import annotations
+
+from scheduler.protocol import ThinkingSpan
+
+
+class ThinkingBudget:
+    def __init__(self, span: ThinkingSpan, vocab_size: int) -> None:
+        self._span = span
+        self._inside = span.inside
+        self._may_open = not span.inside  # only the first output token may open it
+        self.num_tokens = 0  # reasoning tokens so far (the tags not counted)
+        words = bytearray(-(-vocab_size // 32) * 4)
+        words[span.end_token_id // 8] |= 1 << (span.end_token_id % 8)
+        self._only_end = bytes(words)  # little-endian words: bit i of the bytes is token i
+
+    def allowed(self) -> bytes | None:
+        """The next sample's mask: the end tag alone once the budget is spent, else None."""
+        budget = self._span.budget
+        if self._inside and budget is not None and self.num_tokens >= budget:
+            return self._only_end
+        return None
+
+    def accept(self, token: int) -> None:
+        """Advance by a sampled token."""
+        if self._inside:
+            if token == self._span.end_token_id:
+                self._inside = False
+            else:
+                self.num_tokens += 1
+        elif self._may_open and token == self._span.start_token_id:
+            self._inside = True
+        self._may_open = False

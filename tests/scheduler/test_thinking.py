@@ -1,0 +1,88 @@
+"""The thinking span on the engine's side (scheduler/thinking.py): followed token by
+token, counted, and ended by the engine when it reaches its budget. The random-weight
+model never writes the end tag by itself, so every span here that ends was ended by
+its budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.protocol import GenerateRequest, ThinkingSpan
+from scheduler.scheduler import RequestRejected
+from scheduler.thinking import ThinkingBudget
+from tests.scheduler.engine_harness import inprocess_engine, run_until_done
+
+THINK, END = 6, 7  # the tiny tokenizer's <think> and </think>
+PROMPT = list(range(40, 90))
+
+
+def allowed_tokens(mask: bytes | None) -> set[int] | None:
+    if mask is None:
+        return None
+    return {i for i in range(len(mask) * 8) if mask[i // 8] >> (i % 8) & 1}
+
+
+def test_the_span_opens_with_the_first_token_counts_and_ends_at_its_budget() -> None:
+    span = ThinkingBudget(ThinkingSpan(THINK, END, budget=2), vocab_size=100)
+    assert span.allowed() is None
+    span.accept(THINK)  # opens: the answer's first token
+    for token in (50, 51):
+        assert span.allowed() is None
+        span.accept(token)
+    assert allowed_tokens(span.allowed()) == {END} and span.num_tokens == 2
+    span.accept(END)
+    assert span.allowed() is None
+    for token in (THINK, 50, 51, 52):  # the span is over: a later tag is text
+        span.accept(token)
+    assert span.allowed() is None and span.num_tokens == 2
+
+
+def test_a_start_tag_after_the_first_token_is_text_and_no_budget_only_counts() -> None:
+    late = ThinkingBudget(ThinkingSpan(THINK, END, budget=1), vocab_size=100)
+    for token in (50, THINK, 51, 52):
+        late.accept(token)
+    assert late.allowed() is None and late.num_tokens == 0
+    uncapped = ThinkingBudget(ThinkingSpan(THINK, END, inside=True), vocab_size=100)
+    for token in range(50, 90):
+        uncapped.accept(token)
+    assert uncapped.allowed() is None and uncapped.num_tokens == 40
+
+
+def test_the_engine_ends_a_span_at_its_budget(default_model) -> None:
+    """Greedy: the capped request writes what the free one writes until its budget is
+    spent, then the end tag, then goes on answering; reasoning tokens are reported."""
+    core = inprocess_engine(default_model)
+    requests = [
+        GenerateRequest("free", PROMPT, max_tokens=12),
+        GenerateRequest("capped", PROMPT, max_tokens=12,
+                        thinking=ThinkingSpan(THINK, END, inside=True, budget=5)),
+        GenerateRequest("counted", PROMPT, max_tokens=12,
+                        thinking=ThinkingSpan(THINK, END, inside=True)),
+    ]
+    outputs: dict[str, list] = {}
+    for req in requests:
+        core.scheduler.add_request(req)
+    while core.scheduler.has_work():
+        for out in core.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    tokens = {rid: [t for out in outs for t in out.token_ids] for rid, outs in outputs.items()}
+    assert END not in tokens["free"]
+    assert tokens["capped"][:5] == tokens["free"][:5] and tokens["capped"][5] == END
+    assert len(tokens["capped"]) == 12 and END not in tokens["capped"][6:]
+    assert tokens["counted"] == tokens["free"]  # counting alone changes nothing
+    reported = {rid: outs[-1].num_reasoning_tokens for rid, outs in outputs.items()}
+    assert reported == {"free": 0, "capped": 5, "counted": 12}
+    # the mask went out once, with the sample after the fifth reasoning token
+    masks = [allowed_tokens(c.allowed) for plan in core.executor.plans for c in plan.chunks
+             if c.allowed is not None]
+    assert masks == [{END}]
+
+
+def test_a_span_with_a_tag_outside_the_vocabulary_is_refused(default_model) -> None:
+    core = inprocess_engine(default_model)
+    bad = GenerateRequest("bad", PROMPT, max_tokens=2,
+                          thinking=ThinkingSpan(THINK, 10**9, budget=1))
+    with pytest.raises(RequestRejected, match="vocabulary"):
+        core.scheduler.add_request(bad)
+    assert run_until_done(core, [GenerateRequest("ok", PROMPT, max_tokens=2)])["ok"][
+        "finish_reason"] == "length"
