@@ -40,7 +40,7 @@ from orchestrator.http_common import (
     tokenize,
 )
 from orchestrator.reasoning import Answer, Reasoning, make_splitter, thinking_span
-from orchestrator.structured_output import tool_call_grammar
+from orchestrator.structured_output import after_reasoning, tool_call_grammar
 from orchestrator.tool_parsers import TextEvent, ToolCall, ToolParser, make_tool_parser
 from scheduler.protocol import SamplingParams
 
@@ -187,15 +187,21 @@ class ChatRun:
         self.prompt = prompt
         max_tokens, self.limited_by = output_budget(state, len(prompt.token_ids),
                                                     req.max_tokens)
-        # An answer held to a response format is that format, not calls or reasoning: its
-        # grammar holds from the first token (a template that opens <think> in the
-        # prompt would otherwise make the whole answer reasoning).
-        formatted = prompt.grammar is not None and not prompt.forced
-        self.splitter = make_splitter("none" if formatted else state.reasoning_parser,
-                                      prompt.text)
-        # the engine follows the span unless a grammar holds the answer (a forced call)
-        thinking = None if prompt.grammar is not None else thinking_span(
+        self.splitter = make_splitter(state.reasoning_parser, prompt.text)
+        # The engine follows the thinking span (counts it, caps it at the budget), except
+        # after a forced call's opening: that answer is the call from its first token.
+        thinking = None if prompt.forced else thinking_span(
             state.tokenizer, self.splitter, req.thinking_budget)
+        # An answer held to a response format is that format, not calls: a reasoning
+        # model thinks first and the grammar holds what follows its span (as in vLLM and
+        # SGLang); without a span the grammar holds from the first token, and none of it
+        # is reasoning (a template that opens <think> would make it all reasoning).
+        formatted = prompt.grammar is not None and not prompt.forced
+        grammar = prompt.grammar
+        if formatted and thinking is not None:
+            grammar = after_reasoning(prompt.grammar)
+        elif formatted:
+            self.splitter = make_splitter("none", prompt.text)
         params = GenerationParams(
             prompt_token_ids=prompt.token_ids,
             max_tokens=max_tokens,
@@ -206,7 +212,7 @@ class ChatRun:
             session_id=req.session,
             priority=hints.priority,
             timeout_s=hints.timeout_s,
-            grammar=prompt.grammar,
+            grammar=grammar,
             thinking=thinking,
         )
         self.gen = Generation(state.engine, state.tokenizer, request_id, params, api=api)

@@ -48,6 +48,17 @@ def json_grammar(schema: Any, param: str) -> str:
                     "the JSON schema")
 
 
+def after_reasoning(grammar: str) -> str:
+    """`grammar`, after the whitespace a reasoning model writes between its span and
+    its answer ("</think>\n\n"): up to two whitespace characters may lead. (The span
+    itself is the scheduler's: scheduler/thinking.py.)"""
+    inner = json.loads(grammar)["grammars"]
+    for i, part in enumerate(inner):
+        part["name"] = f"answer{i}"
+    lead = {"lark_grammar": r"start: /[ \t\r\n]{0,2}/ @answer0"}
+    return json.dumps({"grammars": [lead, *inner]})
+
+
 def tool_call_grammar(tools: list[dict[str, Any]], name: str | None,
                       opening: Callable[[str | None], str]) -> str:
     """What follows a forced call's opening (`opening(name)`, the tool parser's): the

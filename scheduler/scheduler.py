@@ -130,11 +130,9 @@ class Scheduler:
         if req.timeout_s is not None and not req.timeout_s > 0:
             raise RequestRejected("timeout_s must be > 0")
         span = req.thinking
-        if span is not None:
-            if not (0 <= span.start_token_id < vocab and 0 <= span.end_token_id < vocab):
-                raise RequestRejected("the thinking span's tag ids are outside the vocabulary")
-            if req.grammar is not None:  # two masks for one sample: neither may win alone
-                raise RequestRejected("a thinking span and a grammar cannot go together")
+        if span is not None and not (0 <= span.start_token_id < vocab
+                                     and 0 <= span.end_token_id < vocab):
+            raise RequestRejected("the thinking span's tag ids are outside the vocabulary")
         if -(-n // self.block_size) > self.limits.num_device_blocks:
             # worded as for the context length: agents (Claude Code) compact on it
             raise RequestRejected(
@@ -373,15 +371,18 @@ class Scheduler:
         start = seq.num_computed
         end = start + num_new  # registered already (_schedule)
         sample = end == seq.num_tokens
-        allowed = None
-        if sample and seq.guide is not None:
-            allowed = seq.guide.allowed()
-        elif sample and seq.thinking is not None:
-            allowed = seq.thinking.allowed()  # the end tag alone once the budget is spent
+        allowed = self._allowed(seq) if sample else None
         plan.chunks.append(ScheduledChunk(seq.seq_id, seq.tokens[start:end], start,
                                           sample=sample, allowed=allowed))
         seq.num_computed = end
         seq.last_step = step
+
+    @staticmethod
+    def _allowed(seq: Sequence) -> bytes | None:
+        """The mask of a sequence's next sample: its grammar's, and around it its thinking
+        span's (scheduler/thinking.py); None: any token."""
+        answer = seq.guide.allowed if seq.guide is not None else lambda: None
+        return seq.thinking.mask(answer) if seq.thinking is not None else answer()
 
     # --- results ----------------------------------------------------------------------
 
@@ -404,11 +405,10 @@ class Scheduler:
         return outputs
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        if seq.thinking is not None:
-            seq.thinking.accept(token)
+        spanned = seq.thinking is not None and seq.thinking.accept(token)
         if token in seq.stop_token_ids:
             return "stop"
-        if seq.guide is not None:
+        if seq.guide is not None and not spanned:  # the grammar holds the answer only
             if not seq.guide.accept(token):  # rank 0 sampled outside the mask it was sent
                 seq.error_type = "internal"
                 seq.error = f"token {token} broke the request's grammar: {seq.guide.error}"

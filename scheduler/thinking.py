@@ -7,7 +7,9 @@ output tokens were reasoning (OpenAI's `reasoning_tokens`) and can hold the span
 budget (Anthropic's `thinking.budget_tokens`): once the span holds `budget` tokens, the
 only token the next sample may take is the end tag, sent to rank 0 as the chunk's mask
 like a grammar's (scheduler/guided.py). The model then answers, within the request's
-max_tokens, as SGLang and vLLM do.
+max_tokens, as SGLang and vLLM do. A request may have both a span and a grammar (a
+reasoning model asked for a response format): the grammar holds the answer after the
+span, and only the answer's tokens advance it.
 
 The tags must be single tokens (they are in the tokenizers of these models); the shim
 sends no span otherwise, and the budget is not enforced. A span opens in the prompt or
@@ -16,6 +18,8 @@ with the output's first token, as these models write it; a start tag later on is
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from scheduler.protocol import ThinkingSpan
 
@@ -30,15 +34,24 @@ class ThinkingBudget:
         words[span.end_token_id // 8] |= 1 << (span.end_token_id % 8)
         self._only_end = bytes(words)  # little-endian words: bit i of the bytes is token i
 
-    def allowed(self) -> bytes | None:
-        """The next sample's mask: the end tag alone once the budget is spent, else None."""
-        budget = self._span.budget
-        if self._inside and budget is not None and self.num_tokens >= budget:
-            return self._only_end
-        return None
+    def mask(self, answer: Callable[[], bytes | None]) -> bytes | None:
+        """The next sample's mask. Inside the span: None (any token), or the end tag
+        alone once the budget is spent. Outside: the answer's (`answer()`, a grammar's
+        or None), which the start tag joins while the span may still open."""
+        if self._inside:
+            budget = self._span.budget
+            return self._only_end if budget is not None and self.num_tokens >= budget else None
+        mask = answer()
+        if mask is None or not self._may_open:
+            return mask
+        words = bytearray(mask)
+        words[self._span.start_token_id // 8] |= 1 << (self._span.start_token_id % 8)
+        return bytes(words)
 
-    def accept(self, token: int) -> None:
-        """Advance by a sampled token."""
+    def accept(self, token: int) -> bool:
+        """Advance by a sampled token: True if it was the span's (its tags included),
+        False if it was the answer's."""
+        spanned = True
         if self._inside:
             if token == self._span.end_token_id:
                 self._inside = False
@@ -46,4 +59,7 @@ class ThinkingBudget:
                 self.num_tokens += 1
         elif self._may_open and token == self._span.start_token_id:
             self._inside = True
+        else:
+            spanned = False
         self._may_open = False
+        return spanned

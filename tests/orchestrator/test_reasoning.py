@@ -16,6 +16,7 @@ from starlette.testclient import TestClient
 from orchestrator.chat_template import ChatTemplate
 from orchestrator.http_server import build_app
 from orchestrator.reasoning import Answer, Reasoning, make_splitter
+from orchestrator.structured_output import after_reasoning, json_grammar
 from scheduler.protocol import ThinkingSpan
 from tests.orchestrator.scripted_engine import ScriptedEngine
 from tests.orchestrator.test_tool_parsers import chunkings
@@ -143,9 +144,9 @@ def test_the_budget_reaches_the_engine_and_reasoning_tokens_are_counted(client, 
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_the_span_follows_the_template_and_stays_out_of_grammars(engine, tiny_tokenizer) -> None:
-    """A prompt that opens <think> (R1) starts the span inside; a response format (its
-    grammar holds the whole answer) or a parser without reasoning sends no span."""
+def test_the_span_follows_the_template(engine, tiny_tokenizer) -> None:
+    """A prompt that opens <think> (R1) starts the span inside; a parser without
+    reasoning sends no span."""
     template = ChatTemplate("{{ messages[-1].content }}<think>\n")
     for parser, expected in (("deepseek_r1", ThinkingSpan(THINK, END_THINK, inside=True)),
                              ("none", None)):
@@ -155,10 +156,6 @@ def test_the_span_follows_the_template_and_stays_out_of_grammars(engine, tiny_to
             engine.script("a b</think>Hi.")
             c.post("/v1/chat/completions", json={"model": "m", "messages": HELLO})
             assert engine.requests[-1].thinking == expected
-            engine.script("{}")
-            c.post("/v1/chat/completions", json={"model": "m", "messages": HELLO,
-                                                 "response_format": {"type": "json_object"}})
-            assert engine.requests[-1].thinking is None
 
 
 def test_the_thinking_switch_reaches_the_template(engine, tiny_tokenizer) -> None:
@@ -184,23 +181,37 @@ def test_the_thinking_switch_reaches_the_template(engine, tiny_tokenizer) -> Non
     assert bad.status_code == 400
 
 
-def test_a_formatted_answer_is_content_even_if_the_prompt_opened_reasoning(
-        engine, tiny_tokenizer) -> None:
-    """R1-style templates end the generation prompt with <think>; a response format's
-    grammar holds from the first token, so the answer is the format, not reasoning, and
-    a JSON answer with a "name" is not a tool call either."""
+def test_a_reasoning_model_thinks_before_a_formatted_answer(engine, tiny_tokenizer) -> None:
+    """With a response format, the engine gets the span and the format's grammar, which
+    holds the answer after the span (scheduler/thinking.py); the answer is content,
+    and a JSON answer with a "name" is not a tool call. A forced call sends no span
+    (its opening ends the prompt); without reasoning, the grammar is the format's."""
     template = ChatTemplate("{{ messages[-1].content }}<think>\n")
-    app = build_app(engine, tiny_tokenizer, model_name="tiny", chat_template=template,
-                    reasoning_parser="deepseek_r1", tool_call_parser="llama3_json")
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
-    with TestClient(app) as c:
-        engine.script('{"name": "Bob", "age": 3}')
-        r = c.post("/v1/chat/completions", json={
-            "model": "m", "messages": HELLO, "tools": tools,
-            "response_format": {"type": "json_object"}})
-    message = r.json()["choices"][0]["message"]
-    assert message["content"] == '{"name": "Bob", "age": 3}'
-    assert "reasoning_content" not in message and "tool_calls" not in message
+    json_object = {"response_format": {"type": "json_object"}}
+    for parser in ("deepseek_r1", "none"):
+        app = build_app(engine, tiny_tokenizer, model_name="tiny", chat_template=template,
+                        reasoning_parser=parser, tool_call_parser="llama3_json")
+        with TestClient(app) as c:
+            engine.script('Bob is 3.</think>\n\n{"name": "Bob", "age": 3}' if parser != "none"
+                          else '{"name": "Bob", "age": 3}')
+            r = c.post("/v1/chat/completions", json={
+                "model": "m", "messages": HELLO, "tools": tools, **json_object})
+            message = r.json()["choices"][0]["message"]
+            assert message["content"] == '{"name": "Bob", "age": 3}'
+            assert "tool_calls" not in message
+            sent = engine.requests[-1]
+            if parser == "none":
+                assert "reasoning_content" not in message and sent.thinking is None
+                assert sent.grammar == json_grammar({"type": "object"}, "response_format")
+            else:
+                assert message["reasoning_content"] == "Bob is 3."
+                assert sent.thinking == ThinkingSpan(THINK, END_THINK, inside=True)
+                assert sent.grammar == after_reasoning(json_grammar({"type": "object"}, "r"))
+            engine.script('"x"}')
+            c.post("/v1/chat/completions", json={
+                "model": "m", "messages": HELLO, "tools": tools, "tool_choice": "required"})
+            assert engine.requests[-1].thinking is None
 
 
 @settings(max_examples=300, deadline=None)

@@ -9,7 +9,7 @@ import pytest
 from orchestrator.anthropic_request import parse_messages_request
 from orchestrator.errors import ApiError
 from orchestrator.openai_chat import parse_chat_request
-from orchestrator.structured_output import json_grammar, tool_call_grammar
+from orchestrator.structured_output import after_reasoning, json_grammar, tool_call_grammar
 from orchestrator.tool_parsers import ToolCall, make_tool_parser
 from scheduler.guided import GuideFactory
 
@@ -28,6 +28,15 @@ def follows(guides: GuideFactory, grammar: str, tokenizer, text: str) -> bool:
     guide = guides.guide(grammar)
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     return all(guide.accept(t) for t in ids) and guide.complete
+
+
+@pytest.mark.parametrize("answer, ok", [("{}", True), ("\n\n{}", True), ("\n\n\n{}", False),
+                                        (" x{}", False)])
+def test_after_reasoning_the_answer_may_start_with_whitespace(guides, tiny_tokenizer, answer,
+                                                             ok) -> None:
+    """A reasoning model's answer follows "</think>\n\n": the format holds after it."""
+    grammar = after_reasoning(json_grammar({"type": "object"}, "response_format"))
+    assert follows(guides, grammar, tiny_tokenizer, answer) == ok
 
 
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json"])

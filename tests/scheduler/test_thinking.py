@@ -6,14 +6,26 @@ its budget."""
 from __future__ import annotations
 
 import pytest
+from tokenizers import Tokenizer
 
 from scheduler.protocol import GenerateRequest, ThinkingSpan
 from scheduler.scheduler import RequestRejected
 from scheduler.thinking import ThinkingBudget
 from tests.scheduler.engine_harness import inprocess_engine, run_until_done
+from tests.scheduler.test_guided import SCHEMA, check_weather, grammar
 
 THINK, END = 6, 7  # the tiny tokenizer's <think> and </think>
 PROMPT = list(range(40, 90))
+
+
+def FREE() -> None:  # noqa: N802 -- the answer's mask: none (no grammar)
+    return None
+
+
+def ONLY_50() -> bytes:  # noqa: N802 -- the answer's mask: a grammar allowing token 50
+    mask = bytearray(16)
+    mask[50 // 8] |= 1 << (50 % 8)
+    return bytes(mask)
 
 
 def allowed_tokens(mask: bytes | None) -> set[int] | None:
@@ -24,28 +36,29 @@ def allowed_tokens(mask: bytes | None) -> set[int] | None:
 
 def test_the_span_opens_with_the_first_token_counts_and_ends_at_its_budget() -> None:
     span = ThinkingBudget(ThinkingSpan(THINK, END, budget=2), vocab_size=100)
-    assert span.allowed() is None
-    span.accept(THINK)  # opens: the answer's first token
+    assert span.mask(FREE) is None
+    assert allowed_tokens(span.mask(ONLY_50)) == {50, THINK}  # a grammar's, or the span
+    assert span.accept(THINK)  # opens: the answer's first token
     for token in (50, 51):
-        assert span.allowed() is None
-        span.accept(token)
-    assert allowed_tokens(span.allowed()) == {END} and span.num_tokens == 2
-    span.accept(END)
-    assert span.allowed() is None
+        assert span.mask(ONLY_50) is None  # inside, the grammar waits
+        assert span.accept(token)
+    assert allowed_tokens(span.mask(ONLY_50)) == {END} and span.num_tokens == 2
+    assert span.accept(END)
+    assert allowed_tokens(span.mask(ONLY_50)) == {50}  # the answer: the grammar's alone
     for token in (THINK, 50, 51, 52):  # the span is over: a later tag is text
-        span.accept(token)
-    assert span.allowed() is None and span.num_tokens == 2
+        assert not span.accept(token)
+    assert span.mask(FREE) is None and span.num_tokens == 2
 
 
 def test_a_start_tag_after_the_first_token_is_text_and_no_budget_only_counts() -> None:
     late = ThinkingBudget(ThinkingSpan(THINK, END, budget=1), vocab_size=100)
-    for token in (50, THINK, 51, 52):
-        late.accept(token)
-    assert late.allowed() is None and late.num_tokens == 0
+    assert not any(late.accept(token) for token in (50, THINK, 51, 52))
+    assert late.mask(FREE) is None and late.num_tokens == 0
+    assert allowed_tokens(late.mask(ONLY_50)) == {50}
     uncapped = ThinkingBudget(ThinkingSpan(THINK, END, inside=True), vocab_size=100)
     for token in range(50, 90):
         uncapped.accept(token)
-    assert uncapped.allowed() is None and uncapped.num_tokens == 40
+    assert uncapped.mask(FREE) is None and uncapped.num_tokens == 40
 
 
 def test_the_engine_ends_a_span_at_its_budget(default_model) -> None:
@@ -76,6 +89,18 @@ def test_the_engine_ends_a_span_at_its_budget(default_model) -> None:
     masks = [allowed_tokens(c.allowed) for plan in core.executor.plans for c in plan.chunks
              if c.allowed is not None]
     assert masks == [{END}]
+
+
+def test_a_grammar_holds_the_answer_after_the_span(default_model) -> None:
+    """A reasoning model asked for a format thinks first (here: until its budget), then
+    answers in the format: the grammar sees only the answer's tokens."""
+    tokenizer = Tokenizer.from_file(str(default_model / "tokenizer.json"))
+    core = inprocess_engine(default_model)
+    span = ThinkingSpan(THINK, END, inside=True, budget=4)
+    out = run_until_done(core, [GenerateRequest("r", PROMPT, max_tokens=200, thinking=span,
+                                                grammar=grammar(SCHEMA))])["r"]
+    assert out["finish_reason"] == "stop" and out["tokens"][4] == END
+    check_weather(tokenizer.decode(out["tokens"][5:]))
 
 
 def test_a_span_with_a_tag_outside_the_vocabulary_is_refused(default_model) -> None:
