@@ -63,7 +63,6 @@ simulate: install
 soak: install
 	$(PY) -m tools.soak --model $(MODEL)
 
-# The Claude Code CLI (npm) against the engine; needs npm and network. Not in `make test`.
 # `make test` replays the same hypothesis examples every run; this draws new ones, in
 # FUZZ_RUNS rounds (a failure prints the @reproduce_failure blob to keep as an @example).
 FUZZ_RUNS ?= 3
@@ -75,6 +74,7 @@ fuzz: install
 			tests/orchestrator/test_detokenizer.py || exit 1; \
 	done
 
+# The Claude Code CLI (npm) against the engine; needs npm and network. Not in `make test`.
 e2e-claude-code: install
 	$(PY) -m tests.orchestrator.claude_code_e2e
 

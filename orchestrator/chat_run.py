@@ -200,6 +200,8 @@ class ChatRun:
         grammar = prompt.grammar
         if formatted and thinking is not None:
             grammar = after_reasoning(prompt.grammar)
+            self.splitter = make_splitter(state.reasoning_parser, prompt.text,
+                                          strip_answer=True)
         elif formatted:
             self.splitter = make_splitter("none", prompt.text)
         params = GenerationParams(
@@ -269,6 +271,7 @@ class ChatRun:
 
     def log_done(self, *, finish_reason: str | None = None, error: str | None = None) -> None:
         self.gen.log_fields["tool_calls"] = self.num_tool_calls
+        self.gen.log_fields["reasoning_tokens"] = self.gen.num_reasoning_tokens
         self.gen.log_fields["max_tokens_set_by"] = self.limited_by
         self.gen.log_done(finish_reason=finish_reason, error=error)
 

@@ -38,11 +38,14 @@ class Answer:
 class ThinkSplitter:
     """Streamed text -> Reasoning and Answer pieces."""
 
-    def __init__(self, *, inside: bool = False) -> None:
+    def __init__(self, *, inside: bool = False, strip_answer: bool = False) -> None:
         # "start": the output may still open a span; "inside" it; "after_close": the
         # whitespace after it (dropped); "answer"
         self._state = "inside" if inside else "start"
         self._buf = ""
+        # an answer without a span before it loses its leading whitespace too (a format's
+        # grammar lets the answer start with what would follow a span)
+        self._strip_answer = strip_answer
 
     @property
     def inside(self) -> bool:
@@ -59,6 +62,7 @@ class ThinkSplitter:
                 return out
             else:
                 self._state = "answer"
+                self._buf = head if self._strip_answer else self._buf
         if self._state == "inside":
             end = self._buf.find(CLOSE)
             if end < 0:
@@ -92,13 +96,14 @@ class NoReasoning:
         return []
 
 
-def make_splitter(name: str, prompt: str) -> ThinkSplitter | NoReasoning:
+def make_splitter(name: str, prompt: str, *,
+                  strip_answer: bool = False) -> ThinkSplitter | NoReasoning:
     """The splitter for a `--reasoning-parser`; `prompt`: the text the output continues
     (a prompt ending in the opening tag starts the output inside the span)."""
     if name == "none":
         return NoReasoning()
     if name in ("think", "qwen3", "deepseek_r1"):
-        return ThinkSplitter(inside=prompt.rstrip().endswith(OPEN))
+        return ThinkSplitter(inside=prompt.rstrip().endswith(OPEN), strip_answer=strip_answer)
     raise ValueError(f"unknown reasoning parser {name!r} (choose from {REASONING_PARSERS})")
 
 
@@ -111,6 +116,8 @@ def thinking_span(tokenizer: Tokenizer, splitter: ThinkSplitter | NoReasoning,
     if not isinstance(splitter, ThinkSplitter):
         return None
     start, end = tokenizer.token_to_id(OPEN), tokenizer.token_to_id(CLOSE)
-    if start is None or end is None:
-        return None
+    added = tokenizer.get_added_tokens_decoder()
+    if start is None or end is None or any(
+            added[i].special for i in (start, end) if i in added):
+        return None  # a special tag is dropped from the text: the splitter would not see it
     return ThinkingSpan(start, end, inside=splitter.inside, budget=budget)

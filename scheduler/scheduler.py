@@ -133,6 +133,9 @@ class Scheduler:
         if span is not None and not (0 <= span.start_token_id < vocab
                                      and 0 <= span.end_token_id < vocab):
             raise RequestRejected("the thinking span's tag ids are outside the vocabulary")
+        if span is not None and span.budget is not None and not (
+                isinstance(span.budget, int) and span.budget >= 0):
+            raise RequestRejected("the thinking budget must be an integer >= 0")
         if -(-n // self.block_size) > self.limits.num_device_blocks:
             # worded as for the context length: agents (Claude Code) compact on it
             raise RequestRejected(
@@ -405,9 +408,9 @@ class Scheduler:
         return outputs
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        spanned = seq.thinking is not None and seq.thinking.accept(token)
-        if token in seq.stop_token_ids:
+        if token in seq.stop_token_ids:  # the end, inside a span or not: not reasoning
             return "stop"
+        spanned = seq.thinking is not None and seq.thinking.accept(token)
         if seq.guide is not None and not spanned:  # the grammar holds the answer only
             if not seq.guide.accept(token):  # rank 0 sampled outside the mask it was sent
                 seq.error_type = "internal"

@@ -11,10 +11,12 @@ max_tokens, as SGLang and vLLM do. A request may have both a span and a grammar 
 reasoning model asked for a response format): the grammar holds the answer after the
 span, and only the answer's tokens advance it.
 
-The tags must be single tokens (they are in the tokenizers of these models); the shim
-sends no span otherwise, and the budget is not enforced. A span opens in the prompt or
-with the output's first token, as these models write it; a start tag later on is text
-(the shim's splitter, orchestrator/reasoning.py, reads it so too).
+The tags must be single tokens that the detokenizer keeps (they are, in these models'
+tokenizers); the shim sends no span otherwise, and the budget is not enforced. A span
+opens in the prompt or with the output's first token, as these models write it; a start
+tag later on is text. (The shim's splitter, orchestrator/reasoning.py, also opens a span
+after leading whitespace, or written as several tokens: such a span, which these models
+do not write, is the client's reasoning but is neither counted nor capped here.)
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ class ThinkingBudget:
             budget = self._span.budget
             return self._only_end if budget is not None and self.num_tokens >= budget else None
         mask = answer()
-        if mask is None or not self._may_open:
-            return mask
+        if mask is None or not self._may_open or mask.count(0) == len(mask):
+            return mask  # (an empty mask is a broken grammar: the sampler's to report)
         words = bytearray(mask)
         words[self._span.start_token_id // 8] |= 1 << (self._span.start_token_id % 8)
         return bytes(words)

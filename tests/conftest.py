@@ -18,7 +18,7 @@ DEFAULT_MODEL = REPO / "models" / "tiny-llama"
 # code and not on the draw; `make fuzz` explores fresh ones (HYPOTHESIS_PROFILE=explore),
 # and what it finds is kept as an @example.
 settings.register_profile("ci", derandomize=True)
-settings.register_profile("explore", derandomize=False)
+settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 

@@ -6,16 +6,19 @@ is tests/scheduler/test_thinking.py)."""
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
+from tokenizers import Tokenizer
 
 from orchestrator.chat_template import ChatTemplate
 from orchestrator.http_server import build_app
-from orchestrator.reasoning import Answer, Reasoning, make_splitter
+from orchestrator.reasoning import Answer, Reasoning, make_splitter, thinking_span
 from orchestrator.structured_output import after_reasoning, json_grammar
 from scheduler.protocol import ThinkingSpan
 from tests.orchestrator.scripted_engine import ScriptedEngine
@@ -142,6 +145,33 @@ def test_the_budget_reaches_the_engine_and_reasoning_tokens_are_counted(client, 
                                               "thinking": {"type": "enabled",
                                                            "budget_tokens": bad}})
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_formatted_answer_without_a_span_loses_its_leading_whitespace(client, engine) -> None:
+    """The format's grammar lets the answer start with what follows a span ("\n\n"):
+    without one, that whitespace is not part of the content either."""
+    engine.script('\n\n{"a": 1}')
+    r = client.post("/v1/chat/completions", json={"model": "m", "messages": HELLO,
+                                                  "response_format": {"type": "json_object"}})
+    assert r.json()["choices"][0]["message"]["content"] == '{"a": 1}'
+    engine.script('\n\n{"a": 1}')  # unformatted: the model's text as it is
+    r = client.post("/v1/chat/completions", json={"model": "m", "messages": HELLO})
+    assert r.json()["choices"][0]["message"]["content"] == '\n\n{"a": 1}'
+
+
+def test_no_span_where_a_tag_is_not_one_token_the_text_keeps(tiny_tokenizer) -> None:
+    """A special tag is dropped from the text (the splitter would never see the span the
+    engine follows); a tag that is no single token cannot be followed by id."""
+    splitter = make_splitter("qwen3", "")
+    assert thinking_span(tiny_tokenizer, splitter, 9) == ThinkingSpan(THINK, END_THINK,
+                                                                      budget=9)
+    spec = json.loads(tiny_tokenizer.to_str())
+    for token in spec["added_tokens"]:
+        token["special"] = token["special"] or token["content"] == "</think>"
+    assert thinking_span(Tokenizer.from_str(json.dumps(spec)), splitter, 9) is None
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] != "</think>"]
+    del spec["model"]["vocab"]["</think>"]
+    assert thinking_span(Tokenizer.from_str(json.dumps(spec)), splitter, 9) is None
 
 
 def test_the_span_follows_the_template(engine, tiny_tokenizer) -> None:

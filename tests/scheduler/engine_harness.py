@@ -86,7 +86,8 @@ def run_until_done(core: EngineCore, requests: list[GenerateRequest],
             res["tokens"].extend(out.token_ids)
             if out.finished:
                 res.update(finish_reason=out.finish_reason, final_step=step,
-                           cached=out.num_device_cached_tokens + out.num_host_cached_tokens)
+                           cached=out.num_device_cached_tokens + out.num_host_cached_tokens,
+                           reasoning=out.num_reasoning_tokens)
     raise AssertionError("engine did not go idle")
 
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
+from orchestrator.structured_output import after_reasoning, json_grammar
 from scheduler.protocol import GenerateRequest, ThinkingSpan
 from scheduler.scheduler import RequestRejected
 from scheduler.thinking import ThinkingBudget
 from tests.scheduler.engine_harness import inprocess_engine, run_until_done
-from tests.scheduler.test_guided import SCHEMA, check_weather, grammar
+from tests.scheduler.test_guided import SCHEMA, check_weather
 
 THINK, END = 6, 7  # the tiny tokenizer's <think> and </think>
 PROMPT = list(range(40, 90))
@@ -93,14 +94,32 @@ def test_the_engine_ends_a_span_at_its_budget(default_model) -> None:
 
 def test_a_grammar_holds_the_answer_after_the_span(default_model) -> None:
     """A reasoning model asked for a format thinks first (here: until its budget), then
-    answers in the format: the grammar sees only the answer's tokens."""
+    answers in the format: the grammar (the shim's, which lets the answer start with
+    the whitespace after a span) sees only the answer's tokens. A span the prompt did
+    not open may open with the first token, or the answer starts at once."""
     tokenizer = Tokenizer.from_file(str(default_model / "tokenizer.json"))
     core = inprocess_engine(default_model)
-    span = ThinkingSpan(THINK, END, inside=True, budget=4)
-    out = run_until_done(core, [GenerateRequest("r", PROMPT, max_tokens=200, thinking=span,
-                                                grammar=grammar(SCHEMA))])["r"]
-    assert out["finish_reason"] == "stop" and out["tokens"][4] == END
-    check_weather(tokenizer.decode(out["tokens"][5:]))
+    answer_grammar = after_reasoning(json_grammar(SCHEMA, "response_format"))
+    requests = [GenerateRequest(f"inside={inside}", PROMPT, max_tokens=200,
+                                grammar=answer_grammar,
+                                thinking=ThinkingSpan(THINK, END, inside=inside, budget=4))
+                for inside in (True, False)]
+    out = run_until_done(core, requests)
+    for rid, res in out.items():
+        tokens = res["tokens"]
+        assert res["finish_reason"] == "stop", (rid, res)
+        if END in tokens:
+            span = tokens.index(END)
+            assert span == (4 if rid == "inside=True" else 5), (rid, tokens)
+            tokens = tokens[span + 1:]
+        check_weather(tokenizer.decode(tokens))
+    # a stop token inside the span ends it, and is not reasoning
+    capped = out["inside=True"]["tokens"]
+    stop = run_until_done(inprocess_engine(default_model), [GenerateRequest(
+        "stop", PROMPT, max_tokens=20, stop_token_ids=[capped[2]],
+        thinking=ThinkingSpan(THINK, END, inside=True))])["stop"]
+    assert stop["finish_reason"] == "stop" and stop["tokens"][-1] == capped[2]
+    assert stop["reasoning"] == len(stop["tokens"]) - 1
 
 
 def test_a_span_with_a_tag_outside_the_vocabulary_is_refused(default_model) -> None:
