@@ -231,7 +231,11 @@ ANTHROPIC_OPTIONAL = {
     "stop_sequences": st.lists(texts, max_size=2),
     "temperature": temperatures, "top_p": top_ps, "top_k": ints,
     "stream": st.booleans(), "metadata": st.fixed_dictionaries({"user_id": small_texts}),
-    "thinking": st.just({"type": "enabled", "budget_tokens": 1024}),
+    "thinking": st.one_of(st.just({"type": "enabled", "budget_tokens": 1024}),
+                          st.fixed_dictionaries({"type": st.sampled_from(["enabled", "adaptive",
+                                                                          "disabled"]),
+                                                 "budget_tokens": mostly(st.integers(1, 3),
+                                                                         ints)})),
     "output_config": st.fixed_dictionaries({}, optional={
         "effort": st.sampled_from(["low", "high"]),
         "format": st.fixed_dictionaries({"type": st.just("json_schema"), "schema": schemas()})}),
@@ -280,6 +284,7 @@ CHAT_OPTIONAL = {
         st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema":
                                st.fixed_dictionaries({"name": small_texts, "schema": schemas()})})),
     "parallel_tool_calls": st.booleans(),
+    "thinking_token_budget": mostly(st.integers(1, 3), ints),
 }
 CHAT_REQUIRED = {"model": "gpt-fuzz",
                  "messages": st.lists(mostly(CHAT_MESSAGE, json_values), min_size=1, max_size=4)}

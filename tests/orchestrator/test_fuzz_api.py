@@ -66,7 +66,7 @@ def engine(default_model: Path, tmp_path_factory: pytest.TempPathFactory):
     eng = Engine(default_model, home / "run", "--api-key-file", str(key_file),
                  "--max-model-len", "512", "--max-output-tokens", "4",
                  "--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-messages", "3",
-                 "--max-tools", "2")
+                 "--max-tools", "2", "--reasoning-parser", "qwen3")  # thinking spans too
     yield eng
     assert eng.stop() == 0, eng.log_path.read_text()[-3000:]
 
