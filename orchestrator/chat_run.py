@@ -270,8 +270,10 @@ class ChatRun:
             output_sent_whole=self.gen.stop_string is None and not self.gen.ended_early)
 
     def log_done(self, *, finish_reason: str | None = None, error: str | None = None) -> None:
+        if "reasoning_tokens" not in self.gen.log_fields:  # counted once per request
+            self.gen.log_fields["reasoning_tokens"] = self.gen.num_reasoning_tokens
+            self.state.metrics.reasoning_tokens.inc(self.gen.num_reasoning_tokens)
         self.gen.log_fields["tool_calls"] = self.num_tool_calls
-        self.gen.log_fields["reasoning_tokens"] = self.gen.num_reasoning_tokens
         self.gen.log_fields["max_tokens_set_by"] = self.limited_by
         self.gen.log_done(finish_reason=finish_reason, error=error)
 

@@ -139,6 +139,9 @@ class Metrics:
                                      registry=r)
         self.generation_tokens = Counter("deepinfer_generation_tokens",
                                          "Tokens generated", registry=r)
+        self.reasoning_tokens = Counter(
+            "deepinfer_reasoning_tokens", "Generated tokens inside a reasoning model's "
+            "<think> span (a share of deepinfer_generation_tokens)", registry=r)
         self.guided_requests = Counter(
             "deepinfer_guided_requests", "Chat requests whose answer a grammar held, by what "
             "asked for it (response_format / output_config, or a tool_choice that requires a "

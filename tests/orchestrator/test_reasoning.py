@@ -137,6 +137,9 @@ def test_the_budget_reaches_the_engine_and_reasoning_tokens_are_counted(client, 
         assert engine.requests[-1].thinking == ThinkingSpan(THINK, END_THINK, budget=budget)
         reasoning = len(engine.tokenizer.encode("hmm, let me see").ids)
         assert r.json()["usage"]["completion_tokens_details"] == {"reasoning_tokens": reasoning}
+    thought = len(engine.tokenizer.encode("\nThe user greets me. I should run ls.\n").ids)
+    assert f"deepinfer_reasoning_tokens_total {thought + 2 * reasoning}.0" in client.get(
+        "/metrics").text
     for bad in (0, -1, 1.5, "8", True):
         r = client.post("/v1/chat/completions", json={
             "model": "m", "messages": HELLO, "thinking_token_budget": bad})
