@@ -202,7 +202,7 @@ def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> ToolChoice:
     if choice is None:
         return ToolChoice()
     kind = choice.get("type") if isinstance(choice, dict) else None
-    if kind not in _CHOICE_MODES:
+    if not isinstance(kind, str) or kind not in _CHOICE_MODES:
         raise _bad("tool_choice: Input should be an object with type 'auto', 'any', 'tool' "
                    f"or 'none', got {describe(choice)}", "tool_choice")
     name = choice.get("name")

@@ -66,6 +66,13 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
                       sort_keys=sort_keys)
 
 
+# What a template raises on a conversation it cannot take: its own raise_exception, or
+# an operation on a value of a type it did not expect (a client's odd but valid JSON,
+# e.g. `"..." + tool.description` with a list): the client's to fix, a 400, not a 500.
+RENDER_ERRORS = (jinja2.exceptions.TemplateError, TypeError, ValueError, AttributeError,
+                 KeyError, IndexError)
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -135,7 +142,7 @@ class ChatTemplate:
         extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         try:
             return self._render(messages, tools, add_generation_prompt, extra)
-        except jinja2.exceptions.TemplateError as exc:
+        except RENDER_ERRORS as exc:
             late_system = [i for i, m in enumerate(messages) if m["role"] == "system" and i > 0]
             if not late_system:
                 raise ApiError(f"the chat template refused the conversation: {exc}") from None
@@ -143,7 +150,7 @@ class ChatTemplate:
                         for i, m in enumerate(messages)]
             try:
                 return self._render(messages, tools, add_generation_prompt, extra)
-            except jinja2.exceptions.TemplateError as exc2:
+            except RENDER_ERRORS as exc2:
                 raise ApiError(f"the chat template refused the conversation: {exc2}") from None
 
     def _render(self, messages: list[Message], tools: list[dict[str, Any]] | None,

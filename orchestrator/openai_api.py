@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
@@ -32,7 +33,8 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _KINDS: dict[type, tuple[str, Any]] = {
     int: ("a 64-bit integer", is_int64),
     float: ("a finite number",
-            lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
+            lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+            and abs(v) <= sys.float_info.max and math.isfinite(v)),
     bool: ("a boolean", lambda v: isinstance(v, bool)),
     str: ("a string", lambda v: isinstance(v, str)),
 }

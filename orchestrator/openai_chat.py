@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -47,7 +48,7 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
     v = body.get(name)
     if v is None:
         return default
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or abs(v) > sys.float_info.max:
         raise _bad(f"'{name}' must be a number, got {describe(v)}", name)
     return float(v)
 
@@ -98,7 +99,8 @@ def convert_messages(messages: Any) -> list[Message]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise _bad(f"'{where}' must be an object", "messages")
-        role = ROLES.get(m.get("role"))  # type: ignore[arg-type]
+        role = m.get("role")
+        role = ROLES.get(role) if isinstance(role, str) else None
         if role is None:
             raise _bad(f"'{where}.role' must be one of {sorted(ROLES)}, got "
                        f"{describe(m.get('role'))}", "messages")
@@ -123,6 +125,12 @@ def convert_tools(tools: Any) -> list[dict[str, Any]]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise _bad("'tools': each tool needs {'type': 'function', 'function': {'name'...}}",
                        "tools")
+        # as OpenAI checks them: templates concatenate a description, iterate parameters
+        if not isinstance(fn.get("description", ""), str):
+            raise _bad(f"'tools': the description of {fn['name']!r} must be a string", "tools")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise _bad(f"'tools': the parameters of {fn['name']!r} must be a JSON schema "
+                       "object", "tools")
     return tools
 
 

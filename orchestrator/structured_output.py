@@ -44,7 +44,8 @@ def json_grammar(schema: Any, param: str) -> str:
     """Any JSON value that `schema` (a JSON schema object) accepts."""
     if not isinstance(schema, dict):
         raise ApiError(f"{param}: the JSON schema must be an object", param=param)
-    return _checked(LLMatcher.grammar_from_json_schema(_styled(schema)), param,
+    # as JSON text: llguidance raises (a 500) on a dict holding an int past 64 bits
+    return _checked(LLMatcher.grammar_from_json_schema(json.dumps(_styled(schema))), param,
                     "the JSON schema")
 
 

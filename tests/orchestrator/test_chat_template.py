@@ -108,6 +108,10 @@ def test_template_refusing_late_system_gets_a_user_turn() -> None:
     always = ChatTemplate("{{ raise_exception('no') }}")
     with pytest.raises(ApiError, match="refused"):
         always.render([{"role": "user", "content": "a"}])
+    # a value of a type the template did not expect: the client's to fix (400), not a 500
+    concat = ChatTemplate("{% for t in tools %}{{ 'tool: ' + t.description }}{% endfor %}")
+    with pytest.raises(ApiError, match="refused"):
+        concat.render([{"role": "user", "content": "a"}], [{"description": ["a list"]}])
 
 
 def test_hf_environment(tmp_path: Path) -> None:

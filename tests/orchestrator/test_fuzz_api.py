@@ -203,6 +203,21 @@ DEEP_ARGUMENTS = post("/v1/chat/completions", json.dumps({
 # A response_format that is not an object (here a list) raised AttributeError.
 LIST_RESPONSE_FORMAT = post("/v1/chat/completions", b'{"max_tokens": 1, "response_format": '
                             b'["json_object"], "messages": [{"role": "user", "content": "hi"}]}')
+# Found by a read-only audit: each raised past validation (TypeError, OverflowError, or
+# llguidance's ValueError on a schema holding an integer past 64 bits).
+LIST_ROLE = post("/v1/chat/completions", b'{"max_tokens": 1, "messages": [{"role": []}]}')
+BIG = b"1" + b"0" * 320  # past a float's range
+HUGE_TEMPERATURE = post("/v1/chat/completions", b'{"max_tokens": 1, "temperature": ' + BIG
+                        + b', "messages": [{"role": "user", "content": "hi"}]}')
+HUGE_TOP_P = post("/v1/completions", b'{"prompt": [1], "max_tokens": 1, "top_p": ' + BIG + b"}")
+LIST_CHOICE_TYPE = post("/v1/messages", b'{"max_tokens": 1, "tool_choice": {"type": []}, '
+                        b'"messages": [{"role": "user", "content": "hi"}]}')
+HUGE_SCHEMA_INT = post("/v1/messages", b'{"max_tokens": 1, "output_format": {"type": '
+                       b'"json_schema", "schema": {"default": 18446744073709551616}}, '
+                       b'"messages": [{"role": "user", "content": "hi"}]}')
+LIST_DESCRIPTION = post("/v1/chat/completions", b'{"max_tokens": 1, "tools": [{"type": '
+                        b'"function", "function": {"name": "f", "description": ["d"]}}], '
+                        b'"messages": [{"role": "user", "content": "hi"}]}')
 HUGE_CHAT_SEED = post("/v1/chat/completions", b'{"max_tokens": 1, "seed": 18446744073709551616, '
                       b'"messages": [{"role": "user", "content": "hi"}]}')
 
@@ -214,6 +229,7 @@ def test_reference_before_fuzzing(reference: list[int]) -> None:
 @fuzz(max_examples=150)
 @given(reqs=batches(anthropic_request()))
 @example(reqs=[DEEP, LONE_SURROGATE, HUGE_TOP_K, TINY_TOP_P])
+@example(reqs=[LIST_CHOICE_TYPE, HUGE_SCHEMA_INT])
 def test_fuzz_anthropic_messages(http: httpx.Client, reqs: list[Request]) -> None:
     send_all(http, reqs)
 
@@ -221,13 +237,14 @@ def test_fuzz_anthropic_messages(http: httpx.Client, reqs: list[Request]) -> Non
 @fuzz(max_examples=150)
 @given(reqs=batches(chat_request()))
 @example(reqs=[HUGE_CHAT_SEED, TINY_TEMPERATURE, DEEP_ARGUMENTS, LIST_RESPONSE_FORMAT])
+@example(reqs=[LIST_ROLE, HUGE_TEMPERATURE, LIST_DESCRIPTION])
 def test_fuzz_openai_chat(http: httpx.Client, reqs: list[Request]) -> None:
     send_all(http, reqs)
 
 
 @fuzz(max_examples=125)
 @given(reqs=batches(completion_request()))
-@example(reqs=[HUGE_SEED])
+@example(reqs=[HUGE_SEED, HUGE_TOP_P])
 def test_fuzz_openai_completions(http: httpx.Client, reqs: list[Request]) -> None:
     send_all(http, reqs)
 

@@ -145,13 +145,15 @@ def test_a_forced_opening_is_read_as_the_start_of_the_call(parser, rest, expecte
     '{"c": "%s"}' % ("[" * 150 + "]" * 150),  # deep, as a string: fine
     '{"c": %s}' % ("[" * 150 + "]" * 150),  # past json_body's depth limit
     '{"c": %s}' % ("[" * 5000 + "]" * 5000),  # past Python's recursion limit
+    '{"c": NaN}', '{"c": [-Infinity]}',  # Python reads them; JSON responses cannot hold them
 ])
 def test_a_call_the_client_could_not_take_is_text(parser, template, args) -> None:
     """What a request body may not hold (orchestrator/json_body.py) is not sent as a
     call either: it would be a 500 or a cut stream, and come back as a 400 next turn."""
     text = template % args
     events = run(parser, [text])
-    if "[" * 150 in args and '"[' not in args or "\\ud83d" in args:
+    if "[" * 150 in args and '"[' not in args or "\\ud83d" in args or "NaN" in args \
+            or "Infinity" in args:
         assert events == [TextEvent(text)]
     else:
         assert [type(e) for e in events] == [ToolCall]
