@@ -127,11 +127,11 @@ def forced_call(state: ServerState, req: ChatRequest) -> ForcedCall:
     choice = req.tool_choice
     if choice.mode not in ("required", "named"):
         return ForcedCall()
-    parser = make_tool_parser(state.tool_call_parser)
+    parser = make_tool_parser(state.options.tool_call_parser)
     opening = parser.opening(choice.name)
     if opening is None:
         raise ApiError("tool_choice cannot require a tool call: this server does not parse "
-                       f"them (--tool-call-parser {state.tool_call_parser})",
+                       f"them (--tool-call-parser {state.options.tool_call_parser})",
                        param="tool_choice")
     return ForcedCall(opening, tool_call_grammar(req.tools, choice.name, parser.opening))
 
@@ -170,8 +170,8 @@ def output_budget(state: ServerState, num_prompt: int, requested: int | None) ->
     budget, by = limit - num_prompt, "context"
     if requested is not None and requested <= budget:
         budget, by = requested, "request"
-    if 0 < state.max_output_tokens < budget:
-        budget, by = state.max_output_tokens, "server"
+    if 0 < state.options.max_output_tokens < budget:
+        budget, by = state.options.max_output_tokens, "server"
     return budget, by
 
 
@@ -187,7 +187,7 @@ class ChatRun:
         self.prompt = prompt
         max_tokens, self.limited_by = output_budget(state, len(prompt.token_ids),
                                                     req.max_tokens)
-        self.splitter = make_splitter(state.reasoning_parser, prompt.text)
+        self.splitter = make_splitter(state.options.reasoning_parser, prompt.text)
         # The engine follows the thinking span (counts it, caps it at the budget), except
         # after a forced call's opening: that answer is the call from its first token.
         thinking = None if prompt.forced else thinking_span(
@@ -200,7 +200,7 @@ class ChatRun:
         grammar = prompt.grammar
         if formatted and thinking is not None:
             grammar = after_reasoning(prompt.grammar)
-            self.splitter = make_splitter(state.reasoning_parser, prompt.text,
+            self.splitter = make_splitter(state.options.reasoning_parser, prompt.text,
                                           strip_answer=True)
         elif formatted:
             self.splitter = make_splitter("none", prompt.text)
@@ -220,7 +220,7 @@ class ChatRun:
         self.gen = Generation(state.engine, state.tokenizer, request_id, params, api=api)
         parse_calls = req.tools and req.tool_choice.mode != "none" and not formatted
         self.parser: ToolParser = make_tool_parser(
-            state.tool_call_parser if parse_calls else "none",
+            state.options.tool_call_parser if parse_calls else "none",
             [t["function"]["name"] for t in req.tools])
         # the model's answer continues the forced opening: the parser reads it first (and
         # holds it, as the start of a call)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 
 from orchestrator.reasoning import REASONING_PARSERS
@@ -38,32 +38,50 @@ DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
-class ServeOptions:
-    host: str = "127.0.0.1"  # loopback unless told otherwise
-    port: int = 8000
-    api_key: str | None = field(default=None, repr=False)  # never logged
-    served_model_name: str | None = None
+class ShimOptions:
+    """How the shim answers requests: the flags of `add_shim_arguments` beyond the
+    address, the key and the self-check. One dataclass from the command line
+    (`from_args`) to the shim's state, and back to a command line (`args`) when the
+    launcher starts the shim. A field's flag is its name with dashes, unless it says."""
+
     max_output_tokens: int = 0  # cap on any request's output tokens; 0: none
     tool_call_parser: str = "hermes"
     reasoning_parser: str = "none"
-    self_check_tokens: int = 0  # > 0: run the prefix-cache gate at start-up, this long
-    request_timeout_s: float = 0.0  # default per-request deadline; 0: none
+    request_timeout_s: float = field(default=0.0, metadata={"flag": "--request-timeout"})
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_tools: int = DEFAULT_MAX_TOOLS
     max_messages: int = DEFAULT_MAX_MESSAGES
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ShimOptions:
+        return cls(**{f.name: getattr(args, _dest(f)) for f in fields(cls)})
+
+    def args(self) -> list[str]:
+        return [arg for f in fields(self) for arg in (_flag(f), str(getattr(self, f.name)))]
+
+
+def _flag(f: Field) -> str:
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def _dest(f: Field) -> str:
+    return _flag(f)[2:].replace("-", "_")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8000
+    api_key: str | None = field(default=None, repr=False)  # never logged
+    served_model_name: str | None = None
+    self_check_tokens: int = 0  # > 0: run the prefix-cache gate at start-up, this long
+    shim: ShimOptions = field(default_factory=ShimOptions)
+
     def shim_args(self) -> list[str]:
         """These options as the shim's command line takes them (the key excepted: it
         travels in the shim's environment, see API_KEY_ENV)."""
-        args = ["--host", self.host, "--port", str(self.port),
-                "--max-output-tokens", str(self.max_output_tokens),
-                "--tool-call-parser", self.tool_call_parser,
-                "--reasoning-parser", self.reasoning_parser,
-                "--request-timeout", str(self.request_timeout_s),
-                "--max-request-bytes", str(self.max_request_bytes),
-                "--max-tools", str(self.max_tools), "--max-messages", str(self.max_messages),
-                "--max-header-bytes", str(self.max_header_bytes)]
+        args = ["--host", self.host, "--port", str(self.port), *self.shim.args()]
         if self.served_model_name:
             args += ["--served-model-name", self.served_model_name]
         if self.self_check_tokens:
@@ -191,13 +209,9 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
     )
     serve = ServeOptions(
         host=args.host, port=args.port, api_key=api_key_from(args),
-        served_model_name=args.served_model_name, max_output_tokens=args.max_output_tokens,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
+        served_model_name=args.served_model_name,
         self_check_tokens=args.self_check_tokens if args.self_check else 0,
-        request_timeout_s=args.request_timeout, max_request_bytes=args.max_request_bytes,
-        max_tools=args.max_tools, max_messages=args.max_messages,
-        max_header_bytes=args.max_header_bytes)
+        shim=ShimOptions.from_args(args))
     return config, serve
 
 

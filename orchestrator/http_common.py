@@ -14,11 +14,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from tokenizers import Tokenizer
 
 from orchestrator.chat_template import ChatTemplate
-from orchestrator.config import (
-    DEFAULT_MAX_MESSAGES,
-    DEFAULT_MAX_REQUEST_BYTES,
-    DEFAULT_MAX_TOOLS,
-)
+from orchestrator.config import ShimOptions
 from orchestrator.errors import ApiError, unavailable_error
 from orchestrator.json_body import parse_json_object
 from orchestrator.metrics import Metrics
@@ -61,19 +57,13 @@ class ServerState:
     block_size: int = 16
     created: int = 0
     chat_template: ChatTemplate | None = None
-    tool_call_parser: str = "hermes"
-    reasoning_parser: str = "none"
-    max_output_tokens: int = 0  # server-side cap on any request's output; 0: none
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    max_tools: int = DEFAULT_MAX_TOOLS
-    max_messages: int = DEFAULT_MAX_MESSAGES
+    options: ShimOptions = field(default_factory=ShimOptions)  # limits, parsers, caps
     ping_interval_s: float = 5.0  # SSE keep-alive while a request waits for tokens
     # While set, every endpoint but /health and /metrics answers 503 + retry-after with
     # this reason (the start-up self-check is running; the engine is restarting).
     unavailable: str | None = None
     retry_after_s: int = 5
     self_check_secret: str | None = None  # the self-check's own requests pass the gate
-    request_timeout_s: float = 0.0  # default deadline of every request; 0: none
     tracker: PrefixTracker = field(init=False)
 
     def __post_init__(self) -> None:
@@ -139,7 +129,8 @@ def check_auth(request: Request, state: ServerState) -> None:
 def check_counts(body: dict[str, Any], state: ServerState) -> None:
     """--max-messages and --max-tools for the chat APIs, checked before any work is
     spent on the lists (a body under the byte limit can still hold a million tiny items)."""
-    for name, limit in (("messages", state.max_messages), ("tools", state.max_tools)):
+    for name, limit in (("messages", state.options.max_messages),
+                        ("tools", state.options.max_tools)):
         items = body.get(name)
         if isinstance(items, list) and len(items) > limit:
             raise ApiError(f"{name}: {len(items)} given, this server accepts at most {limit}",
@@ -194,13 +185,13 @@ def scheduling_hints(request: Request, state: ServerState) -> SchedulingHints:
         raise ApiError(f"header {PRIORITY_HEADER}: out of range")
     if timeout is not None and not 0 < timeout < 1e9:  # NaN fails too
         raise ApiError(f"header {TIMEOUT_HEADER}: must be a number of seconds > 0")
-    return SchedulingHints(priority or 0, timeout or (state.request_timeout_s or None))
+    return SchedulingHints(priority or 0, timeout or (state.options.request_timeout_s or None))
 
 
 async def read_json_object(request: Request, state: ServerState) -> dict[str, Any]:
     """The body as a JSON object; 413 past `max_request_bytes`, 400 if not one (see
     json_body)."""
-    limit = state.max_request_bytes
+    limit = state.options.max_request_bytes
     too_large = ApiError(f"the request body is larger than {limit} bytes", status=413,
                          type="request_too_large")
     declared = request.headers.get("content-length", "")

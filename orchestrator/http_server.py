@@ -32,6 +32,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -48,15 +49,7 @@ from tokenizers import Tokenizer
 from orchestrator import anthropic_api, openai_chat
 from orchestrator import openai_api as oai
 from orchestrator.chat_template import ChatTemplate
-from orchestrator.config import (
-    API_KEY_ENV,
-    DEFAULT_MAX_HEADER_BYTES,
-    DEFAULT_MAX_MESSAGES,
-    DEFAULT_MAX_REQUEST_BYTES,
-    DEFAULT_MAX_TOOLS,
-    add_shim_arguments,
-    api_key_from,
-)
+from orchestrator.config import API_KEY_ENV, ShimOptions, add_shim_arguments, api_key_from
 from orchestrator.http_common import (
     Engine,
     HeaderLimit,
@@ -148,7 +141,7 @@ async def completions(request: Request) -> Response:
         prompt_ids = prompt
     params = oai.parse_completion(
         body, prompt_ids, vocab_size=state.vocab_size, max_model_len=state.max_model_len,
-        max_output_tokens=state.max_output_tokens,
+        max_output_tokens=state.options.max_output_tokens,
     )
     hints = scheduling_hints(request, state)
     params.priority, params.timeout_s = hints.priority, hints.timeout_s
@@ -172,25 +165,17 @@ def build_app(
     api_key: str | None = None,
     max_model_len: int = 0,
     chat_template: ChatTemplate | None = None,
-    tool_call_parser: str = "hermes",
-    reasoning_parser: str = "none",
-    max_output_tokens: int = 0,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-    max_tools: int = DEFAULT_MAX_TOOLS,
-    max_messages: int = DEFAULT_MAX_MESSAGES,
-    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    options: ShimOptions | None = None,
     ping_interval_s: float = 5.0,
-    request_timeout_s: float = 0.0,
+    **option_fields: Any,
 ) -> Starlette:
     """The ASGI app. `engine` is started by the app's lifespan; `max_model_len` > 0
     lowers the engine's context limit for requests (it cannot raise it). Without a
-    `chat_template` the chat endpoints answer 400."""
+    `chat_template` the chat endpoints answer 400. `options`: the serving options, or
+    (tests) some of their fields by name."""
+    options = replace(options or ShimOptions(), **option_fields)
     state = ServerState(engine, tokenizer, model_name, api_key, chat_template=chat_template,
-                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
-                        max_output_tokens=max_output_tokens,
-                        max_request_bytes=max_request_bytes, max_tools=max_tools,
-                        max_messages=max_messages, ping_interval_s=ping_interval_s,
-                        request_timeout_s=request_timeout_s)
+                        options=options, ping_interval_s=ping_interval_s)
     if hasattr(engine, "attach_metrics"):  # TTFT/ITL are observed where outputs arrive
         engine.attach_metrics(state.metrics)
 
@@ -247,7 +232,7 @@ def build_app(
             Route("/v1/messages", anthropic_api.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic_api.count_tokens, methods=["POST"]),
         ],
-        middleware=[Middleware(HeaderLimit, limit=max_header_bytes)],
+        middleware=[Middleware(HeaderLimit, limit=options.max_header_bytes)],
         exception_handlers={
             HTTPException: on_http_error,
             oai.ApiError: on_api_error,
@@ -337,14 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         api_key=api_key,
         max_model_len=args.max_model_len,
         chat_template=ChatTemplate.from_model_dir(model_dir),
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        max_output_tokens=args.max_output_tokens,
-        max_request_bytes=args.max_request_bytes,
-        request_timeout_s=args.request_timeout,
-        max_tools=args.max_tools,
-        max_messages=args.max_messages,
-        max_header_bytes=args.max_header_bytes,
+        options=ShimOptions.from_args(args),
     )
     # log_config=None: uvicorn's records go through the JSON logging set up above.
     # The header limit, at the transport too: h11 stops buffering a head past it

@@ -15,6 +15,8 @@ from starlette.testclient import TestClient
 from orchestrator.config import (
     API_KEY_ENV,
     DEFAULT_MAX_HEADER_BYTES,
+    ServeOptions,
+    ShimOptions,
     add_serve_arguments,
     build_config,
     secret_file_env,
@@ -170,6 +172,12 @@ def test_launcher_options_reach_the_shim_without_the_key(tmp_path: Path,
             args.tool_call_parser, args.request_timeout, args.self_check,
             args.self_check_tokens) == (9123, "::1", "coder", 77, "none", 30.0, True, 256)
     assert serve_options("--model", str(default_model)).host == "127.0.0.1"
+    # ... and every shim option, through its own dataclass (a flag per field)
+    shim = ShimOptions(max_output_tokens=5, tool_call_parser="llama3_json",
+                       reasoning_parser="qwen3", request_timeout_s=2.5, max_request_bytes=99,
+                       max_tools=3, max_messages=4, max_header_bytes=5000)
+    argv = ServeOptions(shim=shim).shim_args()
+    assert ShimOptions.from_args(parse_args(["--run-dir", "/r", "--model", "/m", *argv])) == shim
     path.chmod(0o604)
     with pytest.raises(SystemExit, match="group or others"):
         serve_options("--model", str(default_model), "--api-key-file", str(path))
