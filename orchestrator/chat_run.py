@@ -187,21 +187,20 @@ class ChatRun:
         self.prompt = prompt
         max_tokens, self.limited_by = output_budget(state, len(prompt.token_ids),
                                                     req.max_tokens)
-        self.splitter = make_splitter(state.options.reasoning_parser, prompt.text)
-        # The engine follows the thinking span (counts it, caps it at the budget), except
-        # after a forced call's opening: that answer is the call from its first token.
-        thinking = None if prompt.forced else thinking_span(
-            state.tokenizer, self.splitter, req.thinking_budget)
         # An answer held to a response format is that format, not calls: a reasoning
         # model thinks first and the grammar holds what follows its span (as in vLLM and
         # SGLang); without a span the grammar holds from the first token, and none of it
         # is reasoning (a template that opens <think> would make it all reasoning).
         formatted = prompt.grammar is not None and not prompt.forced
+        self.splitter = make_splitter(state.options.reasoning_parser, prompt.text,
+                                      strip_answer=formatted)
+        # The engine follows the thinking span (counts it, caps it at the budget), except
+        # after a forced call's opening: that answer is the call from its first token.
+        thinking = None if prompt.forced else thinking_span(
+            state.tokenizer, self.splitter, req.thinking_budget)
         grammar = prompt.grammar
         if formatted and thinking is not None:
-            grammar = after_reasoning(prompt.grammar)
-            self.splitter = make_splitter(state.options.reasoning_parser, prompt.text,
-                                          strip_answer=True)
+            grammar = after_reasoning(grammar)
         elif formatted:
             self.splitter = make_splitter("none", prompt.text)
         params = GenerationParams(
