@@ -157,6 +157,13 @@ async def prompt_token_ids(state: ServerState, session: str, text: str,
     return ids
 
 
+def thinking_budget(requested: int | None, server_cap: int) -> int | None:
+    """The request's budget for its thinking span, under --max-thinking-tokens (0: none)."""
+    if server_cap <= 0:
+        return requested
+    return server_cap if requested is None else min(requested, server_cap)
+
+
 def output_budget(state: ServerState, num_prompt: int, requested: int | None) -> tuple[int, str]:
     """(max_tokens, the limit that set it: "request", "context" or "server").
 
@@ -197,7 +204,8 @@ class ChatRun:
         # The engine follows the thinking span (counts it, caps it at the budget), except
         # after a forced call's opening: that answer is the call from its first token.
         thinking = None if prompt.forced else thinking_span(
-            state.tokenizer, self.splitter, req.thinking_budget)
+            state.tokenizer, self.splitter,
+            thinking_budget(req.thinking_budget, state.options.max_thinking_tokens))
         grammar = prompt.grammar
         if formatted and thinking is not None:
             grammar = after_reasoning(grammar)

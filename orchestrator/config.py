@@ -47,6 +47,7 @@ class ShimOptions:
     max_output_tokens: int = 0  # cap on any request's output tokens; 0: none
     tool_call_parser: str = "hermes"
     reasoning_parser: str = "none"
+    max_thinking_tokens: int = 0  # cap on any request's thinking span; 0: its own budget
     request_timeout_s: float = field(default=0.0, metadata={"flag": "--request-timeout"})
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_tools: int = DEFAULT_MAX_TOOLS
@@ -109,6 +110,10 @@ def add_shim_arguments(p: argparse.ArgumentParser) -> None:
                    help="'think' (also 'qwen3', 'deepseek_r1'): the <think>...</think> span "
                         "the model writes goes to the client as reasoning (Anthropic thinking "
                         "blocks, OpenAI reasoning_content)")
+    p.add_argument("--max-thinking-tokens", type=int, default=0,
+                   help="cap on any request's <think> span (with --reasoning-parser), on top "
+                        "of its own budget (Anthropic thinking.budget_tokens, OpenAI "
+                        "thinking_token_budget); 0: only the request's budget caps it")
     p.add_argument("--request-timeout", type=float, default=0.0,
                    help="default deadline of every request, in seconds (0: none); a request "
                         "may set its own with the x-request-timeout header")

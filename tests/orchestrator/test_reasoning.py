@@ -177,6 +177,19 @@ def test_no_span_where_a_tag_is_not_one_token_the_text_keeps(tiny_tokenizer) -> 
     assert thinking_span(Tokenizer.from_str(json.dumps(spec)), splitter, 9) is None
 
 
+def test_the_server_caps_every_budget(engine, tiny_tokenizer, tiny_template) -> None:
+    """--max-thinking-tokens: a cap on top of each request's own budget, and the budget
+    of a request without one."""
+    app = build_app(engine, tiny_tokenizer, model_name="tiny", chat_template=tiny_template,
+                    reasoning_parser="qwen3", max_thinking_tokens=50)
+    with TestClient(app) as c:
+        for extra, budget in (({"thinking_token_budget": 10}, 10),
+                              ({"thinking_token_budget": 1000}, 50), ({}, 50)):
+            engine.script("Hi.")
+            c.post("/v1/chat/completions", json={"model": "m", "messages": HELLO, **extra})
+            assert engine.requests[-1].thinking.budget == budget
+
+
 def test_the_span_follows_the_template(engine, tiny_tokenizer) -> None:
     """A prompt that opens <think> (R1) starts the span inside; a parser without
     reasoning sends no span."""
