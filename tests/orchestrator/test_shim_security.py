@@ -174,8 +174,8 @@ def test_launcher_options_reach_the_shim_without_the_key(tmp_path: Path,
     assert serve_options("--model", str(default_model)).host == "127.0.0.1"
     # ... and every shim option, through its own dataclass (a flag per field)
     shim = ShimOptions(max_output_tokens=5, tool_call_parser="llama3_json",
-                       reasoning_parser="qwen3", max_thinking_tokens=6, request_timeout_s=2.5, max_request_bytes=99,
-                       max_tools=3, max_messages=4, max_header_bytes=5000)
+                       reasoning_parser="qwen3", max_thinking_tokens=6, request_timeout_s=2.5,
+                       max_request_bytes=99, max_tools=3, max_messages=4, max_header_bytes=5000)
     argv = ServeOptions(shim=shim).shim_args()
     assert ShimOptions.from_args(parse_args(["--run-dir", "/r", "--model", "/m", *argv])) == shim
     path.chmod(0o604)
