@@ -39,10 +39,10 @@ from orchestrator.http_common import (
     shim_state,
     tokenize,
 )
-from orchestrator.reasoning import Answer, Reasoning, make_splitter, thinking_span
+from orchestrator.reasoning import Answer, Reasoning, make_splitter, opens_in
 from orchestrator.structured_output import after_reasoning, tool_call_grammar
 from orchestrator.tool_parsers import TextEvent, ToolCall, ToolParser, make_tool_parser
-from scheduler.protocol import SamplingParams
+from scheduler.protocol import SamplingParams, ThinkingSpan
 
 NO_HINTS = SchedulingHints()
 ChatEvent = TextEvent | ToolCall | Reasoning  # what a chat answer is made of, in order
@@ -199,18 +199,19 @@ class ChatRun:
         # SGLang); without a span the grammar holds from the first token, and none of it
         # is reasoning (a template that opens <think> would make it all reasoning).
         formatted = prompt.grammar is not None and not prompt.forced
-        self.splitter = make_splitter(state.options.reasoning_parser, prompt.text,
-                                      strip_answer=formatted)
         # The engine follows the thinking span (counts it, caps it at the budget), except
         # after a forced call's opening: that answer is the call from its first token.
-        thinking = None if prompt.forced else thinking_span(
-            state.tokenizer, self.splitter,
-            thinking_budget(req.thinking_budget, state.options.max_thinking_tokens))
+        thinking = None
+        if state.think_tags is not None and not prompt.forced:
+            budget = thinking_budget(req.thinking_budget, state.options.max_thinking_tokens)
+            thinking = ThinkingSpan(*state.think_tags, inside=opens_in(prompt.text),
+                                    budget=budget)
         grammar = prompt.grammar
         if formatted and thinking is not None:
             grammar = after_reasoning(grammar)
-        elif formatted:
-            self.splitter = make_splitter("none", prompt.text)
+        self.splitter = make_splitter(
+            "none" if formatted and thinking is None else state.options.reasoning_parser,
+            prompt.text, strip_answer=formatted)
         params = GenerationParams(
             prompt_token_ids=prompt.token_ids,
             max_tokens=max_tokens,
@@ -277,9 +278,6 @@ class ChatRun:
             output_sent_whole=self.gen.stop_string is None and not self.gen.ended_early)
 
     def log_done(self, *, finish_reason: str | None = None, error: str | None = None) -> None:
-        if "reasoning_tokens" not in self.gen.log_fields:  # counted once per request
-            self.gen.log_fields["reasoning_tokens"] = self.gen.num_reasoning_tokens
-            self.state.metrics.reasoning_tokens.inc(self.gen.num_reasoning_tokens)
         self.gen.log_fields["tool_calls"] = self.num_tool_calls
         self.gen.log_fields["max_tokens_set_by"] = self.limited_by
         self.gen.log_done(finish_reason=finish_reason, error=error)

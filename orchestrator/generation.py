@@ -177,6 +177,7 @@ class Generation:
             prompt_tokens=self.num_prompt_tokens,
             cached_tokens=self.num_cached,
             output_tokens=len(self.token_ids),
+            reasoning_tokens=self.num_reasoning_tokens,
             finish_reason=finish_reason or self.finish_reason or "abort",
             stream=self.params.stream,
             duration_s=round(time.monotonic() - self._t0, 4),

@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+import structlog
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from tokenizers import Tokenizer
@@ -19,9 +20,11 @@ from orchestrator.errors import ApiError, unavailable_error
 from orchestrator.json_body import parse_json_object
 from orchestrator.metrics import Metrics
 from orchestrator.prefix_tracker import PrefixTracker
+from orchestrator.reasoning import think_tag_ids
 from scheduler.protocol import EngineInfo, EngineStats, GenerateRequest, RequestOutput
 
 T = TypeVar("T")
+log = structlog.get_logger()
 # Prompts longer than this are tokenized (and rendered) in a thread so the event loop
 # keeps streaming other requests.
 TOKENIZE_IN_THREAD_CHARS = 20_000
@@ -65,9 +68,17 @@ class ServerState:
     retry_after_s: int = 5
     self_check_secret: str | None = None  # the self-check's own requests pass the gate
     tracker: PrefixTracker = field(init=False)
+    think_tags: tuple[int, int] | None = field(init=False)  # <think>, </think> token ids
 
     def __post_init__(self) -> None:
         self.tracker = PrefixTracker(self.tokenizer, on_break=self.metrics.count_prefix_break)
+        self.think_tags = None
+        if self.options.reasoning_parser != "none":
+            self.think_tags = think_tag_ids(self.tokenizer)
+            if self.think_tags is None:
+                log.warning("thinking_spans_not_followed", reason="<think> or </think> is no "
+                            "single, non-special token: reasoning is neither counted nor "
+                            "capped by a budget")
 
 
 class ClientGone(Exception):

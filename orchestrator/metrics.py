@@ -184,6 +184,7 @@ class RequestTimer:
         self.t0 = time.monotonic()
         self.last: float | None = None  # when the previous token arrived
         self.num_tokens = 0
+        self.num_reasoning_tokens = 0  # the engine's running count (RequestOutput)
         self.done = False
 
     def output(self, out: RequestOutput) -> None:
@@ -198,6 +199,7 @@ class RequestTimer:
                     m.itl.observe((now - self.last) / n)
             self.last = now
             self.num_tokens += n
+        self.num_reasoning_tokens = max(self.num_reasoning_tokens, out.num_reasoning_tokens)
         if out.finished:
             self.end(out.finish_reason or "stop", out.num_prompt_tokens)
 
@@ -210,3 +212,4 @@ class RequestTimer:
         m.requests.labels(finish_reason).inc()
         m.prompt_tokens.inc(num_prompt_tokens or self.num_prompt_tokens)
         m.generation_tokens.inc(self.num_tokens)
+        m.reasoning_tokens.inc(self.num_reasoning_tokens)

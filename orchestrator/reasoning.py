@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from orchestrator.tool_parsers import partial_suffix
-from scheduler.protocol import ThinkingSpan
 
 REASONING_PARSERS = ("none", "think", "qwen3", "deepseek_r1")  # the last two: vLLM's names
 OPEN, CLOSE = "<think>", "</think>"
@@ -46,10 +45,6 @@ class ThinkSplitter:
         # an answer without a span before it loses its leading whitespace too (a format's
         # grammar lets the answer start with what would follow a span)
         self._strip_answer = strip_answer
-
-    @property
-    def inside(self) -> bool:
-        return self._state == "inside"
 
     def feed(self, text: str) -> list[Reasoning | Answer]:
         self._buf += text
@@ -103,21 +98,24 @@ def make_splitter(name: str, prompt: str, *,
     if name == "none":
         return NoReasoning()
     if name in ("think", "qwen3", "deepseek_r1"):
-        return ThinkSplitter(inside=prompt.rstrip().endswith(OPEN), strip_answer=strip_answer)
+        return ThinkSplitter(inside=opens_in(prompt), strip_answer=strip_answer)
     raise ValueError(f"unknown reasoning parser {name!r} (choose from {REASONING_PARSERS})")
 
 
-def thinking_span(tokenizer: Tokenizer, splitter: ThinkSplitter | NoReasoning,
-                  budget: int | None) -> ThinkingSpan | None:
-    """The span for the engine to follow, by token ids, before the splitter has read
-    anything: the engine counts its tokens (`reasoning_tokens`) and ends it after
-    `budget` of them (scheduler/thinking.py). None without reasoning, or where a tag is
-    not a single token of the model's vocabulary (then nothing is counted or capped)."""
-    if not isinstance(splitter, ThinkSplitter):
-        return None
+def think_tag_ids(tokenizer: Tokenizer) -> tuple[int, int] | None:
+    """<think> and </think> as token ids, for the engine to follow the span by (it counts
+    its tokens and ends it at a budget: scheduler/thinking.py); None where a tag is not a
+    single token, or is a special one, which the detokenizer drops from the text (the
+    splitter would never see the span the engine follows)."""
     start, end = tokenizer.token_to_id(OPEN), tokenizer.token_to_id(CLOSE)
     added = tokenizer.get_added_tokens_decoder()
     if start is None or end is None or any(
             added[i].special for i in (start, end) if i in added):
-        return None  # a special tag is dropped from the text: the splitter would not see it
-    return ThinkingSpan(start, end, inside=splitter.inside, budget=budget)
+        return None
+    return start, end
+
+
+def opens_in(prompt: str) -> bool:
+    """The prompt opened the span (R1's template ends its generation prompt with the
+    tag): the output starts inside it."""
+    return prompt.rstrip().endswith(OPEN)

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from orchestrator.chat_template import ChatTemplate
 from orchestrator.http_server import build_app
-from orchestrator.reasoning import Answer, Reasoning, make_splitter, thinking_span
+from orchestrator.reasoning import Answer, Reasoning, make_splitter, think_tag_ids
 from orchestrator.structured_output import after_reasoning, json_grammar
 from scheduler.protocol import ThinkingSpan
 from tests.orchestrator.scripted_engine import ScriptedEngine
@@ -137,9 +137,6 @@ def test_the_budget_reaches_the_engine_and_reasoning_tokens_are_counted(client, 
         assert engine.requests[-1].thinking == ThinkingSpan(THINK, END_THINK, budget=budget)
         reasoning = len(engine.tokenizer.encode("hmm, let me see").ids)
         assert r.json()["usage"]["completion_tokens_details"] == {"reasoning_tokens": reasoning}
-    thought = len(engine.tokenizer.encode("\nThe user greets me. I should run ls.\n").ids)
-    assert f"deepinfer_reasoning_tokens_total {thought + 2 * reasoning}.0" in client.get(
-        "/metrics").text
     for bad in (0, -1, 1.5, "8", True):
         r = client.post("/v1/chat/completions", json={
             "model": "m", "messages": HELLO, "thinking_token_budget": bad})
@@ -165,29 +162,14 @@ def test_a_formatted_answer_without_a_span_loses_its_leading_whitespace(client, 
 def test_no_span_where_a_tag_is_not_one_token_the_text_keeps(tiny_tokenizer) -> None:
     """A special tag is dropped from the text (the splitter would never see the span the
     engine follows); a tag that is no single token cannot be followed by id."""
-    splitter = make_splitter("qwen3", "")
-    assert thinking_span(tiny_tokenizer, splitter, 9) == ThinkingSpan(THINK, END_THINK,
-                                                                      budget=9)
+    assert think_tag_ids(tiny_tokenizer) == (THINK, END_THINK)
     spec = json.loads(tiny_tokenizer.to_str())
     for token in spec["added_tokens"]:
         token["special"] = token["special"] or token["content"] == "</think>"
-    assert thinking_span(Tokenizer.from_str(json.dumps(spec)), splitter, 9) is None
+    assert think_tag_ids(Tokenizer.from_str(json.dumps(spec))) is None
     spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] != "</think>"]
     del spec["model"]["vocab"]["</think>"]
-    assert thinking_span(Tokenizer.from_str(json.dumps(spec)), splitter, 9) is None
-
-
-def test_the_server_caps_every_budget(engine, tiny_tokenizer, tiny_template) -> None:
-    """--max-thinking-tokens: a cap on top of each request's own budget, and the budget
-    of a request without one."""
-    app = build_app(engine, tiny_tokenizer, model_name="tiny", chat_template=tiny_template,
-                    reasoning_parser="qwen3", max_thinking_tokens=50)
-    with TestClient(app) as c:
-        for extra, budget in (({"thinking_token_budget": 10}, 10),
-                              ({"thinking_token_budget": 1000}, 50), ({}, 50)):
-            engine.script("Hi.")
-            c.post("/v1/chat/completions", json={"model": "m", "messages": HELLO, **extra})
-            assert engine.requests[-1].thinking.budget == budget
+    assert think_tag_ids(Tokenizer.from_str(json.dumps(spec))) is None
 
 
 def test_the_span_follows_the_template(engine, tiny_tokenizer) -> None:

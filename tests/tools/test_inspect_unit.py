@@ -158,8 +158,9 @@ def test_metrics_parse_and_move():
                          "step_prefill_tokens": HistogramData([16.0], [3, 1], 40),
                          "step_decode_tokens": HistogramData([16.0], [4, 0], 4)}, 0)
     timer = m.track(10)
-    timer.output(RequestOutput("a", [1]))
-    timer.output(RequestOutput("a", [2, 3], finished=True, finish_reason="stop"))
+    timer.output(RequestOutput("a", [1], num_reasoning_tokens=1))
+    timer.output(RequestOutput("a", [2, 3], finished=True, finish_reason="stop",
+                               num_reasoning_tokens=2))
     m.count_prefix_break("sess", num_common_tokens=5, num_prompt_tokens=9)
     m.count_prefix_break()  # the shim's tracker may give no details
     families = {f.name: f for f in text_string_to_metric_families(m.render(stats).decode())}
@@ -169,6 +170,7 @@ def test_metrics_parse_and_move():
     assert value[("deepinfer_inter_token_latency_seconds_count", ())] == 2
     assert value[("deepinfer_requests_total", (("finish_reason", "stop"),))] == 1
     assert value[("deepinfer_prefix_breaks_total", ())] == 2
+    assert value[("deepinfer_reasoning_tokens_total", ())] == 2
     assert value[("deepinfer_request_queue_time_seconds_bucket", (("le", "1.0"),))] == 3
     assert value[("deepinfer_step_tokens_count", (("kind", "prefill"),))] == 4
     assert value[("deepinfer_rank_digest_mismatches_total", ())] == 0
