@@ -19,7 +19,7 @@ from typing import Any
 
 from orchestrator.chat_run import ChatRequest, ToolChoice, session_key, tool_choice
 from orchestrator.chat_template import Message, join_text, strip_billing_header
-from orchestrator.errors import ApiError, describe, is_int64
+from orchestrator.errors import ApiError, describe, is_finite_number, is_int64
 from orchestrator.structured_output import json_grammar
 from scheduler.protocol import SamplingParams
 
@@ -31,15 +31,11 @@ def _bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(message, param=param)
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
     v = body.get(name)
     if v is None:
         return default
-    if not _is_number(v):
+    if not is_finite_number(v):
         raise _bad(f"{name}: Input should be a number, got {describe(v)}", name)
     if not lo <= v <= hi:
         raise _bad(f"{name}: must be between {lo:g} and {hi:g}, got {v}", name)

@@ -15,11 +15,18 @@ its SDKs retry as any 5xx).
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 # The integers the engine's wire format (msgpack) carries signed: a larger seed or top_k
 # would fail to encode after validation, as a 500.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def is_finite_number(v: Any) -> bool:
+    """A JSON number a float can hold: not `true`, not NaN or infinite, not an integer
+    past a float's range (float() would raise OverflowError)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= sys.float_info.max
 
 
 def is_int64(v: Any) -> bool:

@@ -6,12 +6,15 @@ meets a value it cannot handle:
   template's tojson raise RecursionError wherever they meet it (a 500);
 - a lone UTF-16 surrogate ("\\ud800", valid JSON) cannot be encoded to UTF-8: the
   tokenizer refuses it, and so does any response that echoes it back;
-- invalid UTF-8 bytes (json.loads would decode them with "surrogatepass") likewise.
+- invalid UTF-8 bytes (json.loads would decode them with "surrogatepass") likewise;
+- NaN and Infinity (json.loads reads them, and 1e999 as infinity) are not JSON: a
+  response that echoes one cannot be written (Starlette's JSON refuses it: a 500).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -70,6 +73,8 @@ def _check_tree(root: Any, what: str, *, strings: bool) -> None:
         else:
             if strings and isinstance(value, str):
                 _check_string(value, what)
+            elif isinstance(value, float) and not math.isfinite(value):
+                raise ApiError(f"{what} holds {value}, which is not a JSON number")
             continue
         if depth > MAX_DEPTH:
             raise ApiError(f"{what} is nested more than {MAX_DEPTH} levels deep")

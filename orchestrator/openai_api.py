@@ -9,15 +9,13 @@ rendered in OpenAI's shape, never a framework's default.
 from __future__ import annotations
 
 import json
-import math
-import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from tokenizers import Tokenizer
 
-from orchestrator.errors import ApiError, engine_error, is_int64
+from orchestrator.errors import ApiError, engine_error, is_finite_number, is_int64
 from orchestrator.generation import Generation, GenerationParams, with_keepalive
 from scheduler.protocol import GenerateRequest, SamplingParams
 
@@ -32,9 +30,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 _KINDS: dict[type, tuple[str, Any]] = {
     int: ("a 64-bit integer", is_int64),
-    float: ("a finite number",
-            lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-            and abs(v) <= sys.float_info.max and math.isfinite(v)),
+    float: ("a finite number", is_finite_number),
     bool: ("a boolean", lambda v: isinstance(v, bool)),
     str: ("a string", lambda v: isinstance(v, str)),
 }

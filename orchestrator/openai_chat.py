@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,7 +21,7 @@ from orchestrator.chat_run import (
     tool_choice,
 )
 from orchestrator.chat_template import Message, join_text
-from orchestrator.errors import ApiError, describe, is_int64
+from orchestrator.errors import ApiError, describe, is_finite_number, is_int64
 from orchestrator.generation import with_keepalive
 from orchestrator.http_common import (
     json_result,
@@ -48,7 +47,7 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
     v = body.get(name)
     if v is None:
         return default
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or abs(v) > sys.float_info.max:
+    if not is_finite_number(v):
         raise _bad(f"'{name}' must be a number, got {describe(v)}", name)
     return float(v)
 

@@ -67,26 +67,16 @@ def make_tool_parser(name: str, tool_names: list[str] | None = None) -> ToolPars
     raise ValueError(f"unknown tool call parser {name!r} (choose from {TOOL_CALL_PARSERS})")
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")  # json.loads would read NaN / Infinity
-
-
-def _strict_loads(text: str) -> Any:
-    """json.loads without NaN and Infinity: a call holding one could not be sent (the
-    responses are strict JSON)."""
-    return json.loads(text, parse_constant=_no_constant)
-
-
 def _call_from_json(obj: Any) -> ToolCall | None:
     """{"name": str, "arguments" | "parameters": object or JSON string of one}. A call
-    the client could not be sent (a lone surrogate, nesting past json_body's limit)
+    the client could not be sent (a lone surrogate, NaN, nesting past json_body's limit)
     is no call: it stays the model's text."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = _strict_loads(args)
+            args = json.loads(args)
         except (ValueError, RecursionError):
             return None
     if args is None:
@@ -180,7 +170,7 @@ class HermesParser:
 
     def _parse(self, body: str, *, closed: bool) -> Event:
         try:
-            call = _call_from_json(_strict_loads(body))
+            call = _call_from_json(json.loads(body))
         except (ValueError, RecursionError):
             call = None
         if call is not None:
@@ -227,7 +217,7 @@ class Llama3JsonParser:
         text = buf.strip()
         if text.startswith(self.PYTHON_TAG):
             text = text[len(self.PYTHON_TAG):]
-        decoder = json.JSONDecoder(parse_constant=_no_constant)
+        decoder = json.JSONDecoder()
         calls: list[Event] = []
         pos = 0
         while True:

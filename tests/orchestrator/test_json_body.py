@@ -36,6 +36,9 @@ def test_valid_bodies() -> None:
     (b"", "not valid JSON"),
     (b"[1]", "must be a JSON object"),
     (b'{"a": NaN', "not valid JSON"),
+    (b'{"a": [NaN]}', "holds nan, which is not a JSON number"),  # json.loads reads them
+    (b'{"a": -Infinity}', "holds -inf"),
+    (b'{"a": 1e999}', "holds inf"),
     (b'{"t": "\xed\xa0\x80"}', "not valid UTF-8"),  # an encoded surrogate
     (b'{"t": "\xff"}', "not valid UTF-8"),
     ('{"t": "x"}'.encode("utf-16"), "not valid UTF-8"),
