@@ -32,7 +32,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -167,13 +166,11 @@ def build_app(
     chat_template: ChatTemplate | None = None,
     options: ShimOptions | None = None,
     ping_interval_s: float = 5.0,
-    **option_fields: Any,
 ) -> Starlette:
     """The ASGI app. `engine` is started by the app's lifespan; `max_model_len` > 0
     lowers the engine's context limit for requests (it cannot raise it). Without a
-    `chat_template` the chat endpoints answer 400. `options`: the serving options, or
-    (tests) some of their fields by name."""
-    options = replace(options or ShimOptions(), **option_fields)
+    `chat_template` the chat endpoints answer 400."""
+    options = options or ShimOptions()
     state = ServerState(engine, tokenizer, model_name, api_key, chat_template=chat_template,
                         options=options, ping_interval_s=ping_interval_s)
     if hasattr(engine, "attach_metrics"):  # TTFT/ITL are observed where outputs arrive

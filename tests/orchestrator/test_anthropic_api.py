@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import anthropic
 import pytest
 from starlette.testclient import TestClient
 
+from orchestrator.config import ShimOptions
 from orchestrator.http_server import build_app
 from tests.orchestrator.claude_code_body import claude_code_request
 from tests.orchestrator.scripted_engine import ScriptedEngine
@@ -28,9 +30,12 @@ def engine(tiny_tokenizer) -> ScriptedEngine:
     return ScriptedEngine(tiny_tokenizer, max_model_len=4096)
 
 
-def make_client(engine, tokenizer, template, **kwargs) -> TestClient:
+def make_client(engine, tokenizer, template, *, api_key: str | None = None,
+                ping_interval_s: float = 5.0, **options: Any) -> TestClient:
+    """The app, with `options` the ShimOptions fields to set."""
     app = build_app(engine, tokenizer, model_name="tiny", chat_template=template,
-                    ping_interval_s=kwargs.pop("ping_interval_s", 5.0), **kwargs)
+                    api_key=api_key, ping_interval_s=ping_interval_s,
+                    options=ShimOptions(**options))
     return TestClient(app, raise_server_exceptions=False)
 
 

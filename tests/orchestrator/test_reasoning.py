@@ -17,6 +17,7 @@ from starlette.testclient import TestClient
 from tokenizers import Tokenizer
 
 from orchestrator.chat_template import ChatTemplate
+from orchestrator.config import ShimOptions
 from orchestrator.http_server import build_app
 from orchestrator.reasoning import Answer, Reasoning, make_splitter, think_tag_ids
 from orchestrator.structured_output import after_reasoning, json_grammar
@@ -74,7 +75,7 @@ def engine(tiny_tokenizer) -> ScriptedEngine:
 @pytest.fixture
 def client(engine, tiny_tokenizer, tiny_template):
     app = build_app(engine, tiny_tokenizer, model_name="tiny", chat_template=tiny_template,
-                    reasoning_parser="qwen3")
+                    options=ShimOptions(reasoning_parser="qwen3"))
     with TestClient(app) as c:
         yield c
 
@@ -172,6 +173,19 @@ def test_no_span_where_a_tag_is_not_one_token_the_text_keeps(tiny_tokenizer) -> 
     assert think_tag_ids(Tokenizer.from_str(json.dumps(spec))) is None
 
 
+def test_the_server_caps_every_budget(engine, tiny_tokenizer, tiny_template) -> None:
+    """--max-thinking-tokens: a cap on top of each request's own budget, and the budget
+    of a request without one."""
+    app = build_app(engine, tiny_tokenizer, model_name="tiny", chat_template=tiny_template,
+                    options=ShimOptions(reasoning_parser="qwen3", max_thinking_tokens=50))
+    with TestClient(app) as c:
+        for extra, budget in (({"thinking_token_budget": 10}, 10),
+                              ({"thinking_token_budget": 1000}, 50), ({}, 50)):
+            engine.script("Hi.")
+            c.post("/v1/chat/completions", json={"model": "m", "messages": HELLO, **extra})
+            assert engine.requests[-1].thinking.budget == budget
+
+
 def test_the_span_follows_the_template(engine, tiny_tokenizer) -> None:
     """A prompt that opens <think> (R1) starts the span inside; a parser without
     reasoning sends no span."""
@@ -179,7 +193,7 @@ def test_the_span_follows_the_template(engine, tiny_tokenizer) -> None:
     for parser, expected in (("deepseek_r1", ThinkingSpan(THINK, END_THINK, inside=True)),
                              ("none", None)):
         app = build_app(engine, tiny_tokenizer, model_name="tiny", chat_template=template,
-                        reasoning_parser=parser)
+                        options=ShimOptions(reasoning_parser=parser))
         with TestClient(app) as c:
             engine.script("a b</think>Hi.")
             c.post("/v1/chat/completions", json={"model": "m", "messages": HELLO})
@@ -192,7 +206,7 @@ def test_the_thinking_switch_reaches_the_template(engine, tiny_tokenizer) -> Non
     template = ChatTemplate("{{ messages[-1].content }}|{{ enable_thinking if enable_thinking "
                             "is defined else 'default' }}|")
     app = build_app(engine, tiny_tokenizer, model_name="tiny", chat_template=template,
-                    reasoning_parser="think")
+                    options=ShimOptions(reasoning_parser="think"))
     prompts = []
     with TestClient(app) as c:
         for body in ({}, {"thinking": {"type": "enabled", "budget_tokens": 2048}},
@@ -219,7 +233,8 @@ def test_a_reasoning_model_thinks_before_a_formatted_answer(engine, tiny_tokeniz
     json_object = {"response_format": {"type": "json_object"}}
     for parser in ("deepseek_r1", "none"):
         app = build_app(engine, tiny_tokenizer, model_name="tiny", chat_template=template,
-                        reasoning_parser=parser, tool_call_parser="llama3_json")
+                        options=ShimOptions(reasoning_parser=parser,
+                                            tool_call_parser="llama3_json"))
         with TestClient(app) as c:
             engine.script('Bob is 3.</think>\n\n{"name": "Bob", "age": 3}' if parser != "none"
                           else '{"name": "Bob", "age": 3}')

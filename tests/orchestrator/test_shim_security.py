@@ -34,8 +34,8 @@ CHAT = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": 
 def app(tiny_tokenizer, tiny_template):
     engine = StandInEngine(tiny_tokenizer.get_vocab_size())
     return build_app(engine, tiny_tokenizer, model_name="tiny", api_key=KEY,
-                     chat_template=tiny_template, max_tools=2, max_messages=3,
-                     max_header_bytes=2048)
+                     chat_template=tiny_template,
+                     options=ShimOptions(max_tools=2, max_messages=3, max_header_bytes=2048))
 
 
 @pytest.fixture
