@@ -54,9 +54,22 @@ class ShimOptions:
     max_messages: int = DEFAULT_MAX_MESSAGES
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
 
+    def __post_init__(self) -> None:
+        for f in fields(self):  # counts, sizes and seconds: 0 at least (0: no cap, none)
+            value = getattr(self, f.name)
+            if not isinstance(value, str) and value < 0:
+                raise ValueError(f"{_flag(f)} must be >= 0, got {value}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown --reasoning-parser {self.reasoning_parser!r}")
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ShimOptions:
-        return cls(**{f.name: getattr(args, _dest(f)) for f in fields(cls)})
+        try:
+            return cls(**{f.name: getattr(args, _dest(f)) for f in fields(cls)})
+        except ValueError as exc:  # a clear line, not a traceback, for a bad flag
+            raise SystemExit(str(exc)) from None
 
     def args(self) -> list[str]:
         return [arg for f in fields(self) for arg in (_flag(f), str(getattr(self, f.name)))]
@@ -101,20 +114,22 @@ def add_shim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-file", default=None,
                    help="require the key in this file (mode 0600, one line)")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--max-output-tokens", type=int, default=0,
+    p.add_argument("--max-output-tokens", type=int, default=ShimOptions.max_output_tokens,
                    help="cap on any request's output tokens, on top of its max_tokens "
                         "(0: only the context limits it)")
-    p.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
+    p.add_argument("--tool-call-parser", default=ShimOptions.tool_call_parser,
+                   choices=TOOL_CALL_PARSERS,
                    help="how the shim reads tool calls back from the model's output")
-    p.add_argument("--reasoning-parser", default="none", choices=REASONING_PARSERS,
+    p.add_argument("--reasoning-parser", default=ShimOptions.reasoning_parser,
+                   choices=REASONING_PARSERS,
                    help="'think' (also 'qwen3', 'deepseek_r1'): the <think>...</think> span "
                         "the model writes goes to the client as reasoning (Anthropic thinking "
                         "blocks, OpenAI reasoning_content)")
-    p.add_argument("--max-thinking-tokens", type=int, default=0,
+    p.add_argument("--max-thinking-tokens", type=int, default=ShimOptions.max_thinking_tokens,
                    help="cap on any request's <think> span (with --reasoning-parser), on top "
                         "of its own budget (Anthropic thinking.budget_tokens, OpenAI "
                         "thinking_token_budget); 0: only the request's budget caps it")
-    p.add_argument("--request-timeout", type=float, default=0.0,
+    p.add_argument("--request-timeout", type=float, default=ShimOptions.request_timeout_s,
                    help="default deadline of every request, in seconds (0: none); a request "
                         "may set its own with the x-request-timeout header")
     p.add_argument("--self-check", action="store_true",
@@ -122,13 +137,13 @@ def add_shim_arguments(p: argparse.ArgumentParser) -> None:
                         "against this engine; refuse to start if it fails (the shim exits 3)")
     p.add_argument("--self-check-tokens", type=int, default=1024,
                    help="the self-check's document length, in tokens")
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+    p.add_argument("--max-request-bytes", type=int, default=ShimOptions.max_request_bytes,
                    help="larger request bodies get a 413")
-    p.add_argument("--max-tools", type=int, default=DEFAULT_MAX_TOOLS,
+    p.add_argument("--max-tools", type=int, default=ShimOptions.max_tools,
                    help="requests with more tools get a 400")
-    p.add_argument("--max-messages", type=int, default=DEFAULT_MAX_MESSAGES,
+    p.add_argument("--max-messages", type=int, default=ShimOptions.max_messages,
                    help="chat requests with more messages get a 400")
-    p.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
+    p.add_argument("--max-header-bytes", type=int, default=ShimOptions.max_header_bytes,
                    help="requests whose headers are larger are refused by the HTTP server")
 
 

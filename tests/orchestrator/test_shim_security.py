@@ -178,6 +178,9 @@ def test_launcher_options_reach_the_shim_without_the_key(tmp_path: Path,
                        max_request_bytes=99, max_tools=3, max_messages=4, max_header_bytes=5000)
     argv = ServeOptions(shim=shim).shim_args()
     assert ShimOptions.from_args(parse_args(["--run-dir", "/r", "--model", "/m", *argv])) == shim
+    with pytest.raises(SystemExit, match="--max-thinking-tokens must be >= 0"):
+        ShimOptions.from_args(parse_args(["--run-dir", "/r", "--model", "/m",
+                                          "--max-thinking-tokens", "-1"]))
     path.chmod(0o604)
     with pytest.raises(SystemExit, match="group or others"):
         serve_options("--model", str(default_model), "--api-key-file", str(path))
