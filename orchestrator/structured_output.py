@@ -57,7 +57,8 @@ def after_reasoning(grammar: str) -> str:
     for i, part in enumerate(inner):
         part["name"] = f"answer{i}"
     lead = {"lark_grammar": r"start: /[ \t\r\n]{0,2}/ @answer0"}
-    return json.dumps({"grammars": [lead, *inner]})
+    return _checked(json.dumps({"grammars": [lead, *inner]}), "response_format",
+                    "the format after reasoning")
 
 
 def tool_call_grammar(tools: list[dict[str, Any]], name: str | None,

@@ -32,9 +32,14 @@ class ThinkingBudget:
         self._inside = span.inside
         self._may_open = not span.inside  # only the first output token may open it
         self.num_tokens = 0  # reasoning tokens so far (the tags not counted)
-        words = bytearray(-(-vocab_size // 32) * 4)
-        words[span.end_token_id // 8] |= 1 << (span.end_token_id % 8)
-        self._only_end = bytes(words)  # little-endian words: bit i of the bytes is token i
+        self._vocab_size = vocab_size
+
+    def _only(self, token: int) -> bytes:
+        """A mask allowing `token` alone: little-endian 32-bit words, so bit i of the
+        bytes is token i. Made when a budget is spent (once per request at most)."""
+        words = bytearray(-(-self._vocab_size // 32) * 4)
+        words[token // 8] |= 1 << (token % 8)
+        return bytes(words)
 
     def mask(self, answer: Callable[[], bytes | None]) -> bytes | None:
         """The next sample's mask. Inside the span: None (any token), or the end tag
@@ -42,7 +47,8 @@ class ThinkingBudget:
         or None), which the start tag joins while the span may still open."""
         if self._inside:
             budget = self._span.budget
-            return self._only_end if budget is not None and self.num_tokens >= budget else None
+            spent = budget is not None and self.num_tokens >= budget
+            return self._only(self._span.end_token_id) if spent else None
         mask = answer()
         if mask is None or not self._may_open or mask.count(0) == len(mask):
             return mask  # (an empty mask is a broken grammar: the sampler's to report)

@@ -16,7 +16,8 @@ DEFAULT_MODEL = REPO / "models" / "tiny-llama"
 
 # `make test` (CI) draws the same examples on every run, so its verdict depends on the
 # code and not on the draw; `make fuzz` explores fresh ones (HYPOTHESIS_PROFILE=explore),
-# and what it finds is kept as an @example.
+# and a failure it finds prints a blob to reproduce it (the request then becomes an
+# @example).
 settings.register_profile("ci", derandomize=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
