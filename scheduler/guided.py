@@ -15,10 +15,34 @@ every token sampled so far.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import llguidance
+import numpy as np
+
+
+def token_mask(tokens: Iterable[int], vocab_size: int) -> bytes:
+    """A mask allowing `tokens` alone, in llguidance's layout: bit i of little-endian
+    32-bit words is token i, i.e. bit i % 8 of byte i // 8."""
+    mask = bytearray(-(-vocab_size // 32) * 4)
+    for token in tokens:
+        mask[token // 8] |= 1 << (token % 8)
+    return bytes(mask)
+
+
+def with_token(mask: bytes, token: int) -> bytes:
+    """`mask`, allowing `token` too."""
+    out = bytearray(mask)
+    out[token // 8] |= 1 << (token % 8)
+    return bytes(out)
+
+
+def mask_tokens(mask: bytes) -> set[int]:
+    """The tokens a mask allows."""
+    bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits).tolist())
 
 
 class GrammarError(ValueError):

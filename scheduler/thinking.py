@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from scheduler.guided import token_mask, with_token
 from scheduler.protocol import ThinkingSpan
 
 
@@ -34,13 +35,6 @@ class ThinkingBudget:
         self.num_tokens = 0  # reasoning tokens so far (the tags not counted)
         self._vocab_size = vocab_size
 
-    def _only(self, token: int) -> bytes:
-        """A mask allowing `token` alone: little-endian 32-bit words, so bit i of the
-        bytes is token i. Made when a budget is spent (once per request at most)."""
-        words = bytearray(-(-self._vocab_size // 32) * 4)
-        words[token // 8] |= 1 << (token % 8)
-        return bytes(words)
-
     def mask(self, answer: Callable[[], bytes | None]) -> bytes | None:
         """The next sample's mask. Inside the span: None (any token), or the end tag
         alone once the budget is spent. Outside: the answer's (`answer()`, a grammar's
@@ -48,13 +42,11 @@ class ThinkingBudget:
         if self._inside:
             budget = self._span.budget
             spent = budget is not None and self.num_tokens >= budget
-            return self._only(self._span.end_token_id) if spent else None
+            return token_mask([self._span.end_token_id], self._vocab_size) if spent else None
         mask = answer()
         if mask is None or not self._may_open or mask.count(0) == len(mask):
             return mask  # (an empty mask is a broken grammar: the sampler's to report)
-        words = bytearray(mask)
-        words[self._span.start_token_id // 8] |= 1 << (self._span.start_token_id % 8)
-        return bytes(words)
+        return with_token(mask, self._span.start_token_id)
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token: True if it was the span's (its tags included),

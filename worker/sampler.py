@@ -55,17 +55,16 @@ def _mask_disallowed(logits: torch.Tensor, allowed: list[bytes | None]) -> None:
     if not rows:
         return
     vocab = logits.shape[1]
-    keep = np.zeros((len(rows), vocab), dtype=bool)
-    for i, row in enumerate(rows):
-        bits = np.unpackbits(np.frombuffer(allowed[row], dtype=np.uint8),
-                             bitorder="little")[:vocab].astype(bool)
-        if not bits.any():
-            # nothing allowed: a broken grammar. Sampling -inf everywhere would fail the
-            # whole step; sampled unmasked, the scheduler sees the grammar refuse the token
-            # and ends only this request with an error.
-            keep[i] = True
-            continue
-        keep[i, :len(bits)] = bits  # tokens past the mask (vocab padding) stay excluded
+    width = -(-vocab // 8)
+    packed = np.zeros((len(rows), width), dtype=np.uint8)  # a short mask excludes the rest
+    for i, row in enumerate(rows):  # views: llguidance may pad a mask by a word
+        mask = np.frombuffer(allowed[row], dtype=np.uint8)[:width]
+        packed[i, :len(mask)] = mask
+    keep = np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab].astype(bool)
+    # nothing allowed: a broken grammar. Sampling -inf everywhere would fail the whole
+    # step; sampled unmasked, the scheduler sees the grammar refuse the token and ends
+    # only this request with an error.
+    keep[~keep.any(axis=1)] = True
     index = torch.tensor(rows, device=logits.device)
     keep_t = torch.from_numpy(keep).to(logits.device)
     logits[index] = logits[index].masked_fill(~keep_t, float("-inf"))

@@ -9,6 +9,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from orchestrator.structured_output import after_reasoning, json_grammar
+from scheduler.guided import mask_tokens
 from scheduler.protocol import GenerateRequest, ThinkingSpan
 from scheduler.scheduler import RequestRejected
 from scheduler.thinking import ThinkingBudget
@@ -29,23 +30,17 @@ def ONLY_50() -> bytes:  # noqa: N802 -- the answer's mask: a grammar allowing t
     return bytes(mask)
 
 
-def allowed_tokens(mask: bytes | None) -> set[int] | None:
-    if mask is None:
-        return None
-    return {i for i in range(len(mask) * 8) if mask[i // 8] >> (i % 8) & 1}
-
-
 def test_the_span_opens_with_the_first_token_counts_and_ends_at_its_budget() -> None:
     span = ThinkingBudget(ThinkingSpan(THINK, END, budget=2), vocab_size=100)
     assert span.mask(FREE) is None
-    assert allowed_tokens(span.mask(ONLY_50)) == {50, THINK}  # a grammar's, or the span
+    assert mask_tokens(span.mask(ONLY_50)) == {50, THINK}  # a grammar's, or the span
     assert span.accept(THINK)  # opens: the answer's first token
     for token in (50, 51):
         assert span.mask(ONLY_50) is None  # inside, the grammar waits
         assert span.accept(token)
-    assert allowed_tokens(span.mask(ONLY_50)) == {END} and span.num_tokens == 2
+    assert mask_tokens(span.mask(ONLY_50)) == {END} and span.num_tokens == 2
     assert span.accept(END)
-    assert allowed_tokens(span.mask(ONLY_50)) == {50}  # the answer: the grammar's alone
+    assert mask_tokens(span.mask(ONLY_50)) == {50}  # the answer: the grammar's alone
     for token in (THINK, 50, 51, 52):  # the span is over: a later tag is text
         assert not span.accept(token)
     assert span.mask(FREE) is None and span.num_tokens == 2
@@ -55,7 +50,7 @@ def test_a_start_tag_after_the_first_token_is_text_and_no_budget_only_counts() -
     late = ThinkingBudget(ThinkingSpan(THINK, END, budget=1), vocab_size=100)
     assert not any(late.accept(token) for token in (50, THINK, 51, 52))
     assert late.mask(FREE) is None and late.num_tokens == 0
-    assert allowed_tokens(late.mask(ONLY_50)) == {50}
+    assert mask_tokens(late.mask(ONLY_50)) == {50}
     uncapped = ThinkingBudget(ThinkingSpan(THINK, END, inside=True), vocab_size=100)
     for token in range(50, 90):
         uncapped.accept(token)
@@ -87,7 +82,7 @@ def test_the_engine_ends_a_span_at_its_budget(default_model) -> None:
     reported = {rid: outs[-1].num_reasoning_tokens for rid, outs in outputs.items()}
     assert reported == {"free": 0, "capped": 5, "counted": 12}
     # the mask went out once, with the sample after the fifth reasoning token
-    masks = [allowed_tokens(c.allowed) for plan in core.executor.plans for c in plan.chunks
+    masks = [mask_tokens(c.allowed) for plan in core.executor.plans for c in plan.chunks
              if c.allowed is not None]
     assert masks == [{END}]
 

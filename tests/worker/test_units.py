@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from scheduler.guided import token_mask
 from scheduler.protocol import EngineConfig, NewSequence, SamplingParams, ScheduledChunk, StepPlan
 from worker.distributed import TensorParallelGroup
 from worker.model_config import UnsupportedModelError, load_model_config
@@ -53,20 +54,12 @@ def test_top_k_and_top_p_restrict_the_support():
     assert sample(lg[None], [SamplingParams(1e-300)], [0], [0])[0] == best
 
 
-def bitmask(allowed: set[int], vocab: int) -> bytes:
-    """llguidance's layout: bit i of little-endian 32-bit words is token i."""
-    words = [0] * (-(-vocab // 32))
-    for t in allowed:
-        words[t // 32] |= 1 << (t % 32)
-    return b"".join(w.to_bytes(4, "little") for w in words)
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_guided_rows_sample_only_allowed_tokens(device):
     vocab = 45  # the logits may be wider than the mask (padding): the rest is excluded
     lg = logits(4, vocab + 3).to(device)
     allowed = [{3, 40}, None, {44}, set()]  # an empty mask (a broken grammar): unmasked
-    masks = [None if a is None else bitmask(a, vocab) for a in allowed]
+    masks = [None if a is None else token_mask(a, vocab) for a in allowed]
     params = [SamplingParams(1.0), SamplingParams(), SamplingParams(), SamplingParams()]
     for seed in range(20):
         tokens = sample(lg.clone(), params, [seed] * 4, [0] * 4, masks)
