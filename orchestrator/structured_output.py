@@ -14,6 +14,7 @@ repeats the model's own tokens and the prefix cache keeps hitting.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -32,8 +33,15 @@ def _styled(schema: dict[str, Any]) -> dict[str, Any]:
     return {**schema, "x-guidance": JSON_STYLE}
 
 
+@functools.lru_cache(maxsize=64)
+def _grammar_error(grammar: str) -> str:
+    """llguidance's verdict on a grammar ("" if it compiles), kept: agents resend the same
+    tools and formats every turn, and a large schema takes a tenth of a second."""
+    return LLMatcher.validate_grammar(grammar)
+
+
 def _checked(grammar: str, param: str, what: str) -> str:
-    error = LLMatcher.validate_grammar(grammar)
+    error = _grammar_error(grammar)
     if error:
         raise ApiError(f"{param}: {what} cannot be followed: {error.splitlines()[0]}",
                        param=param)
