@@ -195,8 +195,7 @@ async def stream(run: ChatRun, msg_id: str, model: str,
     """The streaming response. Its first chunk (message_start) comes with the first
     output, or after `ping_interval_s` without one: an engine error before it is
     still an HTTP error status (see sse_response)."""
-    events = run.events()
-    keepalive = with_keepalive(events, ping_interval_s)
+    keepalive = with_keepalive(run.events(), ping_interval_s)
     started = False
     blocks = BlockStream()
     try:
@@ -218,8 +217,7 @@ async def stream(run: ChatRun, msg_id: str, model: str,
         yield sse_event("error", err.anthropic_body())
         return
     finally:
-        await keepalive.aclose()  # first: it may be waiting on `events`
-        await events.aclose()
+        await keepalive.aclose()  # and the events with it
         run.log_done()  # no-op unless the client left early (logged as an abort)
     if not started:
         yield sse_event("message_start", {

@@ -189,7 +189,9 @@ class Generation:
 
 async def with_keepalive(items: AsyncIterator[T], interval_s: float) -> AsyncIterator[T | None]:
     """`items`, with a None between them whenever `interval_s` passes without one (the
-    caller sends a keep-alive). The pending item is never cancelled by the timer."""
+    caller sends a keep-alive). The pending item is never cancelled by the timer.
+    Closing this closes `items` too, after the item it may be waiting on is cancelled
+    (in that order: `items` cannot close while it is running)."""
     it = aiter(items)
     pending: asyncio.Future[T] | None = None
     try:
@@ -211,3 +213,6 @@ async def with_keepalive(items: AsyncIterator[T], interval_s: float) -> AsyncIte
         if pending is not None:
             pending.cancel()
             await asyncio.gather(pending, return_exceptions=True)
+        close = getattr(items, "aclose", None)
+        if close is not None:
+            await close()

@@ -246,13 +246,12 @@ class CompletionRun:
         text = "".join([p.text async for p in self.gen.pieces()])
         return {**self._response([self._choice(text, self.token_ids)]), "usage": self.usage()}
 
-    async def sse_chunks(self, ping_interval_s: float = 5.0) -> AsyncIterator[str]:
+    async def sse_chunks(self, ping_interval_s: float) -> AsyncIterator[str]:
         """The streaming response, as SSE events. An engine error before the first
         chunk propagates (the caller can still answer with an HTTP error status); after
         it, it is sent as an error event. A comment goes out each `ping_interval_s`
         without output (queue, long prefill), for proxies with read timeouts."""
-        pieces = self.gen.pieces()
-        keepalive = with_keepalive(pieces, ping_interval_s)
+        keepalive = with_keepalive(self.gen.pieces(), ping_interval_s)
         started = False
         try:
             try:
@@ -275,8 +274,7 @@ class CompletionRun:
                     yield sse({**self._response([]), "usage": self.usage()})
             yield SSE_DONE
         finally:
-            await keepalive.aclose()  # first: it may be waiting on `pieces`
-            await pieces.aclose()
+            await keepalive.aclose()  # and the pieces with it
             self.log_done()
 
     def log_done(self, *, finish_reason: str | None = None, error: str | None = None) -> None:

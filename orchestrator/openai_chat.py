@@ -32,7 +32,7 @@ from orchestrator.json_body import loads
 from orchestrator.openai_api import SSE_DONE, SSE_PING, sse, usage
 from orchestrator.reasoning import Reasoning
 from orchestrator.structured_output import json_grammar
-from orchestrator.tool_parsers import TextEvent, ToolCall
+from orchestrator.tool_parsers import ToolCall
 from scheduler.protocol import SamplingParams
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -309,8 +309,7 @@ async def stream(run: ChatRun, base: dict[str, Any], ping_interval_s: float) -> 
             c["usage"] = None  # as OpenAI: null on all chunks but the last
         return sse(c)
 
-    events = run.events()
-    keepalive = with_keepalive(events, ping_interval_s)
+    keepalive = with_keepalive(run.events(), ping_interval_s)
     started = False
     num_calls = 0
     try:
@@ -322,13 +321,12 @@ async def stream(run: ChatRun, base: dict[str, Any], ping_interval_s: float) -> 
                 yield SSE_PING
             if event is None:
                 continue
-            if isinstance(event, (TextEvent, Reasoning)):
-                if event.text:
-                    key = "content" if isinstance(event, TextEvent) else "reasoning_content"
-                    yield chunk({key: event.text})
-            else:
+            if isinstance(event, ToolCall):
                 yield chunk({"tool_calls": [_tool_call(event, num_calls)]})
                 num_calls += 1
+            elif event.text:
+                key = "reasoning_content" if isinstance(event, Reasoning) else "content"
+                yield chunk({key: event.text})
     except ApiError as err:
         run.log_done(finish_reason="error", error=err.message)
         if not started:
@@ -337,8 +335,7 @@ async def stream(run: ChatRun, base: dict[str, Any], ping_interval_s: float) -> 
         yield SSE_DONE
         return
     finally:
-        await keepalive.aclose()  # first: it may be waiting on `events`
-        await events.aclose()
+        await keepalive.aclose()  # and the events with it
         run.log_done()
     if not started:
         yield chunk({"role": "assistant", "content": ""})
