@@ -150,6 +150,8 @@ class Scheduler:
         if seq is None or seq.status is SeqStatus.FINISHED:
             return None
         if seq.status is SeqStatus.WAITING and not seq.opened:
+            if seq.guide_pending is not None:  # a grammar nobody will use: not compiled
+                seq.guide_pending.cancel()
             self.queue.remove(request_id)
             del self._by_request[request_id]
             seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
@@ -266,9 +268,9 @@ class Scheduler:
         preempted = len(self.running) < num_running_before
         while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.queue.peek()
-            if seq is None or not self._grammar_ready(seq, wait=not scheduled):
+            if seq is None or not self._settle_grammar(seq, wait=not scheduled):
                 break
-            if seq.status is SeqStatus.FINISHED:  # its grammar failed: next
+            if seq.status is SeqStatus.FINISHED:  # its grammar failed: popped, ended
                 continue
             if not self._admit(seq, budget):
                 break
@@ -300,10 +302,11 @@ class Scheduler:
         scheduled.append((seq, num_new))
         self.cache.commit(seq.seq_id, seq.tokens, seq.num_computed + num_new)
 
-    def _grammar_ready(self, seq: Sequence, *, wait: bool) -> bool:
-        """Whether the queue's head may be admitted: its grammar, if any, has compiled
-        (else it waits its turn; with nothing else to run this step, up to a poll's
-        length). A grammar that failed ends the request here with the error (400)."""
+    def _settle_grammar(self, seq: Sequence, *, wait: bool) -> bool:
+        """Whether the queue's head is settled: it has no grammar, or its grammar has
+        compiled (False: it waits its turn; with nothing else to run this step, up to a
+        poll's length). A grammar that failed settles it too: the request is popped and
+        ended here with the error (400), and the caller goes on to the next."""
         future = seq.guide_pending
         if future is None:
             return True
