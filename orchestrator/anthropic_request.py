@@ -21,7 +21,7 @@ from orchestrator.chat_run import ChatRequest, ToolChoice, session_key, tool_cho
 from orchestrator.chat_template import Message, join_text, strip_billing_header
 from orchestrator.errors import ApiError, describe, is_finite_number, is_int64
 from orchestrator.structured_output import json_grammar
-from scheduler.protocol import SamplingParams
+from wire.client import SamplingParams
 
 ROLES = ("user", "assistant", "system")
 UNSUPPORTED_BLOCKS = ("image", "document")

@@ -42,7 +42,7 @@ from orchestrator.http_common import (
 from orchestrator.reasoning import Answer, Reasoning, make_splitter, opens_in
 from orchestrator.structured_output import after_reasoning, tool_call_grammar
 from orchestrator.tool_parsers import TextEvent, ToolCall, ToolParser, make_tool_parser
-from scheduler.protocol import SamplingParams, ThinkingSpan
+from wire.client import SamplingParams, ThinkingSpan
 
 NO_HINTS = SchedulingHints()
 ChatEvent = TextEvent | ToolCall | Reasoning  # what a chat answer is made of, in order

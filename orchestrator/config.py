@@ -9,8 +9,8 @@ from pathlib import Path
 
 from orchestrator.reasoning import REASONING_PARSERS
 from orchestrator.tool_parsers import TOOL_CALL_PARSERS
-from scheduler.protocol import EngineConfig
-from scheduler.protocol.transport_security import (
+from wire.config import EngineConfig
+from wire.security import (
     SECRET_FILE_ENV,
     InsecureFileError,
     read_private_file,
@@ -238,7 +238,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
 def secret_file_env(path: str | None, multi_node: bool) -> dict[str, str]:
     """`deepinfer-run --secret-file`, checked at launch (a clear error here rather than in
     a child), as the environment that names it to every child: each derives its CURVE
-    keys from it (scheduler/protocol/transport_security)."""
+    keys from it (wire/security.py)."""
     if path is None:
         if multi_node:
             raise SystemExit("--nnodes > 1 needs --secret-file FILE: the same private file "

@@ -1,7 +1,7 @@
 """The shim's asyncio client of the scheduler, over ZeroMQ.
 
 One DEALER socket connects to the scheduler's ROUTER (`ipc://RUN_DIR/requests.sock`).
-Every frame is one message encoded by `scheduler.protocol.codec` (msgpack, never pickle).
+Every frame is one message encoded by `wire.codec` (msgpack, never pickle).
 
 Message flow:
 
@@ -36,18 +36,10 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from scheduler.protocol import (
-    AbortRequest,
-    ClientHello,
-    EngineInfo,
-    EngineStats,
-    GenerateRequest,
-    RequestOutput,
-    Shutdown,
-    StatsRequest,
-)
-from scheduler.protocol.codec import ProtocolError, decode, encode
-from scheduler.protocol.transport_security import secure_connect
+from wire.client import AbortRequest, EngineStats, GenerateRequest, RequestOutput, StatsRequest
+from wire.codec import ProtocolError, decode, encode
+from wire.lifecycle import ClientHello, EngineInfo, Shutdown
+from wire.security import secure_connect
 
 if TYPE_CHECKING:
     from orchestrator.metrics import Metrics, RequestTimer

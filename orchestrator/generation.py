@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from orchestrator.detokenizer import Detokenizer
 from orchestrator.engine_client import EngineUnavailableError
 from orchestrator.errors import engine_error
-from scheduler.protocol import GenerateRequest, SamplingParams, ThinkingSpan
+from wire.client import GenerateRequest, SamplingParams, ThinkingSpan
 
 log = structlog.get_logger()
 T = TypeVar("T")

@@ -21,7 +21,8 @@ from orchestrator.json_body import parse_json_object
 from orchestrator.metrics import Metrics
 from orchestrator.prefix_tracker import PrefixTracker
 from orchestrator.reasoning import think_tag_ids
-from scheduler.protocol import EngineInfo, EngineStats, GenerateRequest, RequestOutput
+from wire.client import EngineStats, GenerateRequest, RequestOutput
+from wire.lifecycle import EngineInfo
 
 T = TypeVar("T")
 log = structlog.get_logger()

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import time
@@ -65,6 +64,7 @@ from orchestrator.http_common import (
     tokenize,
 )
 from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from wire.log import configure_logging
 
 log = structlog.get_logger()
 
@@ -239,37 +239,6 @@ def build_app(
     )
     app.state.shim = state
     return app
-
-
-def configure_logging(role: str, level: int = logging.INFO) -> None:
-    """One JSON object per line on stderr, uvicorn's records included, each with `role`."""
-
-    def add_role(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
-        event.setdefault("role", role)
-        return event
-
-    shared: list[Any] = [
-        structlog.contextvars.merge_contextvars,
-        add_role,
-        structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
-    ]
-    structlog.configure(
-        processors=[*shared, structlog.processors.format_exc_info,
-                    structlog.processors.JSONRenderer()],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
-    )
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=shared,
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                    structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
-    ))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -39,9 +39,9 @@ from orchestrator.config import (
     repo_env,
     secret_file_env,
 )
-from scheduler.protocol.control_server import CONTROL_DIR_ENV, control_address
-from scheduler.protocol.log import configure_logging
-from scheduler.protocol.transport_security import SECRET_FILE_ENV
+from wire.control_server import CONTROL_DIR_ENV, control_address
+from wire.log import configure_logging
+from wire.security import SECRET_FILE_ENV
 
 STOP_GRACE_S = 5.0
 PR_SET_PDEATHSIG = 1

@@ -21,8 +21,8 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
-from scheduler.protocol import EngineStats, HistogramData, RequestOutput
-from scheduler.protocol.control import PrefixBreak
+from wire.client import EngineStats, HistogramData, RequestOutput
+from wire.control import PrefixBreak
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from orchestrator.errors import ApiError, engine_error, is_finite_number, is_int64
 from orchestrator.generation import Generation, GenerationParams, with_keepalive
-from scheduler.protocol import GenerateRequest, SamplingParams
+from wire.client import GenerateRequest, SamplingParams
 
 __all__ = ["ApiError", "engine_error"]  # re-exported: the API modules' shared errors
 T = TypeVar("T")

@@ -33,7 +33,7 @@ from orchestrator.openai_api import SSE_DONE, SSE_PING, sse, usage
 from orchestrator.reasoning import Reasoning
 from orchestrator.structured_output import json_grammar
 from orchestrator.tool_parsers import ToolCall
-from scheduler.protocol import SamplingParams
+from wire.client import SamplingParams
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}

@@ -12,7 +12,10 @@ import os
 import time
 from collections import defaultdict
 
-from scheduler.protocol.control import (
+from scheduler.request import Sequence
+from scheduler.scheduler import Scheduler
+from scheduler.telemetry import Telemetry
+from wire.control import (
     CacheRequest,
     CacheView,
     ControlError,
@@ -30,10 +33,7 @@ from scheduler.protocol.control import (
     TraceReply,
     TraceRequest,
 )
-from scheduler.protocol.control_server import ControlServer, stack_dump
-from scheduler.request import Sequence
-from scheduler.scheduler import Scheduler
-from scheduler.telemetry import Telemetry
+from wire.control_server import ControlServer, stack_dump
 
 MAX_TIER_SLICE = 1 << 20
 TOP_SESSIONS = 10

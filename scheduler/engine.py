@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 from cache.manager import CacheAccountingError
 from scheduler.executor import Executor
-from scheduler.protocol import EngineStats, RequestOutput, StepResult
 from scheduler.scheduler import EngineLimits, Scheduler
+from wire.client import EngineStats, RequestOutput
+from wire.step import StepResult
 
 
 class RankDivergenceError(RuntimeError):

@@ -12,16 +12,6 @@ from typing import Protocol
 
 import zmq
 
-from scheduler.protocol import (
-    EngineConfig,
-    Shutdown,
-    StepPlan,
-    StepResult,
-    WorkerConnect,
-    WorkerReady,
-    codec,
-)
-from scheduler.protocol.transport_security import secure_bind
 from scheduler.rank_health import (
     RankProcess,
     dead_ranks,
@@ -29,6 +19,11 @@ from scheduler.rank_health import (
     describe_ranks,
     hung_ranks,
 )
+from wire import codec
+from wire.config import EngineConfig
+from wire.lifecycle import Shutdown, WorkerConnect, WorkerReady
+from wire.security import secure_bind
+from wire.step import StepPlan, StepResult
 
 
 class Executor(Protocol):

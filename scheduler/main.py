@@ -20,23 +20,16 @@ from cache.manager import CacheAccountingError
 from scheduler.control import SchedulerControl
 from scheduler.engine import EngineCore, RankDivergenceError, limits_from_ready
 from scheduler.executor import WorkerFailure, ZmqExecutor
-from scheduler.protocol import (
-    AbortRequest,
-    ClientHello,
-    EngineConfig,
-    EngineInfo,
-    GenerateRequest,
-    RequestOutput,
-    Shutdown,
-    StatsRequest,
-    codec,
-)
-from scheduler.protocol.control import PrefixBreak
-from scheduler.protocol.control_server import control_address
-from scheduler.protocol.log import configure_logging
-from scheduler.protocol.transport_security import secure_bind
 from scheduler.scheduler import EngineLimits, RequestRejected, Scheduler
 from scheduler.telemetry import Telemetry
+from wire import codec
+from wire.client import AbortRequest, GenerateRequest, RequestOutput, StatsRequest
+from wire.config import EngineConfig
+from wire.control import PrefixBreak
+from wire.control_server import control_address
+from wire.lifecycle import ClientHello, EngineInfo, Shutdown
+from wire.log import configure_logging
+from wire.security import secure_bind
 
 IDLE_POLL_MS = 50
 

@@ -10,26 +10,15 @@ are named as hung.
 from __future__ import annotations
 
 import os
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from scheduler.protocol.control import RankSnapshot, SnapshotRequest
-from scheduler.protocol.control_server import ControlUnavailable, ask, control_address
+from wire.control import RankSnapshot, SnapshotRequest
+from wire.control_server import ControlUnavailable, ask, control_address
+from wire.lifecycle import host_identity
 
 PROBE_TIMEOUT_S = 1.0
-
-
-def host_identity() -> str:
-    """This machine and PID namespace. Two processes with the same identity see the same
-    pids; a hostname alone is not enough (containers on host networking share it)."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        pid_ns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        boot, pid_ns = "", 0
-    return f"{socket.gethostname()}/{boot}/{pid_ns}"
 
 
 _HERE = host_identity()

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from cache.hashing import BlockHashChain
 from scheduler.guided import Guide
-from scheduler.protocol import SamplingParams
 from scheduler.thinking import ThinkingBudget
+from wire.client import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -15,20 +15,14 @@ from dataclasses import dataclass
 from cache.hashing import make_extra_key
 from cache.manager import CacheConfig, KVCacheManager
 from scheduler.guided import GrammarError, GuideFactory
-from scheduler.protocol import (
-    AppendBlocks,
-    EngineConfig,
-    GenerateRequest,
-    NewSequence,
-    RequestOutput,
-    ScheduledChunk,
-    StateDigest,
-    StepPlan,
-)
 from scheduler.queue import QueueFullError, RequestQueue
 from scheduler.request import SeqStatus, Sequence
 from scheduler.session_chains import SessionChains
 from scheduler.thinking import ThinkingBudget
+from wire.client import GenerateRequest, RequestOutput
+from wire.config import EngineConfig
+from wire.digest import StateDigest
+from wire.step import AppendBlocks, NewSequence, ScheduledChunk, StepPlan
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import structlog
 
 from scheduler.executor import Executor
-from scheduler.protocol import HistogramData, RequestOutput, StepPlan, StepResult
-from scheduler.protocol.control import ChunkSummary, PlanSummary, PrefixBreak, RequestRecord
 from scheduler.request import Sequence
+from wire.client import HistogramData, RequestOutput
+from wire.control import ChunkSummary, PlanSummary, PrefixBreak, RequestRecord
+from wire.step import StepPlan, StepResult
 
 TRACE_STEPS = 256
 RECENT_REQUESTS = 1000

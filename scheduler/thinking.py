@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from scheduler.guided import token_mask, with_token
-from scheduler.protocol import ThinkingSpan
+from wire.client import ThinkingSpan
 
 
 class ThinkingBudget:

@@ -28,8 +28,9 @@ from tqdm import tqdm
 from orchestrator.launcher import free_port, spawn, stop_all
 from scheduler.engine import EngineCore, limits_from_ready
 from scheduler.executor import ZmqExecutor
-from scheduler.protocol import EngineConfig, GenerateRequest
 from scheduler.scheduler import Scheduler
+from wire.client import GenerateRequest
+from wire.config import EngineConfig
 
 
 @dataclass

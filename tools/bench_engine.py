@@ -26,15 +26,11 @@ from orchestrator.launcher import free_port, spawn, stop_all
 from orchestrator.structured_output import json_grammar
 from scheduler.engine import EngineCore, limits_from_ready
 from scheduler.executor import ZmqExecutor
-from scheduler.protocol import (
-    EngineConfig,
-    GenerateRequest,
-    NewSequence,
-    ScheduledChunk,
-    StepPlan,
-    codec,
-)
 from scheduler.scheduler import Scheduler
+from wire import codec
+from wire.client import GenerateRequest
+from wire.config import EngineConfig
+from wire.step import NewSequence, ScheduledChunk, StepPlan
 
 # too long to close within max_tokens: a guided request runs as long as a free one
 GUIDED_SCHEMA = {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,8}$"},

@@ -93,7 +93,7 @@ class RankBench:
     """Drives one rank's ModelRunner with plans that every rank builds identically."""
 
     def __init__(self, args: BenchArgs) -> None:
-        from scheduler.protocol import EngineConfig
+        from wire.config import EngineConfig
         from worker.distributed import (
             RankInfo,
             init_tensor_parallel,
@@ -138,7 +138,7 @@ class RankBench:
         return time.perf_counter() - t0
 
     def execute(self, **plan: object) -> None:
-        from scheduler.protocol import StepPlan
+        from wire.step import StepPlan
 
         self.runner.execute(StepPlan(step=self.step, **plan))
         self.step += 1
@@ -147,7 +147,7 @@ class RankBench:
         """Open sequences with block tables for `lengths` tokens after `prefix_blocks`
         shared blocks (ids 0..prefix_blocks-1, at the head of every table); the other
         block ids restart after them."""
-        from scheduler.protocol import NewSequence
+        from wire.step import NewSequence
 
         seqs, next_block = [], prefix_blocks
         for n in lengths:
@@ -166,7 +166,7 @@ class RankBench:
 
     def prefill_s(self, chunk: int) -> float:
         """Seconds to prefill one prompt_len-token prompt in chunks of `chunk` tokens."""
-        from scheduler.protocol import ScheduledChunk
+        from wire.step import ScheduledChunk
 
         n = self.args.prompt_len
         prompt = [self.token() for _ in range(n)]
@@ -184,7 +184,7 @@ class RankBench:
     def prefill_prefix(self, n: int) -> int:
         """Untimed: prefill an n-token prefix into blocks 0..n/block_size-1 and close its
         sequence; its KV stays there for the block tables that share it."""
-        from scheduler.protocol import ScheduledChunk
+        from wire.step import ScheduledChunk
 
         if n == 0:
             return 0
@@ -199,7 +199,7 @@ class RankBench:
     def decode_s(self, batch: int, prefix_len: int = 0) -> list[float]:
         """Seconds for decode_steps steps of `batch` sequences (one plan a step), per repeat;
         with `prefix_len`, each sequence's context starts with the same cached prefix."""
-        from scheduler.protocol import ScheduledChunk
+        from wire.step import ScheduledChunk
 
         a = self.args
         seqs = self.open([a.decode_len] * batch, self.prefill_prefix(prefix_len))

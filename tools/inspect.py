@@ -27,14 +27,6 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from scheduler.protocol.control import (
-    CacheRequest,
-    SeqRequest,
-    SnapshotRequest,
-    StacksRequest,
-    TraceRequest,
-)
-from scheduler.protocol.control_server import ControlUnavailable, ask
 from tools.inspect_check import run_check
 from tools.inspect_client import (
     EngineAddresses,
@@ -43,6 +35,14 @@ from tools.inspect_client import (
     find_run_dir,
     load_engine,
 )
+from wire.control import (
+    CacheRequest,
+    SeqRequest,
+    SnapshotRequest,
+    StacksRequest,
+    TraceRequest,
+)
+from wire.control_server import ControlUnavailable, ask
 
 
 def _plain(x: Any) -> Any:

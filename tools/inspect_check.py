@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.protocol.control import (
+from tools.inspect_client import EngineAddresses, ask_all
+from wire.control import (
     RankSnapshot,
     SchedulerSnapshot,
     SeqRequest,
@@ -24,8 +25,7 @@ from scheduler.protocol.control import (
     TierContents,
     TierRequest,
 )
-from scheduler.protocol.control_server import ControlUnavailable, ask
-from tools.inspect_client import EngineAddresses, ask_all
+from wire.control_server import ControlUnavailable, ask
 
 MAX_TIER_ENTRIES = 1 << 22  # compared entry by entry; beyond, only the tier digest
 TIER_SLICE = 1 << 20

@@ -2,7 +2,7 @@
 
 The launcher writes RUN_DIR/engine.json, which lists every control socket; without
 one (ranks started by hand), the addresses follow the convention in
-`scheduler/protocol/control_server.py`. Every process is asked in parallel, so one
+`wire/control_server.py`. Every process is asked in parallel, so one
 that does not answer costs one timeout, not one per process.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scheduler.protocol.control_server import ControlUnavailable, ask, control_address
+from wire.control_server import ControlUnavailable, ask, control_address
 
 RUN_DIR_ENV = "DEEPINFER_RUN_DIR"
 

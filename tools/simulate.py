@@ -28,15 +28,12 @@ from rich.table import Table
 from tqdm import tqdm
 
 from scheduler.engine import EngineCore, limits_from_ready
-from scheduler.protocol import (
-    EngineConfig,
-    GenerateRequest,
-    StateDigest,
-    StepPlan,
-    StepResult,
-    WorkerReady,
-)
 from scheduler.scheduler import Scheduler
+from wire.client import GenerateRequest
+from wire.config import EngineConfig
+from wire.digest import StateDigest
+from wire.lifecycle import WorkerReady
+from wire.step import StepPlan, StepResult
 
 DEPLOYMENT = {"hit_ratio": 0.96, "read_rate_ratio": 9.0}
 

@@ -14,8 +14,7 @@ import time
 
 import numpy as np
 
-from scheduler.protocol import StepPlan
-from scheduler.protocol.control import (
+from wire.control import (
     ControlError,
     RankSnapshot,
     SeqRequest,
@@ -26,8 +25,9 @@ from scheduler.protocol.control import (
     TierContents,
     TierRequest,
 )
-from scheduler.protocol.control_server import ControlServer, stack_dump
-from scheduler.protocol.digest import table_digest
+from wire.control_server import ControlServer, stack_dump
+from wire.digest import table_digest
+from wire.step import StepPlan
 from worker.model_runner import ModelRunner
 
 MAX_TIER_SLICE = 1 << 20  # hashes per TierRequest answer

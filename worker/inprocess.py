@@ -6,7 +6,9 @@ and benchmarks drive the real scheduler against the real model without ZeroMQ.
 
 from __future__ import annotations
 
-from scheduler.protocol import EngineConfig, StepPlan, StepResult, WorkerReady
+from wire.config import EngineConfig
+from wire.lifecycle import WorkerReady
+from wire.step import StepPlan, StepResult
 from worker.distributed import TensorParallelGroup, resolve_device
 from worker.model_runner import ModelRunner
 

@@ -18,18 +18,13 @@ from pathlib import Path
 import structlog
 import zmq
 
-from scheduler.protocol import (
-    EngineConfig,
-    Shutdown,
-    StepPlan,
-    StepResult,
-    WorkerConnect,
-    codec,
-)
-from scheduler.protocol.control_server import control_address, control_dir_for
-from scheduler.protocol.log import configure_logging
-from scheduler.protocol.transport_security import secure_connect
-from scheduler.rank_health import host_identity
+from wire import codec
+from wire.config import EngineConfig
+from wire.control_server import control_address, control_dir_for
+from wire.lifecycle import Shutdown, WorkerConnect, host_identity
+from wire.log import configure_logging
+from wire.security import secure_connect
+from wire.step import StepPlan, StepResult
 from worker.control import RankControl
 from worker.distributed import (
     RankInfo,

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler.protocol import EngineConfig, SamplingParams, StateDigest, StepPlan
+from wire.client import SamplingParams
+from wire.config import EngineConfig
+from wire.digest import StateDigest
+from wire.step import StepPlan
 from worker.attention import AttentionMetadata, create_backend
 from worker.distributed import TensorParallelGroup
 from worker.kv_cache import KVCache

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from scheduler.protocol import MIN_TEMPERATURE, SamplingParams
+from wire.client import MIN_TEMPERATURE, SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from scheduler.protocol import EngineInfo, EngineStats, GenerateRequest, RequestOutput
 from scheduler.thinking import ThinkingBudget
+from wire.client import EngineStats, GenerateRequest, RequestOutput
+from wire.lifecycle import EngineInfo
 
 EOS = 3  # <|im_end|> in the tiny model's tokenizer
 

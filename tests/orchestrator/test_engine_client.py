@@ -20,14 +20,9 @@ import zmq
 import zmq.asyncio
 
 from orchestrator.engine_client import EngineClient, EngineUnavailableError
-from scheduler.protocol import (
-    AbortRequest,
-    ClientHello,
-    EngineInfo,
-    GenerateRequest,
-    Shutdown,
-)
-from scheduler.protocol.codec import decode, encode
+from wire.client import AbortRequest, GenerateRequest
+from wire.codec import decode, encode
+from wire.lifecycle import ClientHello, EngineInfo, Shutdown
 
 INFO = EngineInfo(model="tiny", vocab_size=100, max_model_len=64, eos_token_ids=[1],
                   block_size=16, num_device_blocks=8, num_host_blocks=0, world_size=1)

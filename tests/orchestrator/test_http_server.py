@@ -15,7 +15,8 @@ from starlette.testclient import TestClient
 from tokenizers import Tokenizer
 
 from orchestrator.http_server import build_app, parse_args, requests_address
-from scheduler.protocol import EngineInfo, GenerateRequest, RequestOutput
+from wire.client import GenerateRequest, RequestOutput
+from wire.lifecycle import EngineInfo
 
 MAX_LEN = 64
 

@@ -21,9 +21,9 @@ from orchestrator.config import ShimOptions
 from orchestrator.http_server import build_app
 from orchestrator.reasoning import Answer, Reasoning, make_splitter, think_tag_ids
 from orchestrator.structured_output import after_reasoning, json_grammar
-from scheduler.protocol import ThinkingSpan
 from tests.orchestrator.scripted_engine import ScriptedEngine
 from tests.orchestrator.test_tool_parsers import chunkings
+from wire.client import ThinkingSpan
 
 TOOLS = [{"name": "Bash", "input_schema": {"type": "object"}}]
 HELLO = [{"role": "user", "content": "hi"}]

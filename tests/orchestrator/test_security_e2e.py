@@ -18,9 +18,10 @@ import httpx
 import pytest
 import zmq
 
-from scheduler.protocol import ClientHello, codec
 from tests.conftest import REPO, free_port, subprocess_env
 from tests.orchestrator.e2e_helpers import Served, complete, wait_healthy
+from wire import codec
+from wire.lifecycle import ClientHello
 
 pytestmark = pytest.mark.slow
 KEY = "e2e-key-7d1f0c2a9b"

@@ -22,8 +22,8 @@ from orchestrator.config import (
     secret_file_env,
 )
 from orchestrator.http_server import build_app, parse_args, resolve_api_key
-from scheduler.protocol.transport_security import SECRET_FILE_ENV
 from tests.orchestrator.test_http_server import StandInEngine, assert_openai_error
+from wire.security import SECRET_FILE_ENV
 
 KEY = "sekret-key-0123456789"
 GOOD = {"x-api-key": KEY}

@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 
 from scheduler.engine import EngineCore, limits_from_ready
 from scheduler.executor import Executor, ZmqExecutor
-from scheduler.protocol import EngineConfig, GenerateRequest, StepPlan, StepResult
 from scheduler.scheduler import Scheduler
 from tests.conftest import REPO, free_port, subprocess_env
+from wire.client import GenerateRequest
+from wire.config import EngineConfig
+from wire.step import StepPlan, StepResult
 
 
 @dataclass

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from scheduler.engine import RankDivergenceError
-from scheduler.protocol import GenerateRequest
 from tests.scheduler.engine_harness import run_until_done, zmq_engine
+from wire.client import GenerateRequest
 
 pytestmark = pytest.mark.slow
 LENGTHS = [3, 17, 64, 5, 130, 40, 9, 250]

@@ -10,8 +10,8 @@ import llguidance
 import pytest
 from tokenizers import Tokenizer
 
-from scheduler.protocol import GenerateRequest, SamplingParams
 from tests.scheduler.engine_harness import inprocess_engine, run_until_done, zmq_engine
+from wire.client import GenerateRequest, SamplingParams
 
 SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 12},

@@ -8,9 +8,9 @@ import pytest
 
 from cache.hashing import make_extra_key
 from cache.manager import CacheAccountingError
-from scheduler.protocol import GenerateRequest
 from scheduler.scheduler import Scheduler
 from tests.scheduler.engine_harness import inprocess_engine, run_until_done, zmq_engine
+from wire.client import GenerateRequest
 
 BLOCK_BYTES_TINY = 8 * 2 * 16 * 4 * 64 * 4  # layers * K/V * block * kv heads * head_dim * fp32
 

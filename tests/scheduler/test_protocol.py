@@ -7,18 +7,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scheduler.protocol import (
-    SCHEMA_VERSION,
-    EngineConfig,
-    NewSequence,
-    RequestOutput,
-    SamplingParams,
-    ScheduledChunk,
-    StateDigest,
-    StepPlan,
-    StepResult,
-    codec,
-)
+from wire import codec
+from wire.client import RequestOutput, SamplingParams
+from wire.codec import SCHEMA_VERSION
+from wire.config import EngineConfig
+from wire.digest import StateDigest
+from wire.step import NewSequence, ScheduledChunk, StepPlan, StepResult
 
 ints = st.integers(min_value=0, max_value=2**31 - 1)
 
@@ -101,7 +95,7 @@ def test_digest_returns_to_empty():
 @given(seq_id=st.integers(0, 2**40), start=st.integers(0, 2**31 - 100),
        blocks=st.lists(ints, min_size=1, max_size=40))
 def test_vectorised_table_digest_equals_the_scalar_one(seq_id, start, blocks):
-    from scheduler.protocol.digest import _MASK64, _entry, table_digest
+    from wire.digest import _MASK64, _entry, table_digest
 
     scalar = 0
     for i, b in enumerate(blocks, start=start):

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.protocol import SamplingParams
 from scheduler.queue import QueueFullError, RequestQueue
 from scheduler.request import Sequence
 from tests.scheduler.test_scheduler_unit import make, req, run_step
+from wire.client import SamplingParams
 
 _ids = iter(range(1, 10**9))
 

@@ -13,17 +13,13 @@ import pytest
 import zmq
 
 from scheduler.executor import WorkerFailure, ZmqExecutor
-from scheduler.protocol import (
-    EngineConfig,
-    StepPlan,
-    StepResult,
-    WorkerConnect,
-    WorkerReady,
-    codec,
-)
-from scheduler.protocol.control import RankSnapshot
-from scheduler.protocol.control_server import ControlServer, control_address
 from scheduler.rank_health import RankProcess, host_identity, hung_ranks, pid_alive
+from wire import codec
+from wire.config import EngineConfig
+from wire.control import RankSnapshot
+from wire.control_server import ControlServer, control_address
+from wire.lifecycle import WorkerConnect, WorkerReady
+from wire.step import StepPlan, StepResult
 
 
 def sleeper() -> subprocess.Popen:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.protocol import EngineConfig, GenerateRequest
 from scheduler.scheduler import EngineLimits, RequestRejected, Scheduler
+from wire.client import GenerateRequest
+from wire.config import EngineConfig
 
 
 def make(num_blocks: int = 64, **cfg) -> Scheduler:

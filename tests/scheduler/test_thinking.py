@@ -10,11 +10,11 @@ from tokenizers import Tokenizer
 
 from orchestrator.structured_output import after_reasoning, json_grammar
 from scheduler.guided import mask_tokens
-from scheduler.protocol import GenerateRequest, ThinkingSpan
 from scheduler.scheduler import RequestRejected
 from scheduler.thinking import ThinkingBudget
 from tests.scheduler.engine_harness import inprocess_engine, run_until_done
 from tests.scheduler.test_guided import SCHEMA, check_weather
+from wire.client import GenerateRequest, ThinkingSpan
 
 THINK, END = 6, 7  # the tiny tokenizer's <think> and </think>
 PROMPT = list(range(40, 90))

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from scheduler.protocol import transport_security as ts
 from tests.conftest import free_port
+from wire import security as ts
 
 SECRET = b"correct horse battery staple, 32b"
 TIMEOUT_MS = 1500

@@ -7,12 +7,13 @@ from types import SimpleNamespace
 
 from structlog.testing import capture_logs
 
-from scheduler.protocol import NewSequence, RequestOutput, SamplingParams, StateDigest, StepPlan
-from scheduler.protocol.control import SeqRequest, SnapshotRequest, StacksRequest
-from scheduler.protocol.control_server import ask
-from scheduler.protocol.digest import table_digest
 from scheduler.request import Sequence
 from scheduler.telemetry import Telemetry
+from wire.client import RequestOutput, SamplingParams
+from wire.control import SeqRequest, SnapshotRequest, StacksRequest
+from wire.control_server import ask
+from wire.digest import StateDigest, table_digest
+from wire.step import NewSequence, StepPlan
 from worker.control import RankControl
 
 

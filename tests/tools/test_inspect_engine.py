@@ -15,11 +15,12 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler.protocol import GenerateRequest, RequestOutput, codec
-from scheduler.protocol.control import PrefixBreak
 from tests.conftest import REPO, subprocess_env
 from tests.orchestrator.e2e_helpers import complete, stream_complete
 from tests.tools.engine import Engine
+from wire import codec
+from wire.client import GenerateRequest, RequestOutput
+from wire.control import PrefixBreak
 
 pytestmark = pytest.mark.slow
 BLOCK_BYTES = 8 * 16 * 2 * 64 * 4  # tiny model: 8 layers, 16 tokens, K+V, 1 KV head per rank

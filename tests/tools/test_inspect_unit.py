@@ -13,16 +13,11 @@ import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.metrics import Metrics
-from scheduler.protocol import (
-    EngineStats,
-    HistogramData,
-    NewSequence,
-    RequestOutput,
-    StateDigest,
-    StepPlan,
-    codec,
-)
-from scheduler.protocol.control import (
+from tools.inspect_check import compare
+from tools.inspect_client import EngineNotFound, find_run_dir, load_engine
+from wire import codec
+from wire.client import EngineStats, HistogramData, RequestOutput
+from wire.control import (
     ChunkSummary,
     PlanSummary,
     PrefixBreak,
@@ -34,11 +29,10 @@ from scheduler.protocol.control import (
     SeqView,
     SnapshotRequest,
 )
-from scheduler.protocol.control_server import ControlServer, ControlUnavailable, ask
-from scheduler.protocol.digest import table_digest
-from scheduler.protocol.log import renderers
-from tools.inspect_check import compare
-from tools.inspect_client import EngineNotFound, find_run_dir, load_engine
+from wire.control_server import ControlServer, ControlUnavailable, ask
+from wire.digest import StateDigest, table_digest
+from wire.log import renderers
+from wire.step import NewSequence, StepPlan
 
 
 def _sched(step: int = 7, seqs: dict[int, list[int]] | None = None,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from scheduler.protocol import EngineConfig, NewSequence, ScheduledChunk, StepPlan
+from wire.config import EngineConfig
+from wire.step import NewSequence, ScheduledChunk, StepPlan
 from worker.distributed import TensorParallelGroup
 from worker.model_runner import ModelRunner
 

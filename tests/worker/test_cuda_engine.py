@@ -16,8 +16,10 @@ import random
 import pytest
 import torch
 
-from scheduler.protocol import EngineConfig, GenerateRequest, NewSequence, ScheduledChunk, StepPlan
 from tests.scheduler.engine_harness import inprocess_engine, run_until_done
+from wire.client import GenerateRequest
+from wire.config import EngineConfig
+from wire.step import NewSequence, ScheduledChunk, StepPlan
 
 pytestmark = pytest.mark.cuda
 

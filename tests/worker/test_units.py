@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from scheduler.guided import token_mask
-from scheduler.protocol import EngineConfig, NewSequence, SamplingParams, ScheduledChunk, StepPlan
+from wire.client import SamplingParams
+from wire.config import EngineConfig
+from wire.step import NewSequence, ScheduledChunk, StepPlan
 from worker.distributed import TensorParallelGroup
 from worker.model_config import UnsupportedModelError, load_model_config
 from worker.model_runner import ModelRunner

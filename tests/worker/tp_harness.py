@@ -14,7 +14,8 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from scheduler.protocol import EngineConfig, NewSequence, ScheduledChunk, StepPlan
+from wire.config import EngineConfig
+from wire.step import NewSequence, ScheduledChunk, StepPlan
 from worker.distributed import (
     RankInfo,
     init_tensor_parallel,

@@ -1,4 +1,4 @@
-"""The one generic msgpack codec for the dataclasses in `scheduler/protocol.py`.
+"""The one generic msgpack codec for every message in `wire/`.
 
 A frame is msgpack of `[schema_version, type_name, [field values...]]`. Fields
 are encoded positionally (smaller and faster than maps) and decoded back into
@@ -17,7 +17,10 @@ from typing import Any
 
 import msgpack
 
-from scheduler import protocol
+from wire import client, config, control, lifecycle, step
+
+SCHEMA_VERSION = 4  # 2: WorkerConnect carries pid and host_id; 3: guided decoding;
+# 4: reasoning spans (GenerateRequest.thinking, RequestOutput.num_reasoning_tokens)
 
 
 class ProtocolError(ValueError):
@@ -33,7 +36,13 @@ def register(*classes: type) -> None:
         _REGISTRY[cls.__name__] = cls
 
 
-register(*protocol.MESSAGE_TYPES)
+def _dataclasses_of(module) -> list[type]:
+    return [v for v in vars(module).values()
+            if dataclasses.is_dataclass(v) and v.__module__ == module.__name__]
+
+
+for _module in (config, client, step, lifecycle, control):
+    register(*_dataclasses_of(_module))
 
 
 def _to_plain(value: Any) -> Any:
@@ -48,10 +57,8 @@ def _to_plain(value: Any) -> Any:
 
 @cache
 def _field_types(cls: type) -> list[tuple[str, Any]]:
-    # Names resolve in the protocol package, then in the class's own module (the
-    # control channel's messages live in scheduler/protocol/control.py).
-    namespace = {**vars(protocol), **vars(sys.modules[cls.__module__])}
-    hints = typing.get_type_hints(cls, namespace)
+    # names resolve in the class's own module, which imports what its fields use
+    hints = typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
     return [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
 
 
@@ -88,7 +95,7 @@ def encode(message: Any) -> bytes:
     if cls.__name__ not in _REGISTRY:
         raise ProtocolError(f"{cls.__name__} is not a registered message type")
     return msgpack.packb(
-        [protocol.SCHEMA_VERSION, cls.__name__, _to_plain(message)], use_bin_type=True
+        [SCHEMA_VERSION, cls.__name__, _to_plain(message)], use_bin_type=True
     )
 
 
@@ -97,9 +104,9 @@ def decode(frame: bytes) -> Any:
         version, name, body = msgpack.unpackb(frame, raw=False, strict_map_key=False)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise ProtocolError(f"undecodable frame: {exc}") from exc
-    if version != protocol.SCHEMA_VERSION:
+    if version != SCHEMA_VERSION:
         raise ProtocolError(
-            f"schema version {version} received, this process speaks {protocol.SCHEMA_VERSION}"
+            f"schema version {version} received, this process speaks {SCHEMA_VERSION}"
         )
     cls = _REGISTRY.get(name)
     if cls is None:

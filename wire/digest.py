@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from scheduler.protocol import StepPlan
+    from wire.step import StepPlan
 
 _MASK64 = (1 << 64) - 1
 _U = np.uint64

@@ -20,9 +20,9 @@ from typing import Any
 
 import zmq
 
-from scheduler.protocol import codec
-from scheduler.protocol.control import ControlError, StackDump
-from scheduler.protocol.transport_security import secure_bind
+from wire import codec
+from wire.control import ControlError, StackDump
+from wire.security import secure_bind
 
 CONTROL_DIR_ENV = "DEEPINFER_CONTROL_DIR"
 POLL_MS = 200

@@ -1,0 +1,119 @@
+"""Messages between the shim and the scheduler: requests, their outputs, and the engine's
+counters for /metrics.
+
+    shim -> scheduler   GenerateRequest, AbortRequest, StatsRequest (and PrefixBreak,
+                        wire/control.py)
+    scheduler -> shim   RequestOutput (a stream per request), EngineStats
+
+The shim tokenizes, so a request is token ids; sampling parameters ride with it to the
+ranks (wire/step.py NewSequence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Below this a temperature samples greedily (as in vLLM): logits / t overflows float32 to
+# inf long before t reaches 0, softmax of inf is NaN, and the rank would fail the step.
+MIN_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k
+    seed: int | None = None  # per-request seed; None: derived from the engine seed and seq id
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+
+
+@dataclass
+class ThinkingSpan:
+    """Where a reasoning model's `<think>` span is in its output, by token ids, and how
+    long it may grow (scheduler/thinking.py). `inside`: the prompt opened it already."""
+
+    start_token_id: int
+    end_token_id: int
+    inside: bool = False
+    budget: int | None = None  # reasoning tokens before the end tag is forced; None: no cap
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    cache_salt: str | None = None
+    session_id: str | None = None  # lets the scheduler reuse the session's block hashes
+    priority: int = 0  # admission order: lower first (scheduler/queue.py)
+    timeout_s: float | None = None  # deadline from arrival; past it: error "timeout"
+    grammar: str | None = None  # llguidance grammar the output follows (scheduler/guided.py)
+    thinking: ThinkingSpan | None = None  # counted, and capped if it has a budget
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+    reason: str = "abort"  # "abort" (client gone) or "stop" (the shim matched a stop string)
+
+
+@dataclass
+class RequestOutput:
+    """New tokens of one request since its last output; the last one has finished=True."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    num_prompt_tokens: int = 0
+    num_device_cached_tokens: int = 0  # prompt tokens served from the device tier
+    num_host_cached_tokens: int = 0  # prompt tokens served from the host tier
+    error: str | None = None
+    # invalid_request | overloaded | timeout | unavailable | internal
+    error_type: str | None = None
+    num_reasoning_tokens: int = 0  # output tokens inside the thinking span so far
+
+
+@dataclass
+class StatsRequest:
+    """The shim asks for a snapshot of the engine's counters (for /metrics)."""
+
+    nonce: int = 0
+
+
+@dataclass
+class HistogramData:
+    """A histogram kept by the scheduler: counts per bucket (upper bounds `bounds`, the
+    last bucket is +Inf, so len(counts) == len(bounds) + 1), not cumulative."""
+
+    bounds: list[float]
+    counts: list[int]
+    sum: float = 0.0
+
+
+@dataclass
+class EngineStats:
+    """Counters are totals since start; gauges are the current values."""
+
+    step: int
+    num_waiting: int
+    num_running: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    step_seconds: float
+    kv_bytes_per_block: int
+    cache: dict[str, int]  # cache.stats.CacheStats counters
+    usage: dict[str, dict[str, int]]  # tier -> capacity/used/cached/free, in blocks
+    # queue_seconds, step_seconds, step_prefill_tokens, step_decode_tokens
+    histograms: dict[str, HistogramData] = field(default_factory=dict)
+    num_digest_mismatches: int = 0

@@ -1,0 +1,55 @@
+"""The engine's one configuration, built from the command line and sent to every process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The one frozen configuration built from the command line.
+
+    Handed to every process as plain data (msgpack), so it holds only
+    primitives. Derived values are properties.
+    """
+
+    model: str
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    world_size: int = 1
+    block_size: int = 16
+    kv_cache_memory: int = 256 * 1024 * 1024  # bytes per rank for the device tier
+    gpu_memory_utilization: float = 0.0  # CUDA only; > 0 sizes the device tier by profiling
+    host_cache_memory: int = 0  # bytes per rank for the host tier; 0 disables it
+    kv_write_policy: str = "write_back"  # host copy on device eviction, or "write_through"
+    enable_prefix_caching: bool = True
+    max_model_len: int = 0  # 0: take the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_queued_requests: int = 256
+    max_queued_tokens: int = 0  # prompt tokens waiting, all requests together; 0: no limit
+    step_timeout_s: float = 300.0  # a rank that answers no step within this is hung
+    full_cache_check_every: int = 0  # debug: the O(capacity) cache check every N steps
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    torch_threads: int = 0  # 0: cores / local ranks
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"unknown device {self.device!r}")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise ValueError(f"unknown attention backend {self.attention_backend!r}")
+        if self.kv_write_policy not in ("write_back", "write_through"):
+            raise ValueError(f"unknown KV write policy {self.kv_write_policy!r}")
+        if self.world_size < 1:
+            raise ValueError("world_size must be >= 1")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if self.max_queued_requests < 1 or self.max_queued_tokens < 0:
+            raise ValueError("max_queued_requests must be >= 1 and max_queued_tokens >= 0")
+        if self.step_timeout_s <= 0:
+            raise ValueError("step_timeout_s must be > 0")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")

@@ -1,0 +1,74 @@
+"""Messages of the step protocol: one plan from the scheduler to every rank, one result back.
+
+Vocabulary: a *sequence* owns a *block table* (device block ids, `block_size` tokens
+each). A *step plan* carries, in the order the ranks apply them: cache ops (swap_out,
+swap_in, close), block-table deltas (new sequences, appended blocks), then the chunks of
+tokens to run forward. Deltas, not state: a sequence's table is sent in full once
+(NewSequence), then only its appended blocks, then its close.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from wire.client import SamplingParams
+
+
+@dataclass
+class NewSequence:
+    """A sequence's block table, sent in full exactly once."""
+
+    seq_id: int
+    block_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class AppendBlocks:
+    """Blocks appended to a live sequence's table (a delta, never the whole table)."""
+
+    seq_id: int
+    block_ids: list[int]
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens of one sequence to run this step, at positions [start_pos, start_pos + len).
+
+    Their KV is written into the sequence's blocks; attention sees every earlier
+    position (the cached prefix included). `sample` asks rank 0 for a token at
+    the chunk's last position.
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    sample: bool
+    # guided decoding (scheduler/guided.py): the tokens the sample may take, bit i of
+    # the little-endian 32-bit words for token i; None: any
+    allowed: bytes | None = None
+
+
+@dataclass
+class StepPlan:
+    step: int
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+    close: list[int] = field(default_factory=list)  # seq ids whose block tables are dropped
+    new_seqs: list[NewSequence] = field(default_factory=list)
+    append: list[AppendBlocks] = field(default_factory=list)
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    # (device block, low 64 bits of its block hash): blocks registered in the prefix
+    # index this step. Ranks mirror them (and carry them through swaps) only so the
+    # state digest covers which hash lives in which block or host slot.
+    register: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    step: int
+    rank: int
+    digest: int  # StateDigest.value after the step
+    sampled: list[tuple[int, int]] = field(default_factory=list)  # (seq_id, token); rank 0 only
+    forward_s: float = 0.0
+    error: str | None = None
