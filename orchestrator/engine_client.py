@@ -123,7 +123,7 @@ class EngineClient:
                 f"{self.connect_timeout_s:g}s (is it running, and is this its run directory?)"
             ) from None
         log.info("engine_connected", address=self.address, model=info.model,
-                 max_model_len=info.max_model_len, vocab_size=info.vocab_size)
+                 max_model_len=info.limits.max_model_len, vocab_size=info.limits.vocab_size)
         return info
 
     async def close(self) -> None:

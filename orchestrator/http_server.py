@@ -183,15 +183,16 @@ def build_app(
         except Exception as exc:
             log.error("engine_unavailable", error=str(exc))
             raise
-        state.vocab_size = info.vocab_size
+        limits = info.limits
+        state.vocab_size = limits.vocab_size
         state.block_size = info.block_size
         state.created = int(time.time())
-        state.max_model_len = info.max_model_len
+        state.max_model_len = limits.max_model_len
         if max_model_len > 0:
-            if max_model_len > info.max_model_len:
+            if max_model_len > limits.max_model_len:
                 log.warning("max_model_len_above_engine", requested=max_model_len,
-                            engine=info.max_model_len)
-            state.max_model_len = min(max_model_len, info.max_model_len)
+                            engine=limits.max_model_len)
+            state.max_model_len = min(max_model_len, limits.max_model_len)
         log.info("shim_ready", model=model_name, max_model_len=state.max_model_len)
         try:
             yield

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 from cache.manager import CacheAccountingError
 from scheduler.executor import Executor
-from scheduler.scheduler import EngineLimits, Scheduler
+from scheduler.scheduler import Scheduler
 from wire.client import EngineStats, RequestOutput
+from wire.lifecycle import EngineLimits, WorkerReady
 from wire.step import StepResult
 
 
@@ -44,19 +45,13 @@ class StepTimings:
     totals: dict[str, float] = field(default_factory=dict)
 
 
-def limits_from_ready(ready: list) -> EngineLimits:
-    first = ready[0]
+def agree_limits(ready: list[WorkerReady]) -> EngineLimits:
+    """The engine's limits: every rank must report the same (each took the minimum block
+    counts over the ranks before it said it was ready)."""
+    first = ready[0].limits
     for r in ready[1:]:
-        assert (r.num_device_blocks, r.num_host_blocks) == (
-            first.num_device_blocks, first.num_host_blocks), "ranks disagree on block counts"
-    return EngineLimits(
-        vocab_size=first.vocab_size,
-        max_model_len=first.max_model_len,
-        eos_token_ids=tuple(first.eos_token_ids),
-        num_device_blocks=first.num_device_blocks,
-        num_host_blocks=first.num_host_blocks,
-        kv_bytes_per_block=first.kv_bytes_per_block,
-    )
+        assert r.limits == first, f"rank {r.rank} reports {r.limits}, rank 0 {first}"
+    return first
 
 
 def check_digests(step: int, expected: int, results: list[StepResult]) -> None:

@@ -21,7 +21,7 @@ from scheduler.rank_health import (
 )
 from wire import codec
 from wire.config import EngineConfig
-from wire.lifecycle import Shutdown, WorkerConnect, WorkerReady
+from wire.lifecycle import Shutdown, StartFailed, WorkerConnect, WorkerReady
 from wire.security import secure_bind
 from wire.step import StepPlan, StepResult
 
@@ -118,7 +118,7 @@ class ZmqExecutor:
             if got is None:
                 raise self._start_timeout("connect" if connecting else "model load")
             identity, msg = got
-            if isinstance(msg, StepResult) and msg.error:
+            if isinstance(msg, StartFailed):
                 raise self._rank_error(msg.rank, "while loading the model", msg.error)
             if isinstance(msg, WorkerReady):
                 ready[msg.rank] = msg

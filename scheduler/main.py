@@ -18,16 +18,16 @@ from rich.table import Table
 
 from cache.manager import CacheAccountingError
 from scheduler.control import SchedulerControl
-from scheduler.engine import EngineCore, RankDivergenceError, limits_from_ready
+from scheduler.engine import EngineCore, RankDivergenceError, agree_limits
 from scheduler.executor import WorkerFailure, ZmqExecutor
-from scheduler.scheduler import EngineLimits, RequestRejected, Scheduler
+from scheduler.scheduler import RequestRejected, Scheduler
 from scheduler.telemetry import Telemetry
 from wire import codec
 from wire.client import AbortRequest, GenerateRequest, RequestOutput, StatsRequest
 from wire.config import EngineConfig
 from wire.control import PrefixBreak
 from wire.control_server import control_address
-from wire.lifecycle import ClientHello, EngineInfo, Shutdown
+from wire.lifecycle import ClientHello, EngineInfo, EngineLimits, Shutdown
 from wire.log import configure_logging
 from wire.security import secure_bind
 
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     executor = ZmqExecutor(addresses["workers"], config,
                            control_dir=args.run_dir)
     try:
-        limits = limits_from_ready(executor.start())
+        limits = agree_limits(executor.start())
     except WorkerFailure as exc:
         log.error("workers_failed_to_start", error=str(exc), ranks=exc.ranks, cause=exc.cause)
         return 1
@@ -168,12 +168,7 @@ def main(argv: list[str] | None = None) -> int:
              host_tokens=limits.num_host_blocks * config.block_size)
     telemetry = Telemetry(log)
     core = EngineCore(Scheduler(config, limits), telemetry.wrap(executor))
-    info = EngineInfo(
-        model=config.model, vocab_size=limits.vocab_size, max_model_len=limits.max_model_len,
-        eos_token_ids=list(limits.eos_token_ids), block_size=config.block_size,
-        num_device_blocks=limits.num_device_blocks, num_host_blocks=limits.num_host_blocks,
-        world_size=config.world_size,
-    )
+    info = EngineInfo(config.model, config.block_size, config.world_size, limits)
     server = SchedulerServer(core, info, addresses["requests"], log, telemetry)
     control = SchedulerControl(core.scheduler, telemetry,
                                control_address(args.run_dir, "scheduler"), log)

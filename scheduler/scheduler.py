@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass
 
 from cache.hashing import make_extra_key
 from cache.manager import CacheConfig, KVCacheManager
@@ -22,20 +21,8 @@ from scheduler.thinking import ThinkingBudget
 from wire.client import GenerateRequest, RequestOutput
 from wire.config import EngineConfig
 from wire.digest import StateDigest
+from wire.lifecycle import EngineLimits
 from wire.step import AppendBlocks, NewSequence, ScheduledChunk, StepPlan
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    """What the ranks reported at start-up (agreed across ranks)."""
-
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]
-    num_device_blocks: int
-    num_host_blocks: int
-    kv_bytes_per_block: int = 0
-
 
 GRAMMAR_WAIT_S = 0.05  # an idle step waits this long for the queue head's grammar
 

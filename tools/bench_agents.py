@@ -26,7 +26,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from orchestrator.launcher import free_port, spawn, stop_all
-from scheduler.engine import EngineCore, limits_from_ready
+from scheduler.engine import EngineCore, agree_limits
 from scheduler.executor import ZmqExecutor
 from scheduler.scheduler import Scheduler
 from wire.client import GenerateRequest
@@ -115,7 +115,7 @@ def start_engine(args: argparse.Namespace, run_dir: str, caching: bool):
         "LOCAL_WORLD_SIZE": str(args.world_size), "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": port, "DEEPINFER_LOG_LEVEL": "WARNING"})
         for r in range(args.world_size)]
-    core = EngineCore(Scheduler(config, limits_from_ready(executor.start())), executor)
+    core = EngineCore(Scheduler(config, agree_limits(executor.start())), executor)
     return core, executor, ranks
 
 

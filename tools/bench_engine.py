@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from orchestrator.launcher import free_port, spawn, stop_all
 from orchestrator.structured_output import json_grammar
-from scheduler.engine import EngineCore, limits_from_ready
+from scheduler.engine import EngineCore, agree_limits
 from scheduler.executor import ZmqExecutor
 from scheduler.scheduler import Scheduler
 from wire import codec
@@ -52,7 +52,7 @@ def run_one(model: str, world_size: int, args: argparse.Namespace,
             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": port, "DEEPINFER_LOG_LEVEL": "WARNING"}) for r in range(world_size)]
         try:
-            core = EngineCore(Scheduler(config, limits_from_ready(executor.start())), executor)
+            core = EngineCore(Scheduler(config, agree_limits(executor.start())), executor)
             rng = random.Random(0)
             grammar = json_grammar(GUIDED_SCHEMA, "bench") if guided else None
             make = lambda tag: [  # noqa: E731

@@ -27,12 +27,12 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from scheduler.engine import EngineCore, limits_from_ready
+from scheduler.engine import EngineCore, agree_limits
 from scheduler.scheduler import Scheduler
 from wire.client import GenerateRequest
 from wire.config import EngineConfig
 from wire.digest import StateDigest
-from wire.lifecycle import WorkerReady
+from wire.lifecycle import EngineLimits, WorkerReady
 from wire.step import StepPlan, StepResult
 
 DEPLOYMENT = {"hit_ratio": 0.96, "read_rate_ratio": 9.0}
@@ -69,10 +69,9 @@ class CostModelExecutor:
     def __init__(self, cost: CostModel, num_device_blocks: int, num_host_blocks: int,
                  vocab_size: int = 128_000, max_model_len: int = 1_048_576) -> None:
         self.cost = cost
-        self.ready = WorkerReady(rank=0, device="simulated", num_device_blocks=num_device_blocks,
-                                 num_host_blocks=num_host_blocks, vocab_size=vocab_size,
-                                 max_model_len=max_model_len, eos_token_ids=[],
-                                 kv_bytes_per_block=0)
+        self.ready = WorkerReady(0, "simulated", EngineLimits(
+            vocab_size=vocab_size, max_model_len=max_model_len, eos_token_ids=(),
+            num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks))
         self.mirror = StateDigest(num_device_blocks, num_host_blocks)
         self.clock = 0.0  # virtual seconds
         self.prompt_seconds: dict[int, float] = {}  # seq id -> time computing its prompt
@@ -225,7 +224,7 @@ def simulate(sc: Scenario, cost: CostModel, device_tokens: int, host_tokens: int
                           max_num_batched_tokens=max_batched,
                           max_queued_requests=max(1024, sc.agents))
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    core = EngineCore(Scheduler(config, limits_from_ready(executor.start())), executor)
+    core = EngineCore(Scheduler(config, agree_limits(executor.start())), executor)
     with tqdm(total=sc.agents * sc.turns, desc=desc, leave=False) as bar:
         result = run_scenario(core, sc, lambda: executor.clock, bar)
     # The deployment's "read rate": prompt tokens (cached ones count as read) per second

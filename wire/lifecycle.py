@@ -1,6 +1,6 @@
 """Hellos, readiness and goodbyes: how a rank and the shim join the scheduler, and leave.
 
-    rank -> scheduler    WorkerConnect; then WorkerReady (or the error it failed with)
+    rank -> scheduler    WorkerConnect; then WorkerReady, or StartFailed
     scheduler -> rank    EngineConfig (wire/config.py), then step plans, then Shutdown
     shim -> scheduler    ClientHello
     scheduler -> shim    EngineInfo; Shutdown when the engine goes away
@@ -26,18 +26,35 @@ class WorkerConnect:
     host_id: str
 
 
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the engine can hold and serve. Each rank reports its own (WorkerReady), the
+    scheduler agrees one across the ranks (the KV block counts are agreed already, as
+    the minimum over the ranks) and hands it to the shim (EngineInfo)."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    num_device_blocks: int
+    num_host_blocks: int
+    kv_bytes_per_block: int = 0
+
+
 @dataclass
 class WorkerReady:
-    """A rank has loaded its shard and allocated its KV tiers (counts agreed across ranks)."""
+    """A rank has loaded its shard and allocated its KV tiers."""
 
     rank: int
     device: str
-    num_device_blocks: int
-    num_host_blocks: int
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: list[int]
-    kv_bytes_per_block: int
+    limits: EngineLimits
+
+
+@dataclass
+class StartFailed:
+    """A rank could not start (load its shard, allocate its KV, join the process group)."""
+
+    rank: int
+    error: str
 
 
 @dataclass
@@ -49,14 +66,12 @@ class ClientHello:
 
 @dataclass
 class EngineInfo:
+    """The scheduler's answer to a ClientHello: what the shim serves."""
+
     model: str
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: list[int]
     block_size: int
-    num_device_blocks: int
-    num_host_blocks: int
     world_size: int
+    limits: EngineLimits
 
 
 @dataclass

@@ -7,7 +7,7 @@ and benchmarks drive the real scheduler against the real model without ZeroMQ.
 from __future__ import annotations
 
 from wire.config import EngineConfig
-from wire.lifecycle import WorkerReady
+from wire.lifecycle import EngineLimits, WorkerReady
 from wire.step import StepPlan, StepResult
 from worker.distributed import TensorParallelGroup, resolve_device
 from worker.model_runner import ModelRunner
@@ -33,16 +33,14 @@ class InProcessExecutor:
 
 
 def ready_message(runner: ModelRunner, rank: int) -> WorkerReady:
-    return WorkerReady(
-        rank=rank,
-        device=str(runner.device),
-        num_device_blocks=runner.num_device_blocks,
-        num_host_blocks=runner.num_host_blocks,
+    return WorkerReady(rank, str(runner.device), EngineLimits(
         vocab_size=runner.vocab_size,
         max_model_len=runner.max_model_len,
-        eos_token_ids=list(runner.model_config.eos_token_ids),
+        eos_token_ids=tuple(runner.model_config.eos_token_ids),
+        num_device_blocks=runner.num_device_blocks,
+        num_host_blocks=runner.num_host_blocks,
         kv_bytes_per_block=runner.kv_bytes_per_block,
-    )
+    ))
 
 
 __all__ = ["InProcessExecutor", "ready_message"]

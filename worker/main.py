@@ -9,9 +9,9 @@ scheduler, so every rank runs with exactly the scheduler's settings.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -21,7 +21,7 @@ import zmq
 from wire import codec
 from wire.config import EngineConfig
 from wire.control_server import control_address, control_dir_for
-from wire.lifecycle import Shutdown, WorkerConnect, host_identity
+from wire.lifecycle import Shutdown, StartFailed, WorkerConnect, host_identity
 from wire.log import configure_logging
 from wire.security import secure_connect
 from wire.step import StepPlan, StepResult
@@ -36,16 +36,10 @@ from worker.distributed import (
 from worker.inprocess import ready_message
 from worker.model_runner import ModelRunner
 
-# Fault injection for tests of the engine's own checks: "RANK:STEP" makes that rank
-# corrupt its mirrored state at that step, as a rank that missed an op would.
-FAULT_DIVERGE_ENV = "DEEPINFER_FAULT_DIVERGE"
-# Test-only faults for the inspect CLI. CORRUPT_TABLE "RANK:STEP": from that step on,
-# the first sequence run gets a wrong block in its table (a real divergence the digest,
-# which mirrors the plans, cannot see). STALL "RANK:STEP:SECONDS": that step sleeps after
-# its table deltas, as a hung kernel would (the other ranks then wait in a collective);
-# it ends early when CONTROL_DIR/fault-stall-release exists.
-FAULT_CORRUPT_TABLE_ENV = "DEEPINFER_FAULT_CORRUPT_TABLE"
-FAULT_STALL_ENV = "DEEPINFER_FAULT_STALL"
+# Tests inject faults into a rank through this hook: a Python file whose
+# `install(runner, rank, control_dir, log)` runs once before the first step
+# (tests/worker/faults.py). Unset in production.
+RANK_HOOK_ENV = "DEEPINFER_RANK_HOOK"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = ModelRunner(config, tp, device)
     except Exception as exc:
         log.error("worker_start_failed", error=str(exc))
-        sock.send(codec.encode(StepResult(-1, info.rank, 0, error=f"{type(exc).__name__}: {exc}")))
+        sock.send(codec.encode(StartFailed(info.rank, f"{type(exc).__name__}: {exc}")))
         return 1
     log.info("worker_ready", device=str(device), threads=threads,
              num_device_blocks=runner.num_device_blocks, num_host_blocks=runner.num_host_blocks)
@@ -84,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     if control_dir is not None:
         control = RankControl(runner, info.rank, info.world_size,
                               control_address(control_dir, f"rank{info.rank}"), log)
-    runner.on_applied = _step_hooks(runner, control, control_dir, info.rank, log)
+    runner.on_applied = control.applied if control is not None else None
+    if os.environ.get(RANK_HOOK_ENV):
+        _install_rank_hook(os.environ[RANK_HOOK_ENV], runner, info.rank, control_dir, log)
     sock.send(codec.encode(ready_message(runner, info.rank)))
     try:
         code = serve(sock, runner, info.rank, log, control)
@@ -98,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(sock: zmq.Socket, runner: ModelRunner, rank: int, log,
           control: RankControl | None = None) -> int:
-    fault = _parse_fault(os.environ.get(FAULT_DIVERGE_ENV), rank)
     while True:
         msg = codec.decode(sock.recv())
         if isinstance(msg, Shutdown):
@@ -107,8 +102,6 @@ def serve(sock: zmq.Socket, runner: ModelRunner, rank: int, log,
         assert isinstance(msg, StepPlan), f"unexpected message {type(msg).__name__}"
         structlog.contextvars.bind_contextvars(step=msg.step)
         try:
-            if fault == msg.step:
-                runner.digest.add_blocks(-1, [0])  # a phantom table entry: state diverges
             out = runner.execute(msg)
             if control is not None:
                 control.finished(out.digest)
@@ -124,39 +117,13 @@ def serve(sock: zmq.Socket, runner: ModelRunner, rank: int, log,
             return 1
 
 
-def _step_hooks(runner: ModelRunner, control: RankControl | None, control_dir: Path | None,
-                rank: int, log):
-    """What runs between a plan's table deltas and its forward pass: the control mark,
-    and the test-only faults."""
-    corrupt_at = _parse_fault(os.environ.get(FAULT_CORRUPT_TABLE_ENV), rank)
-    stall = (os.environ.get(FAULT_STALL_ENV) or "").split(":")
-    stall_at = int(stall[1]) if len(stall) == 3 and int(stall[0]) == rank else None
-    pending = {"corrupt": corrupt_at is not None}
-
-    def on_applied(plan: StepPlan) -> None:
-        if control is not None:
-            control.applied(plan)
-        if pending["corrupt"] and plan.step >= corrupt_at and plan.chunks:
-            pending["corrupt"] = False
-            table = runner.block_tables[plan.chunks[0].seq_id]
-            good, table[0] = table[0], (table[0] + 1) % runner.num_device_blocks
-            log.warning("fault_corrupt_table", seq_id=plan.chunks[0].seq_id, index=0,
-                        block=table[0], expected=good)
-        if plan.step == stall_at:
-            log.warning("fault_stall", seconds=float(stall[2]))
-            release = control_dir / "fault-stall-release" if control_dir else None
-            deadline = time.monotonic() + float(stall[2])
-            while time.monotonic() < deadline and not (release and release.exists()):
-                time.sleep(0.05)
-
-    return on_applied
-
-
-def _parse_fault(spec: str | None, rank: int) -> int | None:
-    if not spec:
-        return None
-    fault_rank, step = (int(x) for x in spec.split(":"))
-    return step if fault_rank == rank else None
+def _install_rank_hook(path: str, runner: ModelRunner, rank: int, control_dir: Path | None,
+                       log) -> None:
+    spec = importlib.util.spec_from_file_location("deepinfer_rank_hook", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    log.warning("rank_hook_installed", path=path)
+    module.install(runner, rank, control_dir, log)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from scheduler.thinking import ThinkingBudget
 from wire.client import EngineStats, GenerateRequest, RequestOutput
-from wire.lifecycle import EngineInfo
+from wire.lifecycle import EngineInfo, EngineLimits
 
 EOS = 3  # <|im_end|> in the tiny model's tokenizer
 
@@ -46,10 +46,9 @@ class ScriptedEngine:
 
     @property
     def info(self) -> EngineInfo:
-        return EngineInfo(model="tiny", vocab_size=self.tokenizer.get_vocab_size(),
-                          max_model_len=self.max_model_len, eos_token_ids=[EOS],
-                          block_size=self.block_size, num_device_blocks=1024,
-                          num_host_blocks=0, world_size=1)
+        return EngineInfo("tiny", self.block_size, 1, EngineLimits(
+            vocab_size=self.tokenizer.get_vocab_size(), max_model_len=self.max_model_len,
+            eos_token_ids=(EOS,), num_device_blocks=1024, num_host_blocks=0))
 
     async def start(self) -> EngineInfo:
         self.connected = True

@@ -22,10 +22,11 @@ import zmq.asyncio
 from orchestrator.engine_client import EngineClient, EngineUnavailableError
 from wire.client import AbortRequest, GenerateRequest
 from wire.codec import decode, encode
-from wire.lifecycle import ClientHello, EngineInfo, Shutdown
+from wire.lifecycle import ClientHello, EngineInfo, EngineLimits, Shutdown
 
-INFO = EngineInfo(model="tiny", vocab_size=100, max_model_len=64, eos_token_ids=[1],
-                  block_size=16, num_device_blocks=8, num_host_blocks=0, world_size=1)
+INFO = EngineInfo("tiny", 16, 1, EngineLimits(vocab_size=100, max_model_len=64,
+                                               eos_token_ids=(1,), num_device_blocks=8,
+                                               num_host_blocks=0))
 
 
 def address(tmp_path: Path) -> str:

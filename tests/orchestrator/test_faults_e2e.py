@@ -19,6 +19,7 @@ import pytest
 
 from tests.orchestrator.e2e_helpers import alive, complete
 from tests.tools.engine import Engine
+from tests.worker.faults import with_faults
 
 pytestmark = pytest.mark.slow
 LONG = {"model": "default", "prompt": list(range(100, 140)), "max_tokens": 400,
@@ -130,7 +131,7 @@ def test_a_hung_rank_is_named_and_stops_the_engine(default_model, tmp_path):
     """Rank 1 sleeps inside step 10 (rank 0 then waits for it in a collective): after
     --step-timeout the scheduler names rank 1 as hung, and everything stops."""
     engine = Engine(default_model, tmp_path / "run", "--step-timeout", "3", nproc=2,
-                    env={"DEEPINFER_FAULT_STALL": "1:10:60"})
+                    env=with_faults(DEEPINFER_FAULT_STALL="1:10:60"))
     pids = engine.pids()
     request = start_long_request(engine)
     code = engine.proc.wait(timeout=40)

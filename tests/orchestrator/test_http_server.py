@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from orchestrator.http_server import build_app, parse_args, requests_address
 from wire.client import GenerateRequest, RequestOutput
-from wire.lifecycle import EngineInfo
+from wire.lifecycle import EngineInfo, EngineLimits
 
 MAX_LEN = 64
 
@@ -25,10 +25,9 @@ class StandInEngine:
     """Answers start() like the scheduler would; refuses to generate."""
 
     def __init__(self, vocab_size: int, *, generate_error: Exception | None = None) -> None:
-        self._info = EngineInfo(
-            model="tiny", vocab_size=vocab_size, max_model_len=MAX_LEN, eos_token_ids=[0],
-            block_size=16, num_device_blocks=8, num_host_blocks=0, world_size=1,
-        )
+        self._info = EngineInfo("tiny", 16, 1, EngineLimits(
+            vocab_size=vocab_size, max_model_len=MAX_LEN, eos_token_ids=(0,),
+            num_device_blocks=8, num_host_blocks=0))
         self.connected = False
         self.generate_error = generate_error
         self.requests: list[GenerateRequest] = []

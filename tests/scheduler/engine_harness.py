@@ -8,7 +8,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
-from scheduler.engine import EngineCore, limits_from_ready
+from scheduler.engine import EngineCore, agree_limits
 from scheduler.executor import Executor, ZmqExecutor
 from scheduler.scheduler import Scheduler
 from tests.conftest import REPO, free_port, subprocess_env
@@ -61,7 +61,7 @@ def zmq_engine(model: str, world_size: int, env: dict[str, str] | None = None, *
         ]
         try:
             recorder = RecordingExecutor(executor)
-            limits = limits_from_ready(recorder.start())
+            limits = agree_limits(recorder.start())
             yield EngineCore(Scheduler(config, limits), recorder)
             executor.shutdown()
             for p in procs:
@@ -104,4 +104,4 @@ def inprocess_engine(model: str, scheduler_cls: type[Scheduler] = Scheduler,
                           full_cache_check_every=overrides.pop("full_cache_check_every", 1),
                           **overrides)
     recorder = RecordingExecutor(InProcessExecutor(config))
-    return EngineCore(scheduler_cls(config, limits_from_ready(recorder.start())), recorder)
+    return EngineCore(scheduler_cls(config, agree_limits(recorder.start())), recorder)

@@ -8,6 +8,7 @@ import pytest
 
 from scheduler.engine import RankDivergenceError
 from tests.scheduler.engine_harness import run_until_done, zmq_engine
+from tests.worker.faults import with_faults
 from wire.client import GenerateRequest
 
 pytestmark = pytest.mark.slow
@@ -71,7 +72,7 @@ def test_close_comes_in_the_plan_after_the_final_token(default_model):
 
 
 def test_divergent_rank_is_caught_with_step_and_rank(default_model):
-    env = {"DEEPINFER_FAULT_DIVERGE": "2:3"}
+    env = with_faults(DEEPINFER_FAULT_DIVERGE="2:3")
     with zmq_engine(default_model, 4, env=env) as core:
         with pytest.raises(RankDivergenceError, match=r"step 3.*rank 2") as err:
             run_until_done(core, requests("d", max_tokens=8)[:2])

@@ -18,7 +18,7 @@ from wire import codec
 from wire.config import EngineConfig
 from wire.control import RankSnapshot
 from wire.control_server import ControlServer, control_address
-from wire.lifecycle import WorkerConnect, WorkerReady
+from wire.lifecycle import EngineLimits, WorkerConnect, WorkerReady
 from wire.step import StepPlan, StepResult
 
 
@@ -57,7 +57,8 @@ class FakeRank(threading.Thread):
         sock.connect(self.address)
         sock.send(codec.encode(WorkerConnect(self.rank, 2, self.pid, host_identity())))
         assert isinstance(codec.decode(sock.recv()), EngineConfig)
-        sock.send(codec.encode(WorkerReady(self.rank, "cpu", 8, 0, 100, 64, [1], 1024)))
+        limits = EngineLimits(100, 64, (1,), 8, 0, 1024)
+        sock.send(codec.encode(WorkerReady(self.rank, "cpu", limits)))
         while not self.stop.is_set():
             if not sock.poll(50):
                 continue

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.scheduler import EngineLimits, RequestRejected, Scheduler
+from scheduler.scheduler import RequestRejected, Scheduler
 from wire.client import GenerateRequest
 from wire.config import EngineConfig
+from wire.lifecycle import EngineLimits
 
 
 def make(num_blocks: int = 64, **cfg) -> Scheduler:

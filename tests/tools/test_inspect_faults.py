@@ -13,10 +13,12 @@ import pytest
 
 from tests.orchestrator.e2e_helpers import complete
 from tests.tools.engine import Engine
+from tests.worker.faults import with_faults
 
 pytestmark = pytest.mark.slow
 STALL_STEP = 40
-FAULTS = {"DEEPINFER_FAULT_CORRUPT_TABLE": "2:3", "DEEPINFER_FAULT_STALL": f"1:{STALL_STEP}:120"}
+FAULTS = with_faults(DEEPINFER_FAULT_CORRUPT_TABLE="2:3",
+                     DEEPINFER_FAULT_STALL=f"1:{STALL_STEP}:120")
 
 
 @pytest.fixture(scope="module")
