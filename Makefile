@@ -32,6 +32,7 @@ $(MODEL)/deepinfer_tiny.json: $(INSTALLED) tools/make_tiny_model.py tools/tiny_t
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 
 test: install lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -1,14 +1,48 @@
-"""What tools/bench_worker.py prints and records besides its measurements: the
-all-reduce share estimate, the machine, and the results table."""
+"""What tools/bench_worker.py is asked and what it prints and records besides its
+measurements: its parameters, the all-reduce share estimate, the machine, and the
+results table."""
 
 from __future__ import annotations
 
 import os
 import platform
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-if TYPE_CHECKING:
-    from tools.bench_worker import BenchArgs
+BLOCK_SIZE = 16  # EngineConfig's default, which the ranks use
+
+
+@dataclass(frozen=True)
+class BenchArgs:
+    """What every rank measures; handed to the ranks as JSON on the command line."""
+
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    attention_backend: str = "auto"
+    prompt_len: int = 2000
+    chunk: int = 512
+    decode_prompt_len: int = 128
+    decode_steps: int = 32
+    batch_sizes: tuple[int, ...] = (1, 16)
+    shared_prefix_len: int = 0  # > 0: decode again behind this many shared cached tokens
+    repeats: int = 3  # timed runs of each part; the fastest is reported
+    warmup_steps: int = 4  # decode steps before the timed ones
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.prompt_len, self.chunk, self.decode_prompt_len, self.decode_steps) < 1:
+            raise ValueError("lengths and step counts must be >= 1")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError("batch sizes must be >= 1")
+        if self.repeats < 1 or self.warmup_steps < 0:
+            raise ValueError("repeats must be >= 1 and warmup_steps >= 0")
+        if self.shared_prefix_len < 0 or self.shared_prefix_len % BLOCK_SIZE:
+            # a partly filled last prefix block would be written by every sequence
+            raise ValueError(f"shared_prefix_len must be a multiple of {BLOCK_SIZE}")
+
+    @property
+    def decode_len(self) -> int:
+        return self.decode_prompt_len + self.warmup_steps + self.repeats * self.decode_steps
 
 
 def add_shares(run: dict, args: BenchArgs) -> None:
