@@ -71,7 +71,7 @@ fuzz: install
 	for i in $$(seq $(FUZZ_RUNS)); do \
 		HYPOTHESIS_PROFILE=explore $(PY) -m pytest -q -p no:cacheprovider \
 			tests/orchestrator/test_fuzz_api.py tests/cache tests/scheduler/test_queue.py \
-			tests/scheduler/test_protocol.py tests/orchestrator/test_reasoning.py \
+			tests/wire/test_codec.py tests/orchestrator/test_reasoning.py \
 			tests/orchestrator/test_detokenizer.py || exit 1; \
 	done
 
