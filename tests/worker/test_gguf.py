@@ -246,3 +246,20 @@ def test_smollm2_equals_transformers_on_the_same_gguf():
     print(f"SmolLM2 Q4_1: max |engine - HF| prompt logits = {diff:.3g} (scale {scale:.3g})")
     assert diff < 1e-4 * scale, f"max |logits - HF| = {diff:.3g}, scale {scale:.3g}"
     assert tokens == ref_tokens, tok.decode(tokens) + "\n---\n" + tok.decode(ref_tokens)
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_smollm2_three_ranks_equal_one(tmp_path):
+    """Each of 3 ranks dequantizes its own slices (heads 9/3 and 3/3, MLP 1536/3, the
+    O columns 192 wide: Q4_1-block aligned): the result is the one-rank model's."""
+    from tests.worker.ranks import run_ranks
+
+    prompt = prompt_ids(49152, 24)
+    logits, tokens = run_engine(SMOLLM2, prompt, 8)
+    out = run_ranks(3, tmp_path / "out.st", model=str(SMOLLM2), dtype="float32",
+                    prompt=prompt, chunk=len(prompt), new_tokens=8)
+    diff = (out["logits"] - logits).abs().max().item()
+    assert diff < 1e-4 * logits.abs().max().item(), f"max |3 ranks - 1 rank| = {diff:.3g}"
+    assert out["tokens"].tolist() == tokens
+    assert len(out["digests"]) == 1
