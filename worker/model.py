@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from worker.attention import AttentionBackend
 from worker.distributed import TensorParallelGroup
+from worker.gguf import open_checkpoint
 from worker.kv_cache import KVCache
 from worker.layers import ParallelLMHead, Rotary, VocabParallelEmbedding, rms_norm
 from worker.model_config import ModelConfig
@@ -52,7 +53,7 @@ class LlamaModel:
 
     def load(self, model_dir: str, show_progress: bool = False) -> None:
         cfg, r = self.config, self.tp.rank
-        reader = CheckpointReader(model_dir, self.dtype, show_progress)
+        reader = open_checkpoint(model_dir, self.dtype, show_progress)  # HF dir or .gguf
         vocab_rows = -(-cfg.vocab_size // self.tp.world_size)  # ceil: last shard may be short
         v0, v1 = r * vocab_rows, min((r + 1) * vocab_rows, cfg.vocab_size)
         embed = reader.rows("model.embed_tokens.weight", v0, v1)

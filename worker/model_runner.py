@@ -20,9 +20,9 @@ from wire.digest import StateDigest
 from wire.step import StepPlan
 from worker.attention import AttentionMetadata, create_backend
 from worker.distributed import TensorParallelGroup
+from worker.gguf import load_config
 from worker.kv_cache import KVCache
 from worker.model import LlamaModel
-from worker.model_config import load_model_config
 from worker.sampler import sample
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,7 +48,7 @@ class ModelRunner:
         self.config = config
         self.tp = tp
         self.device = device
-        self.model_config = load_model_config(config.model)
+        self.model_config = load_config(config.model)  # HF dir or .gguf
         self.dtype = resolve_dtype(config.dtype, device)
         self.vocab_size = self.model_config.vocab_size
         self.max_model_len = resolve_max_model_len(config, self.model_config)
