@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.openai_api import (
+from orchestrator.shim.openai_api import (
     DEFAULT_MAX_TOKENS,
     ApiError,
     CompletionParams,

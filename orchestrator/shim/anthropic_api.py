@@ -33,11 +33,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from orchestrator.anthropic_request import parse_messages_request, tool_input_json
-from orchestrator.chat_run import ChatEvent, ChatRun, render_prompt, start_chat
-from orchestrator.errors import ApiError
-from orchestrator.generation import with_keepalive
-from orchestrator.http_common import (
+from orchestrator.shim.anthropic_request import parse_messages_request, tool_input_json
+from orchestrator.shim.chat import ChatEvent, ChatRun, render_prompt, start_chat
+from orchestrator.shim.errors import ApiError
+from orchestrator.shim.generation import with_keepalive
+from orchestrator.shim.http_common import (
     check_auth,
     check_counts,
     json_result,
@@ -46,8 +46,8 @@ from orchestrator.http_common import (
     sse_response,
     tokenize,
 )
-from orchestrator.reasoning import Reasoning
-from orchestrator.tool_parsers import ToolCall
+from orchestrator.shim.reasoning import Reasoning
+from orchestrator.shim.tool_parsers import ToolCall
 
 
 def sse_event(kind: str, data: dict[str, Any]) -> str:

@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 from tokenizers import Tokenizer
 
-from orchestrator.errors import ApiError, engine_error, is_finite_number, is_int64
-from orchestrator.generation import Generation, GenerationParams, with_keepalive
+from orchestrator.shim.errors import ApiError, engine_error, is_finite_number, is_int64
+from orchestrator.shim.generation import Generation, GenerationParams, with_keepalive
 from wire.client import GenerateRequest, SamplingParams
 
 __all__ = ["ApiError", "engine_error"]  # re-exported: the API modules' shared errors

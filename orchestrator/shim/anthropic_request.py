@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from orchestrator.chat_run import ChatRequest, ToolChoice, session_key, tool_choice
-from orchestrator.chat_template import Message, join_text, strip_billing_header
-from orchestrator.errors import ApiError, describe, is_finite_number, is_int64
-from orchestrator.structured_output import json_grammar
+from orchestrator.shim.chat import ChatRequest, ToolChoice, session_key, tool_choice
+from orchestrator.shim.chat_template import Message, join_text, strip_billing_header
+from orchestrator.shim.errors import ApiError, describe, is_finite_number, is_int64
+from orchestrator.shim.structured_output import json_grammar
 from wire.client import SamplingParams
 
 ROLES = ("user", "assistant", "system")

@@ -1,6 +1,6 @@
 """The HTTP shim: a Starlette app in front of the scheduler, served by uvicorn.
 
-    python -m orchestrator.http_server --run-dir DIR --model MODEL_DIR \
+    python -m orchestrator.shim.server --run-dir DIR --model MODEL_DIR \
         [--host 127.0.0.1] [--port 8000] [--api-key-file FILE] [--served-model-name NAME] \
         [--max-model-len N] [--max-output-tokens N] [--tool-call-parser hermes] \
         [--max-request-bytes N] [--max-tools N] [--max-messages N] [--max-header-bytes N] \
@@ -44,11 +44,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tokenizers import Tokenizer
 
-from orchestrator import anthropic_api, openai_chat
-from orchestrator import openai_api as oai
-from orchestrator.chat_template import ChatTemplate
 from orchestrator.config import API_KEY_ENV, ShimOptions, add_shim_arguments, api_key_from
-from orchestrator.http_common import (
+from orchestrator.shim import anthropic_api, openai_chat
+from orchestrator.shim import openai_api as oai
+from orchestrator.shim.chat_template import ChatTemplate
+from orchestrator.shim.http_common import (
     Engine,
     HeaderLimit,
     ServerState,
@@ -63,7 +63,7 @@ from orchestrator.http_common import (
     sse_response,
     tokenize,
 )
-from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from orchestrator.shim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from wire.log import configure_logging
 
 log = structlog.get_logger()
@@ -243,7 +243,7 @@ def build_app(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m orchestrator.http_server", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m orchestrator.shim.server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", required=True, help="the engine's run directory")
     p.add_argument("--model", required=True, help="model directory (holds tokenizer.json)")
@@ -273,7 +273,7 @@ def requests_address(run_dir: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    from orchestrator.engine_client import EngineClient
+    from orchestrator.shim.engine_client import EngineClient
 
     args = parse_args(argv)
     configure_logging("shim")

@@ -18,9 +18,9 @@ from typing import Any, TypeVar
 import structlog
 from tokenizers import Tokenizer
 
-from orchestrator.detokenizer import Detokenizer
-from orchestrator.engine_client import EngineUnavailableError
-from orchestrator.errors import engine_error
+from orchestrator.shim.detokenizer import Detokenizer
+from orchestrator.shim.engine_client import EngineUnavailableError
+from orchestrator.shim.errors import engine_error
 from wire.client import GenerateRequest, SamplingParams, ThinkingSpan
 
 log = structlog.get_logger()

@@ -14,13 +14,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from tokenizers import Tokenizer
 
-from orchestrator.chat_template import ChatTemplate
 from orchestrator.config import ShimOptions
-from orchestrator.errors import ApiError, unavailable_error
-from orchestrator.json_body import parse_json_object
-from orchestrator.metrics import Metrics
-from orchestrator.prefix_tracker import PrefixTracker
-from orchestrator.reasoning import think_tag_ids
+from orchestrator.shim.chat_template import ChatTemplate
+from orchestrator.shim.errors import ApiError, unavailable_error
+from orchestrator.shim.json_body import parse_json_object
+from orchestrator.shim.metrics import Metrics
+from orchestrator.shim.prefix_tracker import PrefixTracker
+from orchestrator.shim.reasoning import think_tag_ids
 from wire.client import EngineStats, GenerateRequest, RequestOutput
 from wire.lifecycle import EngineInfo
 

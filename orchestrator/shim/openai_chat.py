@@ -12,7 +12,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from orchestrator.chat_run import (
+from orchestrator.shim.chat import (
     ChatRequest,
     ChatRun,
     ToolChoice,
@@ -20,19 +20,19 @@ from orchestrator.chat_run import (
     start_chat,
     tool_choice,
 )
-from orchestrator.chat_template import Message, join_text
-from orchestrator.errors import ApiError, describe, is_finite_number, is_int64
-from orchestrator.generation import with_keepalive
-from orchestrator.http_common import (
+from orchestrator.shim.chat_template import Message, join_text
+from orchestrator.shim.errors import ApiError, describe, is_finite_number, is_int64
+from orchestrator.shim.generation import with_keepalive
+from orchestrator.shim.http_common import (
     json_result,
     shim_state,
 )
-from orchestrator.http_common import sse_response as start_sse
-from orchestrator.json_body import loads
-from orchestrator.openai_api import SSE_DONE, SSE_PING, sse, usage
-from orchestrator.reasoning import Reasoning
-from orchestrator.structured_output import json_grammar
-from orchestrator.tool_parsers import ToolCall
+from orchestrator.shim.http_common import sse_response as start_sse
+from orchestrator.shim.json_body import loads
+from orchestrator.shim.openai_api import SSE_DONE, SSE_PING, sse, usage
+from orchestrator.shim.reasoning import Reasoning
+from orchestrator.shim.structured_output import json_grammar
+from orchestrator.shim.tool_parsers import ToolCall
 from wire.client import SamplingParams
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",

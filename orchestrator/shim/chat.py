@@ -24,10 +24,10 @@ from typing import Any
 
 from starlette.requests import Request
 
-from orchestrator.chat_template import Message
-from orchestrator.errors import ApiError
-from orchestrator.generation import Generation, GenerationParams
-from orchestrator.http_common import (
+from orchestrator.shim.chat_template import Message
+from orchestrator.shim.errors import ApiError
+from orchestrator.shim.generation import Generation, GenerationParams
+from orchestrator.shim.http_common import (
     TOKENIZE_IN_THREAD_CHARS,
     SchedulingHints,
     ServerState,
@@ -39,9 +39,9 @@ from orchestrator.http_common import (
     shim_state,
     tokenize,
 )
-from orchestrator.reasoning import Answer, Reasoning, make_splitter, opens_in
-from orchestrator.structured_output import after_reasoning, tool_call_grammar
-from orchestrator.tool_parsers import TextEvent, ToolCall, ToolParser, make_tool_parser
+from orchestrator.shim.reasoning import Answer, Reasoning, make_splitter, opens_in
+from orchestrator.shim.structured_output import after_reasoning, tool_call_grammar
+from orchestrator.shim.tool_parsers import TextEvent, ToolCall, ToolParser, make_tool_parser
 from wire.client import SamplingParams, ThinkingSpan
 
 NO_HINTS = SchedulingHints()
@@ -111,7 +111,7 @@ class ChatPrompt:
     text: str  # the rendered conversation, then `forced`
     token_ids: list[int]
     forced: str = ""  # the start of a tool call that tool_choice requires
-    grammar: str | None = None  # what the answer must follow (orchestrator/structured_output.py)
+    grammar: str | None = None  # what the answer must follow (structured_output.py)
 
 
 @dataclass
