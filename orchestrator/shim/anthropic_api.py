@@ -236,7 +236,7 @@ async def messages(request: Request) -> Response:
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
     req, run = await start_chat(request, parse_messages_request, msg_id, api="anthropic")
     model = req.model or state.model_name
-    if not req.stream:
+    if not req.delivery.stream:
         return await json_result(request, collect(run, msg_id, model), run.log_done)
     return await sse_response(request, stream(run, msg_id, model, state.ping_interval_s),
                               run.log_done)

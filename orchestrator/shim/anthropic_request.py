@@ -20,6 +20,7 @@ from typing import Any
 from orchestrator.shim.chat import ChatRequest, ToolChoice, session_key, tool_choice
 from orchestrator.shim.chat_template import Message, join_text, strip_billing_header
 from orchestrator.shim.errors import ApiError, describe, is_finite_number, is_int64
+from orchestrator.shim.generation import Delivery
 from orchestrator.shim.structured_output import json_grammar
 from wire.client import SamplingParams
 
@@ -291,8 +292,7 @@ def parse_messages_request(body: dict[str, Any], headers: Any, *,
         tool_choice=choice,
         max_tokens=max_tokens,
         sampling=sampling,
-        stop=[s for s in stop if s],
-        stream=stream,
+        delivery=Delivery(stop=[s for s in stop if s], stream=stream),
         session=session_key(explicit, model, messages, tools),
         model=model,
         grammar=None if count_only else _output_grammar(body),

@@ -26,7 +26,7 @@ from starlette.requests import Request
 
 from orchestrator.shim.chat_template import Message
 from orchestrator.shim.errors import ApiError
-from orchestrator.shim.generation import Generation, GenerationParams
+from orchestrator.shim.generation import Delivery, Generation
 from orchestrator.shim.http_common import (
     TOKENIZE_IN_THREAD_CHARS,
     SchedulingHints,
@@ -42,7 +42,7 @@ from orchestrator.shim.http_common import (
 from orchestrator.shim.reasoning import Answer, Reasoning, make_splitter, opens_in
 from orchestrator.shim.structured_output import after_reasoning, tool_call_grammar
 from orchestrator.shim.tool_parsers import TextEvent, ToolCall, ToolParser, make_tool_parser
-from wire.client import SamplingParams, ThinkingSpan
+from wire.client import GenerateRequest, SamplingParams, ThinkingSpan
 
 NO_HINTS = SchedulingHints()
 ChatEvent = TextEvent | ToolCall | Reasoning  # what a chat answer is made of, in order
@@ -83,9 +83,7 @@ class ChatRequest:
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     max_tokens: int | None = None  # None: all the room left
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: list[str] = field(default_factory=list)
-    stream: bool = False
-    include_usage: bool = False
+    delivery: Delivery = field(default_factory=Delivery)  # stop strings, stream, usage
     session: str = ""
     model: str = ""  # as the client named it
     grammar: str | None = None  # the answer's format (response_format, output_format)
@@ -212,20 +210,18 @@ class ChatRun:
         self.splitter = make_splitter(
             "none" if formatted and thinking is None else state.options.reasoning_parser,
             prompt.text, strip_answer=formatted)
-        params = GenerationParams(
+        request = GenerateRequest(
+            request_id=request_id,
             prompt_token_ids=prompt.token_ids,
             max_tokens=max_tokens,
             sampling=req.sampling,
-            stop=req.stop,
-            stream=req.stream,
-            include_usage=req.include_usage,
             session_id=req.session,
             priority=hints.priority,
             timeout_s=hints.timeout_s,
             grammar=grammar,
             thinking=thinking,
         )
-        self.gen = Generation(state.engine, state.tokenizer, request_id, params, api=api)
+        self.gen = Generation(state.engine, state.tokenizer, request, req.delivery, api=api)
         parse_calls = req.tools and req.tool_choice.mode != "none" and not formatted
         self.parser: ToolParser = make_tool_parser(
             state.options.tool_call_parser if parse_calls else "none",

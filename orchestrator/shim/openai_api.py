@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from tokenizers import Tokenizer
 
 from orchestrator.shim.errors import ApiError, engine_error, is_finite_number, is_int64
-from orchestrator.shim.generation import Generation, GenerationParams, with_keepalive
+from orchestrator.shim.generation import Delivery, Generation, with_keepalive
 from wire.client import GenerateRequest, SamplingParams
 
 __all__ = ["ApiError", "engine_error"]  # re-exported: the API modules' shared errors
@@ -93,16 +93,13 @@ def prompt_input(body: dict[str, Any]) -> str | list[int]:
 # --- the parsed request ---------------------------------------------------------
 
 
-# A validated /v1/completions request (the generic request parameters).
-CompletionParams = GenerationParams
-
-
 def parse_completion(
     body: dict[str, Any], prompt_token_ids: list[int], *, vocab_size: int, max_model_len: int,
-    max_output_tokens: int = 0,
-) -> CompletionParams:
+    max_output_tokens: int = 0, request_id: str = "",
+) -> tuple[GenerateRequest, Delivery]:
     """Validate a /v1/completions body whose prompt (see `prompt_input`) is already
-    tokenized to `prompt_token_ids`. Raises ApiError for anything the engine must not see.
+    tokenized to `prompt_token_ids`: the request for the engine, and what the shim does
+    with its output. Raises ApiError for anything the engine must not see.
     `max_output_tokens` > 0: the server's cap on any request's output (--max-output-tokens).
     """
     _opt(body, "model", str, "")  # any name is served (agents send their own); type only
@@ -147,19 +144,24 @@ def parse_completion(
     if stream_options is not None and not isinstance(stream_options, dict):
         raise ApiError("'stream_options' must be an object", param="stream_options")
 
-    return CompletionParams(
+    stop = _stop_strings(body)
+    request = GenerateRequest(
+        request_id=request_id,
         prompt_token_ids=prompt_token_ids,
         max_tokens=max_tokens,
         sampling=SamplingParams(
             temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed
         ),
-        stop=_stop_strings(body),
         stop_token_ids=stop_token_ids or [],
         ignore_eos=_opt(body, "ignore_eos", bool, False),
-        stream=_opt(body, "stream", bool, False),
-        include_usage=_opt(stream_options or {}, "include_usage", bool, False),
         cache_salt=_opt(body, "cache_salt", str, None),  # type: ignore[arg-type]
     )
+    delivery = Delivery(
+        stop=stop,
+        stream=_opt(body, "stream", bool, False),
+        include_usage=_opt(stream_options or {}, "include_usage", bool, False),
+    )
+    return request, delivery
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
@@ -209,18 +211,15 @@ class CompletionRun:
         self,
         engine: Any,  # EngineClient, or anything with its generate/abort
         tokenizer: Tokenizer,
-        request_id: str,
-        params: CompletionParams,
+        request: GenerateRequest,
+        delivery: Delivery,
         model_name: str,
     ) -> None:
-        self.gen = Generation(engine, tokenizer, request_id, params)
-        self.request_id = request_id
-        self.params = params
+        self.gen = Generation(engine, tokenizer, request, delivery)
+        self.request_id = request.request_id
+        self.delivery = delivery
         self.model_name = model_name
         self.created = int(time.time())
-
-    def generate_request(self) -> GenerateRequest:
-        return self.gen.generate_request()
 
     @property
     def token_ids(self) -> list[int]:
@@ -261,7 +260,7 @@ class CompletionRun:
                         yield SSE_PING
                         continue
                     chunk = self._response([self._choice(piece.text, piece.token_ids)])
-                    if self.params.include_usage:
+                    if self.delivery.include_usage:
                         chunk["usage"] = None  # as OpenAI: null on all chunks but the last
                     yield sse(chunk)
             except ApiError as err:
@@ -270,7 +269,7 @@ class CompletionRun:
                     raise
                 yield sse(err.body())
             else:
-                if self.params.include_usage:
+                if self.delivery.include_usage:
                     yield sse({**self._response([]), "usage": self.usage()})
             yield SSE_DONE
         finally:

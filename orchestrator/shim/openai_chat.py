@@ -22,7 +22,7 @@ from orchestrator.shim.chat import (
 )
 from orchestrator.shim.chat_template import Message, join_text
 from orchestrator.shim.errors import ApiError, describe, is_finite_number, is_int64
-from orchestrator.shim.generation import with_keepalive
+from orchestrator.shim.generation import Delivery, with_keepalive
 from orchestrator.shim.http_common import (
     json_result,
     shim_state,
@@ -229,9 +229,8 @@ def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
         max_tokens=max_tokens,
         sampling=SamplingParams(temperature=temperature, top_p=top_p,
                                 top_k=max(top_k or 0, 0), seed=seed),
-        stop=[s for s in stop if s],
-        stream=stream,
-        include_usage=options.get("include_usage") is True,
+        delivery=Delivery(stop=[s for s in stop if s], stream=stream,
+                          include_usage=options.get("include_usage") is True),
         session=session_key(explicit, model, messages, tools),
         model=model,
         grammar=response_format_grammar(body),
@@ -300,7 +299,7 @@ async def stream(run: ChatRun, base: dict[str, Any], ping_interval_s: float) -> 
     proxies and clients with read timeouts wait through a queue, a long prefill or a
     tool call the parser holds until it is whole. OpenAI clients skip comment lines."""
     base = {**base, "object": "chat.completion.chunk"}
-    with_usage = run.req.include_usage
+    with_usage = run.req.delivery.include_usage
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
         c = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
@@ -350,6 +349,6 @@ async def chat_completions(request: Request) -> Response:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     req, run = await start_chat(request, parse_chat_request, request_id, api="chat")
     base = {"id": request_id, "created": int(time.time()), "model": req.model or state.model_name}
-    if not req.stream:
+    if not req.delivery.stream:
         return await json_result(request, collect(run, base), run.log_done)
     return await start_sse(request, stream(run, base, state.ping_interval_s), run.log_done)

@@ -138,17 +138,16 @@ async def completions(request: Request) -> Response:
         prompt_ids = await tokenize(state.tokenizer, prompt)
     else:
         prompt_ids = prompt
-    params = oai.parse_completion(
+    engine_request, delivery = oai.parse_completion(
         body, prompt_ids, vocab_size=state.vocab_size, max_model_len=state.max_model_len,
-        max_output_tokens=state.options.max_output_tokens,
+        max_output_tokens=state.options.max_output_tokens, request_id=f"cmpl-{uuid.uuid4().hex}",
     )
     hints = scheduling_hints(request, state)
-    params.priority, params.timeout_s = hints.priority, hints.timeout_s
+    engine_request.priority, engine_request.timeout_s = hints.priority, hints.timeout_s
     require_engine(state)  # again: it may have gone while the body was read
-    run = oai.CompletionRun(
-        state.engine, state.tokenizer, f"cmpl-{uuid.uuid4().hex}", params, state.model_name
-    )
-    if not params.stream:
+    run = oai.CompletionRun(state.engine, state.tokenizer, engine_request, delivery,
+                            state.model_name)
+    if not delivery.stream:
         return await json_result(request, run.collect(), run.log_done)
     return await sse_response(request, run.sse_chunks(state.ping_interval_s), run.log_done)
 
