@@ -22,24 +22,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.requests import Request
-
+from orchestrator.shim.admission import SchedulingHints, check_counts
 from orchestrator.shim.chat_template import Message
 from orchestrator.shim.errors import ApiError
 from orchestrator.shim.generation import Delivery, Generation
-from orchestrator.shim.http_common import (
-    TOKENIZE_IN_THREAD_CHARS,
-    SchedulingHints,
-    ServerState,
-    admit,
-    check_counts,
-    read_json_object,
-    require_engine,
-    scheduling_hints,
-    shim_state,
-    tokenize,
-)
+from orchestrator.shim.pipeline import Parse
 from orchestrator.shim.reasoning import Answer, Reasoning, make_splitter, opens_in
+from orchestrator.shim.state import TOKENIZE_IN_THREAD_CHARS, ServerState, tokenize
 from orchestrator.shim.structured_output import after_reasoning, tool_call_grammar
 from orchestrator.shim.tool_parsers import TextEvent, ToolCall, ToolParser, make_tool_parser
 from wire.client import GenerateRequest, SamplingParams, ThinkingSpan
@@ -279,26 +268,23 @@ class ChatRun:
         self.gen.log_done(finish_reason=finish_reason, error=error)
 
 
+def parse_chat(parse: Callable[[dict[str, Any], Any], ChatRequest]) -> Parse[ChatRequest]:
+    """A chat API's `parse(body, headers)` as the pipeline's parse step: --max-messages
+    and --max-tools are checked first, before any work is spent on the lists."""
+
+    async def parse_body(state: ServerState, body: dict[str, Any], headers: Any) -> ChatRequest:
+        check_counts(body, state)
+        return parse(body, headers)
+
+    return parse_body
+
+
 async def prepare_chat(state: ServerState, req: ChatRequest, request_id: str, *,
                        api: str, hints: SchedulingHints = NO_HINTS) -> ChatRun:
-    require_engine(state)  # again: it may have gone while the body was read
+    """Render and tokenize the conversation for the engine (the tool call tool_choice
+    requires, if any, opens the answer)."""
     forced = forced_call(state, req)
     text = await render_prompt(state, req) + forced.opening
     ids = await prompt_token_ids(state, req.session, text, request_id)
     prompt = ChatPrompt(text, ids, forced.opening, forced.grammar or req.grammar)
     return ChatRun(state, req, prompt, request_id, api=api, hints=hints)
-
-
-async def start_chat(request: Request, parse: Callable[[dict[str, Any], Any], ChatRequest],
-                     request_id: str, *, api: str) -> tuple[ChatRequest, ChatRun]:
-    """What every chat endpoint does before answering: admit the request, read and bound
-    its body, parse it in the endpoint's API (`parse(body, headers)`), then render and
-    tokenize it for the engine."""
-    state = shim_state(request)
-    admit(request, state)
-    body = await read_json_object(request, state)
-    check_counts(body, state)
-    req = parse(body, request.headers)
-    run = await prepare_chat(state, req, request_id, api=api,
-                             hints=scheduling_hints(request, state))
-    return req, run

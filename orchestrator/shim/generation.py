@@ -9,11 +9,10 @@ request. The API modules only format what it yields.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import structlog
 from tokenizers import Tokenizer
@@ -24,7 +23,6 @@ from orchestrator.shim.errors import engine_error
 from wire.client import GenerateRequest
 
 log = structlog.get_logger()
-T = TypeVar("T")
 
 
 @dataclass
@@ -158,35 +156,3 @@ class Generation:
             **self.log_fields,
             **({"error": error} if error else {}),
         )
-
-
-
-async def with_keepalive(items: AsyncIterator[T], interval_s: float) -> AsyncIterator[T | None]:
-    """`items`, with a None between them whenever `interval_s` passes without one (the
-    caller sends a keep-alive). The pending item is never cancelled by the timer.
-    Closing this closes `items` too, after the item it may be waiting on is cancelled
-    (in that order: `items` cannot close while it is running)."""
-    it = aiter(items)
-    pending: asyncio.Future[T] | None = None
-    try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(it))
-            done, _ = await asyncio.wait({pending}, timeout=interval_s)
-            if not done:
-                yield None
-                continue
-            try:
-                item = pending.result()
-            except StopAsyncIteration:
-                return
-            finally:
-                pending = None
-            yield item
-    finally:
-        if pending is not None:
-            pending.cancel()
-            await asyncio.gather(pending, return_exceptions=True)
-        close = getattr(items, "aclose", None)
-        if close is not None:
-            await close()

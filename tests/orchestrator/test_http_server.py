@@ -235,7 +235,7 @@ def test_requests_address(tmp_path: Any) -> None:
 def test_unavailable_shim_answers_503_in_each_api_shape(client: TestClient) -> None:
     """While the start-up self-check (or a restart) runs, traffic is refused with a
     retry-after, /health says why, and only the self-check's own requests pass."""
-    from orchestrator.shim.http_common import SELF_CHECK_HEADER
+    from orchestrator.shim.admission import SELF_CHECK_HEADER
 
     state = client.app.state.shim
     state.unavailable, state.self_check_secret = "the start-up self-check is running", "s3cret"

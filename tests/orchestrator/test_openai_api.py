@@ -7,13 +7,8 @@ from typing import Any
 
 import pytest
 
-from orchestrator.shim.openai_api import (
-    DEFAULT_MAX_TOKENS,
-    ApiError,
-    engine_error,
-    parse_completion,
-    prompt_input,
-)
+from orchestrator.shim.errors import ApiError, engine_error
+from orchestrator.shim.openai_request import DEFAULT_MAX_TOKENS, parse_completion, prompt_input
 
 VOCAB = 100
 MAX_LEN = 32

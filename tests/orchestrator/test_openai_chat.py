@@ -190,7 +190,7 @@ def test_overloaded_is_429(client, engine) -> None:
 def test_integers_past_64_bits_are_refused(field, value) -> None:
     """They would fail to encode for the engine after validation: a 500 the fuzzer found."""
     from orchestrator.shim.errors import ApiError
-    from orchestrator.shim.openai_chat import parse_chat_request
+    from orchestrator.shim.openai_request import parse_chat_request
 
     with pytest.raises(ApiError) as info:
         parse_chat_request({"messages": HELLO, field: value}, {})

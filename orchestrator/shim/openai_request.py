@@ -1,39 +1,28 @@
-"""OpenAI chat API: `POST /v1/chat/completions`, streaming (data-only SSE ending in
-`data: [DONE]`, as OpenAI sends it) or not, with tools and cached-token usage."""
+"""OpenAI requests -> what the shim serves: `POST /v1/chat/completions` bodies become a
+ChatRequest (chat.py renders it), `POST /v1/completions` bodies a GenerateRequest and
+its Delivery. Validation is small explicit code rather than a schema library so that
+types are strict (`"5"` and `true` are not integers) and every error is an `ApiError`
+rendered in OpenAI's shape, never a framework's default.
+"""
 
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
-from starlette.requests import Request
-from starlette.responses import Response
-
-from orchestrator.shim.chat import (
-    ChatRequest,
-    ChatRun,
-    ToolChoice,
-    session_key,
-    start_chat,
-    tool_choice,
-)
+from orchestrator.shim.chat import ChatRequest, ToolChoice, session_key, tool_choice
 from orchestrator.shim.chat_template import Message, join_text
 from orchestrator.shim.errors import ApiError, describe, is_finite_number, is_int64
-from orchestrator.shim.generation import Delivery, with_keepalive
-from orchestrator.shim.http_common import (
-    json_result,
-    shim_state,
-)
-from orchestrator.shim.http_common import sse_response as start_sse
+from orchestrator.shim.generation import Delivery
 from orchestrator.shim.json_body import loads
-from orchestrator.shim.openai_api import SSE_DONE, SSE_PING, sse, usage
-from orchestrator.shim.reasoning import Reasoning
+from orchestrator.shim.state import ServerState, tokenize
 from orchestrator.shim.structured_output import json_grammar
-from orchestrator.shim.tool_parsers import ToolCall
-from wire.client import SamplingParams
+from wire.client import GenerateRequest, SamplingParams
+
+T = TypeVar("T")
+
+# --- /v1/chat/completions -------------------------------------------------------------
+
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
@@ -249,106 +238,170 @@ def _thinking_budget(body: dict[str, Any]) -> int | None:
     return budget
 
 
-def _finish_reason(run: ChatRun) -> str:
-    """A whole tool call wins over a length cut after it (as in stop_reason)."""
-    if run.num_tool_calls:
-        return "tool_calls"
-    return "length" if run.gen.finish_reason == "length" else "stop"
+# --- /v1/completions ------------------------------------------------------------------
 
 
-def _tool_call(event: ToolCall, index: int | None = None) -> dict[str, Any]:
-    call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": event.name,
-                         "arguments": json.dumps(event.arguments, ensure_ascii=False)}}
-    return call if index is None else {"index": index, **call}
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-def _usage(run: ChatRun) -> dict[str, Any]:
-    counts = usage(run.gen.num_prompt_tokens, len(run.gen.token_ids), run.gen.num_cached)
-    counts["completion_tokens_details"] = {"reasoning_tokens": run.gen.num_reasoning_tokens}
-    return counts
+_KINDS: dict[type, tuple[str, Any]] = {
+    int: ("a 64-bit integer", is_int64),
+    float: ("a finite number", is_finite_number),
+    bool: ("a boolean", lambda v: isinstance(v, bool)),
+    str: ("a string", lambda v: isinstance(v, str)),
+}
 
 
-async def collect(run: ChatRun, base: dict[str, Any]) -> dict[str, Any]:
-    texts: list[str] = []
-    reasoning: list[str] = []
-    calls: list[dict[str, Any]] = []
-    async for event in run.events():
-        if isinstance(event, ToolCall):
-            calls.append(_tool_call(event))
-        elif isinstance(event, Reasoning):
-            reasoning.append(event.text)
-        else:
-            texts.append(event.text)
-    # null only beside tool calls, as OpenAI: an empty answer is ""
-    message: dict[str, Any] = {"role": "assistant",
-                               "content": "".join(texts) or (None if calls else "")}
-    if calls:
-        message["tool_calls"] = calls
-    if reasoning:  # vLLM's and DeepSeek's field
-        message["reasoning_content"] = "".join(reasoning)
-    choice = {"index": 0, "message": message, "logprobs": None,
-              "finish_reason": _finish_reason(run)}
-    return {**base, "object": "chat.completion", "choices": [choice], "usage": _usage(run)}
+def _opt(body: dict[str, Any], name: str, kind: type[T], default: T) -> T:
+    """body[name] if present and not null, checked to be of `kind`; else `default`."""
+    v = body.get(name)
+    if v is None:
+        return default
+    what, check = _KINDS[kind]
+    if not check(v):
+        raise ApiError(f"'{name}' must be {what}, got {json.dumps(v)[:40]}", param=name)
+    return kind(v)  # type: ignore[call-arg]
 
 
-async def stream(run: ChatRun, base: dict[str, Any], ping_interval_s: float) -> AsyncIterator[str]:
-    """The streaming response. Its first chunk (the role) comes with the first output,
-    or after `ping_interval_s` without one (an engine error before it is still an HTTP
-    error status); then an SSE comment each `ping_interval_s` without output, so that
-    proxies and clients with read timeouts wait through a queue, a long prefill or a
-    tool call the parser holds until it is whole. OpenAI clients skip comment lines."""
-    base = {**base, "object": "chat.completion.chunk"}
-    with_usage = run.req.delivery.include_usage
-
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
-        c = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                  "finish_reason": finish}]}
-        if with_usage:
-            c["usage"] = None  # as OpenAI: null on all chunks but the last
-        return sse(c)
-
-    keepalive = with_keepalive(run.events(), ping_interval_s)
-    started = False
-    num_calls = 0
-    try:
-        async for event in keepalive:
-            if not started:
-                started = True
-                yield chunk({"role": "assistant", "content": ""})
-            elif event is None:
-                yield SSE_PING
-            if event is None:
-                continue
-            if isinstance(event, ToolCall):
-                yield chunk({"tool_calls": [_tool_call(event, num_calls)]})
-                num_calls += 1
-            elif event.text:
-                key = "reasoning_content" if isinstance(event, Reasoning) else "content"
-                yield chunk({key: event.text})
-    except ApiError as err:
-        run.log_done(finish_reason="error", error=err.message)
-        if not started:
-            raise
-        yield sse(err.body())
-        yield SSE_DONE
-        return
-    finally:
-        await keepalive.aclose()  # and the events with it
-        run.log_done()
-    if not started:
-        yield chunk({"role": "assistant", "content": ""})
-    yield chunk({}, _finish_reason(run))
-    if with_usage:
-        yield sse({**base, "choices": [], "usage": _usage(run)})
-    yield SSE_DONE
+def _stop_strings(body: dict[str, Any]) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v] if v else []
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return [s for s in v if s]
+    raise ApiError("'stop' must be a string or a list of strings", param="stop")
 
 
-async def chat_completions(request: Request) -> Response:
-    state = shim_state(request)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    req, run = await start_chat(request, parse_chat_request, request_id, api="chat")
-    base = {"id": request_id, "created": int(time.time()), "model": req.model or state.model_name}
-    if not req.delivery.stream:
-        return await json_result(request, collect(run, base), run.log_done)
-    return await start_sse(request, stream(run, base, state.ping_interval_s), run.log_done)
+def _token_ids(v: Any, name: str, vocab_size: int) -> list[int]:
+    if not isinstance(v, list) or not all(is_int64(t) for t in v):
+        raise ApiError(f"'{name}' must be a list of integers", param=name)
+    bad = [t for t in v if not 0 <= t < vocab_size]
+    if bad:
+        raise ApiError(
+            f"token id {bad[0]} in '{name}' is out of range [0, {vocab_size})", param=name
+        )
+    return v
+
+
+def prompt_input(body: dict[str, Any]) -> str | list[int]:
+    """The one prompt of a request: a string or a list of token ids (not yet range-checked).
+
+    OpenAI also accepts a batch (a list of strings or of id lists); one element is
+    unwrapped, several are refused: one request, one sequence, one stream.
+    """
+    if "prompt" not in body or body["prompt"] is None:
+        raise ApiError("'prompt' is required", param="prompt")
+    p = body["prompt"]
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        if len(p) > 1:
+            raise ApiError("several prompts in one request are not supported; send one "
+                           "request per prompt", param="prompt", code="unsupported")
+        p = p[0]
+    if isinstance(p, str):
+        return p
+    if isinstance(p, list) and all(is_int64(t) for t in p):
+        return p
+    raise ApiError("'prompt' must be a string or a list of token ids", param="prompt")
+
+
+def parse_completion(
+    body: dict[str, Any], prompt_token_ids: list[int], *, vocab_size: int, max_model_len: int,
+    max_output_tokens: int = 0, request_id: str = "",
+) -> tuple[GenerateRequest, Delivery]:
+    """Validate a /v1/completions body whose prompt (see `prompt_input`) is already
+    tokenized to `prompt_token_ids`: the request for the engine, and what the shim does
+    with its output. Raises ApiError for anything the engine must not see.
+    `max_output_tokens` > 0: the server's cap on any request's output (--max-output-tokens).
+    """
+    _opt(body, "model", str, "")  # any name is served (agents send their own); type only
+    _refuse_unsupported(body)
+
+    prompt_token_ids = _token_ids(prompt_token_ids, "prompt", vocab_size)
+    n_prompt = len(prompt_token_ids)
+    if n_prompt == 0:
+        raise ApiError("the prompt is empty", param="prompt")
+    if n_prompt >= max_model_len:
+        tail = "" if n_prompt > max_model_len else ", which leaves no room for the completion"
+        raise ApiError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {n_prompt} tokens in the prompt{tail}. Please reduce the length of "
+            "the prompt.",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    max_tokens = _opt(body, "max_tokens", int, DEFAULT_MAX_TOKENS)
+    if max_tokens < 1:
+        raise ApiError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
+    # Clamp, as vLLM does: a request for more than fits simply stops at the context end.
+    max_tokens = min(max_tokens, max_model_len - n_prompt)
+    if max_output_tokens > 0:
+        max_tokens = min(max_tokens, max_output_tokens)
+
+    temperature = _opt(body, "temperature", float, 1.0)  # OpenAI's default, not greedy
+    top_p = _opt(body, "top_p", float, 1.0)
+    top_k = _opt(body, "top_k", int, 0)
+    if temperature < 0:
+        raise ApiError("'temperature' must be >= 0", param="temperature")
+    if not 0 < top_p <= 1:
+        raise ApiError("'top_p' must be in (0, 1]", param="top_p")
+    if top_k < -1:
+        raise ApiError("'top_k' must be >= 0 (0 or -1: disabled)", param="top_k")
+    seed: int | None = _opt(body, "seed", int, None)  # type: ignore[arg-type]
+
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is not None:
+        stop_token_ids = _token_ids(stop_token_ids, "stop_token_ids", vocab_size)
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise ApiError("'stream_options' must be an object", param="stream_options")
+
+    stop = _stop_strings(body)
+    request = GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        max_tokens=max_tokens,
+        sampling=SamplingParams(
+            temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed
+        ),
+        stop_token_ids=stop_token_ids or [],
+        ignore_eos=_opt(body, "ignore_eos", bool, False),
+        cache_salt=_opt(body, "cache_salt", str, None),  # type: ignore[arg-type]
+    )
+    delivery = Delivery(
+        stop=stop,
+        stream=_opt(body, "stream", bool, False),
+        include_usage=_opt(stream_options or {}, "include_usage", bool, False),
+    )
+    return request, delivery
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """Options we do not implement are refused when set, never silently ignored."""
+    unsupported = {
+        "n": body.get("n") not in (None, 1),
+        "best_of": body.get("best_of") not in (None, 1),
+        "echo": body.get("echo") not in (None, False),
+        "logprobs": body.get("logprobs") is not None,
+        "suffix": body.get("suffix") is not None,
+        "presence_penalty": body.get("presence_penalty") not in (None, 0),
+        "frequency_penalty": body.get("frequency_penalty") not in (None, 0),
+        "logit_bias": body.get("logit_bias") not in (None, {}),
+    }
+    for name, is_set in unsupported.items():
+        if is_set:
+            value = json.dumps(body[name])[:40]
+            raise ApiError(f"'{name}' = {value} is not supported", param=name,
+                           code="unsupported")
+
+
+async def parse_completion_body(state: ServerState, body: dict[str, Any],
+                                headers: Any) -> tuple[GenerateRequest, Delivery]:
+    """The pipeline's parse step for /v1/completions: the prompt is tokenized first
+    (its length and ids are checked against the model)."""
+    prompt = prompt_input(body)
+    ids = await tokenize(state.tokenizer, prompt) if isinstance(prompt, str) else prompt
+    return parse_completion(body, ids, vocab_size=state.vocab_size,
+                            max_model_len=state.max_model_len,
+                            max_output_tokens=state.options.max_output_tokens)
