@@ -12,11 +12,19 @@ from typing import Any, TypeVar
 
 from orchestrator.shim.chat import ChatRequest, ToolChoice, session_key, tool_choice
 from orchestrator.shim.chat_template import Message, join_text
-from orchestrator.shim.errors import ApiError, describe, is_finite_number, is_int64
+from orchestrator.shim.errors import ApiError
 from orchestrator.shim.generation import Delivery
 from orchestrator.shim.json_body import loads
 from orchestrator.shim.state import ServerState, tokenize
 from orchestrator.shim.structured_output import json_grammar
+from orchestrator.shim.validate import (
+    describe,
+    invalid,
+    is_finite_number,
+    is_int64,
+    is_positive_int64,
+    number,
+)
 from wire.client import GenerateRequest, SamplingParams
 
 T = TypeVar("T")
@@ -28,17 +36,8 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
          "tool": "tool"}
 
 
-def _bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(message, param=param)
-
-
 def _number(body: dict[str, Any], name: str, default: float) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not is_finite_number(v):
-        raise _bad(f"'{name}' must be a number, got {describe(v)}", name)
-    return float(v)
+    return float(number(body, name, default, "'{name}' must be a number, got {value}"))
 
 
 def _content(content: Any, where: str) -> str:
@@ -47,27 +46,27 @@ def _content(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _bad(f"'{where}.content' must be a string or a list of parts", "messages")
+        raise invalid(f"'{where}.content' must be a string or a list of parts", "messages")
     texts = []
     for part in content:
         if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
             kind = part.get("type") if isinstance(part, dict) else describe(part)
-            raise _bad(f"'{where}.content': {kind} parts are not supported: this engine "
+            raise invalid(f"'{where}.content': {kind} parts are not supported: this engine "
                        "serves a text-only model", "messages")
         if not isinstance(part.get("text"), str):
-            raise _bad(f"'{where}.content': a text part needs a string 'text'", "messages")
+            raise invalid(f"'{where}.content': a text part needs a string 'text'", "messages")
         texts.append(part["text"])
     return join_text(texts)
 
 
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     if not isinstance(calls, list):
-        raise _bad(f"'{where}.tool_calls' must be a list", "messages")
+        raise invalid(f"'{where}.tool_calls' must be a list", "messages")
     out = []
     for call in calls:
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise _bad(f"'{where}.tool_calls': each call needs a function name", "messages")
+            raise invalid(f"'{where}.tool_calls': each call needs a function name", "messages")
         args = fn.get("arguments", {})
         if isinstance(args, str):  # OpenAI sends a JSON string; templates want the object
             try:  # held to the body's rules: too deep or a lone surrogate is a 400
@@ -81,16 +80,16 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
 
 def convert_messages(messages: Any) -> list[Message]:
     if not isinstance(messages, list) or not messages:
-        raise _bad("'messages' must be a non-empty list", "messages")
+        raise invalid("'messages' must be a non-empty list", "messages")
     out: list[Message] = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise _bad(f"'{where}' must be an object", "messages")
+            raise invalid(f"'{where}' must be an object", "messages")
         role = m.get("role")
         role = ROLES.get(role) if isinstance(role, str) else None
         if role is None:
-            raise _bad(f"'{where}.role' must be one of {sorted(ROLES)}, got "
+            raise invalid(f"'{where}.role' must be one of {sorted(ROLES)}, got "
                        f"{describe(m.get('role'))}", "messages")
         msg: Message = {"role": role, "content": _content(m.get("content"), where)}
         if role == "assistant" and m.get("tool_calls"):
@@ -107,17 +106,17 @@ def convert_tools(tools: Any) -> list[dict[str, Any]]:
     if tools is None:
         return []
     if not isinstance(tools, list):
-        raise _bad("'tools' must be a list", "tools")
+        raise invalid("'tools' must be a list", "tools")
     for tool in tools:
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise _bad("'tools': each tool needs {'type': 'function', 'function': {'name'...}}",
+            raise invalid("'tools': each tool needs {'type': 'function', 'function': {'name'...}}",
                        "tools")
         # as OpenAI checks them: templates concatenate a description, iterate parameters
         if not isinstance(fn.get("description", ""), str):
-            raise _bad(f"'tools': the description of {fn['name']!r} must be a string", "tools")
+            raise invalid(f"'tools': the description of {fn['name']!r} must be a string", "tools")
         if not isinstance(fn.get("parameters", {}), dict):
-            raise _bad(f"'tools': the parameters of {fn['name']!r} must be a JSON schema "
+            raise invalid(f"'tools': the parameters of {fn['name']!r} must be a JSON schema "
                        "object", "tools")
     return tools
 
@@ -129,13 +128,13 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> ToolChoic
     choice = "auto" if choice is None else choice  # null: the default, as OpenAI reads it
     parallel = True if parallel is None else parallel
     if not isinstance(parallel, bool):
-        raise _bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+        raise invalid("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
     if choice in ("none", "auto", "required"):
         return tool_choice(choice, None, parallel, tools)
     fn = choice.get("function") if isinstance(choice, dict) else None
     if not (isinstance(fn, dict) and choice.get("type") == "function"
             and isinstance(fn.get("name"), str)):
-        raise _bad("'tool_choice' must be 'none', 'auto', 'required' or "
+        raise invalid("'tool_choice' must be 'none', 'auto', 'required' or "
                    f"{{'type': 'function', 'function': {{'name': ...}}}}, got {describe(choice)}",
                    "tool_choice")
     return tool_choice("named", fn["name"], parallel, tools)
@@ -149,7 +148,7 @@ def _enable_thinking(body: dict[str, Any]) -> bool | None:
         return None
     value = kwargs.get("enable_thinking") if isinstance(kwargs, dict) else "?"
     if value is not None and not isinstance(value, bool):
-        raise _bad("'chat_template_kwargs' must be an object; its 'enable_thinking' a boolean",
+        raise invalid("'chat_template_kwargs' must be an object; its 'enable_thinking' a boolean",
                    "chat_template_kwargs")
     return value
 
@@ -167,7 +166,7 @@ def response_format_grammar(body: dict[str, Any]) -> str | None:
         return json_grammar({"type": "object"}, "response_format")
     if kind == "json_schema" and isinstance(spec, dict):
         return json_grammar(spec.get("schema", {}), "response_format")
-    raise _bad("'response_format' must be {'type': 'text'}, {'type': 'json_object'} or "
+    raise invalid("'response_format' must be {'type': 'text'}, {'type': 'json_object'} or "
                "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}",
                "response_format")
 
@@ -175,7 +174,7 @@ def response_format_grammar(body: dict[str, Any]) -> str | None:
 def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
     model = body.get("model", "")
     if not isinstance(model, str):
-        raise _bad(f"'model' must be a string, got {describe(model)}", "model")
+        raise invalid(f"'model' must be a string, got {describe(model)}", "model")
     for name, bad in (("n", body.get("n") not in (None, 1)),
                       ("logprobs", body.get("logprobs") not in (None, False))):
         if bad:
@@ -184,29 +183,29 @@ def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:  # absent or null: the older name
         max_tokens = body.get("max_tokens")
-    if max_tokens is not None and (not is_int64(max_tokens) or max_tokens < 1):
-        raise _bad(f"'max_tokens' must be a positive integer, got {describe(max_tokens)}",
+    if max_tokens is not None and not is_positive_int64(max_tokens):
+        raise invalid(f"'max_tokens' must be a positive integer, got {describe(max_tokens)}",
                    "max_tokens")
     temperature, top_p = _number(body, "temperature", 1.0), _number(body, "top_p", 1.0)
     if not 0 <= temperature <= 2:
-        raise _bad("'temperature' must be in [0, 2]", "temperature")
+        raise invalid("'temperature' must be in [0, 2]", "temperature")
     if not 0 < top_p <= 1:
-        raise _bad("'top_p' must be in (0, 1]", "top_p")
+        raise invalid("'top_p' must be in (0, 1]", "top_p")
     top_k, seed = body.get("top_k"), body.get("seed")
     if top_k is not None and (not is_int64(top_k) or top_k < -1):
-        raise _bad("'top_k' must be a 64-bit integer >= -1", "top_k")
+        raise invalid("'top_k' must be a 64-bit integer >= -1", "top_k")
     if seed is not None and not is_int64(seed):
-        raise _bad("'seed' must be a 64-bit integer", "seed")
+        raise invalid("'seed' must be a 64-bit integer", "seed")
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise _bad("'stop' must be a string or a list of strings", "stop")
+        raise invalid("'stop' must be a string or a list of strings", "stop")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise _bad("'stream' must be a boolean", "stream")
+        raise invalid("'stream' must be a boolean", "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
-        raise _bad("'stream_options' must be an object", "stream_options")
+        raise invalid("'stream_options' must be an object", "stream_options")
     messages = convert_messages(body.get("messages"))
     tools = convert_tools(body.get("tools"))
     user = body.get("user") if isinstance(body.get("user"), str) else None
@@ -232,8 +231,8 @@ def _thinking_budget(body: dict[str, Any]) -> int | None:
     """`thinking_token_budget` (vLLM's name): reasoning tokens before the engine ends the
     span (scheduler/thinking.py)."""
     budget = body.get("thinking_token_budget")
-    if budget is not None and (not is_int64(budget) or budget < 1):
-        raise _bad(f"'thinking_token_budget' must be a positive integer, got {describe(budget)}",
+    if budget is not None and not is_positive_int64(budget):
+        raise invalid(f"'thinking_token_budget' must be a positive integer, got {describe(budget)}",
                    "thinking_token_budget")
     return budget
 
