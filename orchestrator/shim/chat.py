@@ -2,8 +2,9 @@
 render the conversation, tokenize it so the session's prefix keeps matching, check it
 fits, and turn the engine's text into reasoning, text and tool-call events.
 
-    request (API-specific parse) -> ChatRequest -> prepare_chat() -> ChatRun
+    body -> parse_chat(API parse) -> ChatRequest -> prepare_chat() -> ChatRun
     ChatRun.events(): ChatEvent (Reasoning | TextEvent | ToolCall), then the turn is recorded
+    (the API's response module formats the events; pipeline.serve drives the steps)
 
 tool_choice is applied here, the same way for both APIs: "none" leaves calls as text;
 "required" or a named tool appends the start of a call to the prompt (the parser's
