@@ -7,8 +7,8 @@ import os
 from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 
-from orchestrator.reasoning import REASONING_PARSERS
-from orchestrator.tool_parsers import TOOL_CALL_PARSERS
+from orchestrator.shim.reasoning import REASONING_PARSERS
+from orchestrator.shim.tool_parsers import TOOL_CALL_PARSERS
 from wire.config import EngineConfig
 from wire.security import (
     SECRET_FILE_ENV,

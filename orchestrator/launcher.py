@@ -178,7 +178,7 @@ def start_group(launch: Launch, master_port: int, group: list[Child]) -> None:
 
 
 def start_shim(launch: Launch, config, serve) -> Child:
-    shim_args = ["orchestrator.http_server", "--run-dir", str(launch.run_dir),
+    shim_args = ["orchestrator.shim.server", "--run-dir", str(launch.run_dir),
                  "--model", config.model, "--connect-timeout", "3600", *serve.shim_args()]
     # The key goes in the shim's environment: a command line is visible in `ps`.
     return spawn("shim", shim_args, {API_KEY_ENV: serve.api_key} if serve.api_key else None)

@@ -17,7 +17,8 @@ from typing import Any
 import structlog
 
 from orchestrator.cache_gate import GateConfig, run_gate
-from orchestrator.http_common import SELF_CHECK_HEADER, ServerState
+from orchestrator.shim.admission import SELF_CHECK_HEADER
+from orchestrator.shim.state import ServerState
 
 # Short answers keep the start-up fast; one block of slack is the gate's own rule.
 SELF_CHECK_MAX_TOKENS = 8

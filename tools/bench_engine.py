@@ -23,7 +23,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from orchestrator.launcher import free_port, spawn, stop_all
-from orchestrator.structured_output import json_grammar
+from orchestrator.shim.structured_output import json_grammar
 from scheduler.engine import EngineCore, agree_limits
 from scheduler.executor import ZmqExecutor
 from scheduler.scheduler import Scheduler

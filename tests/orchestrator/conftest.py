@@ -38,6 +38,6 @@ def tiny_tokenizer(default_model) -> Tokenizer:
 
 @pytest.fixture(scope="session")
 def tiny_template(default_model):
-    from orchestrator.chat_template import ChatTemplate
+    from orchestrator.shim.chat_template import ChatTemplate
 
     return ChatTemplate.from_model_dir(default_model)

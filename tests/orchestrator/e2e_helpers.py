@@ -1,4 +1,4 @@
-"""Helpers for end-to-end tests against a running shim (`python -m orchestrator.http_server`).
+"""Helpers for end-to-end tests against a running shim (`python -m orchestrator.shim.server`).
 
     wait_healthy(base_url)
     out = complete(base_url, prompt="Hello", max_tokens=8, temperature=0)

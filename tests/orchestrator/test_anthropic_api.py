@@ -15,7 +15,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from orchestrator.config import ShimOptions
-from orchestrator.http_server import build_app
+from orchestrator.shim.server import build_app
 from tests.orchestrator.claude_code_body import claude_code_request
 from tests.orchestrator.scripted_engine import ScriptedEngine
 
@@ -441,5 +441,5 @@ def test_engine_gone_is_an_error(client, engine) -> None:
 def test_internal_bug_is_500_api_error(client, engine, monkeypatch) -> None:
     def broken(*a, **k):
         raise RuntimeError("bug")
-    monkeypatch.setattr("orchestrator.anthropic_api.start_chat", broken)
+    monkeypatch.setattr("orchestrator.shim.anthropic_response.prepare_chat", broken)
     assert_error(post(client, {"messages": HELLO}), 500, "api_error")

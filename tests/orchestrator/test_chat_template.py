@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.anthropic_request import parse_messages_request
-from orchestrator.chat_template import ChatTemplate, strip_billing_header
-from orchestrator.errors import ApiError
-from orchestrator.tool_parsers import HermesParser, ToolCall
+from orchestrator.shim.anthropic_request import parse_messages_request
+from orchestrator.shim.chat_template import ChatTemplate, strip_billing_header
+from orchestrator.shim.errors import ApiError
+from orchestrator.shim.tool_parsers import HermesParser, ToolCall
 from tests.orchestrator.claude_code_body import claude_code_request
 
 

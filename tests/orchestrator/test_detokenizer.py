@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from orchestrator.detokenizer import Detokenizer, IncrementalDecoder, StopMatcher
+from orchestrator.shim.detokenizer import Detokenizer, IncrementalDecoder, StopMatcher
 
 TEXTS = [
     "Hello world",

@@ -19,7 +19,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from orchestrator.engine_client import EngineClient, EngineUnavailableError
+from orchestrator.shim.engine_client import EngineClient, EngineUnavailableError
 from wire.client import AbortRequest, GenerateRequest
 from wire.codec import decode, encode
 from wire.lifecycle import ClientHello, EngineInfo, EngineLimits, Shutdown

@@ -14,7 +14,7 @@ import pytest
 from starlette.testclient import TestClient
 from tokenizers import Tokenizer
 
-from orchestrator.http_server import build_app, parse_args, requests_address
+from orchestrator.shim.server import build_app, parse_args, requests_address
 from wire.client import GenerateRequest, RequestOutput
 from wire.lifecycle import EngineInfo, EngineLimits
 
@@ -201,7 +201,7 @@ def test_engine_gone_is_503_with_retry_after(client: TestClient, engine: StandIn
 @pytest.mark.parametrize("stream", [False, True])
 def test_engine_lost_after_the_check_is_503(tokenizer: Tokenizer, stream: bool) -> None:
     """Gone between the endpoint's check and the send: still a 503, not a 500."""
-    from orchestrator.engine_client import EngineUnavailableError
+    from orchestrator.shim.engine_client import EngineUnavailableError
 
     engine = StandInEngine(tokenizer.get_vocab_size(),
                            generate_error=EngineUnavailableError("the engine shut down"))
@@ -235,7 +235,7 @@ def test_requests_address(tmp_path: Any) -> None:
 def test_unavailable_shim_answers_503_in_each_api_shape(client: TestClient) -> None:
     """While the start-up self-check (or a restart) runs, traffic is refused with a
     retry-after, /health says why, and only the self-check's own requests pass."""
-    from orchestrator.http_common import SELF_CHECK_HEADER
+    from orchestrator.shim.admission import SELF_CHECK_HEADER
 
     state = client.app.state.shim
     state.unavailable, state.self_check_secret = "the start-up self-check is running", "s3cret"

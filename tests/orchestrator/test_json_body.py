@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from orchestrator.errors import ApiError
-from orchestrator.json_body import MAX_DEPTH, loads, parse_json_object
+from orchestrator.shim.errors import ApiError
+from orchestrator.shim.json_body import MAX_DEPTH, loads, parse_json_object
 
 
 def refused(raw: bytes) -> str:

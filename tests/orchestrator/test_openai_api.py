@@ -2,26 +2,25 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from orchestrator.openai_api import (
-    DEFAULT_MAX_TOKENS,
-    ApiError,
-    CompletionParams,
-    engine_error,
-    parse_completion,
-    prompt_input,
-)
+from orchestrator.shim.errors import ApiError, engine_error
+from orchestrator.shim.openai_request import DEFAULT_MAX_TOKENS, parse_completion, prompt_input
 
 VOCAB = 100
 MAX_LEN = 32
 
 
-def parse(body: dict[str, Any], prompt: list[int] | None = None) -> CompletionParams:
-    return parse_completion(body, [1, 2, 3] if prompt is None else prompt,
-                            vocab_size=VOCAB, max_model_len=MAX_LEN)
+def parse(body: dict[str, Any], prompt: list[int] | None = None,
+          **limits: Any) -> SimpleNamespace:
+    """The parsed request's fields, the engine's (GenerateRequest) and the shim's
+    (Delivery), in one view."""
+    request, delivery = parse_completion(body, [1, 2, 3] if prompt is None else prompt,
+                                         vocab_size=VOCAB, max_model_len=MAX_LEN, **limits)
+    return SimpleNamespace(**vars(request), **vars(delivery))
 
 
 def error(fn: Any, *args: Any, **kwargs: Any) -> ApiError:
@@ -106,11 +105,9 @@ def test_max_tokens_is_clamped_to_the_room_left() -> None:
 
 def test_max_tokens_is_capped_by_the_server() -> None:
     """--max-output-tokens applies to /v1/completions too, as it says: any request."""
-    capped = parse_completion({"max_tokens": 20}, [1, 2, 3], vocab_size=VOCAB,
-                              max_model_len=MAX_LEN, max_output_tokens=5)
+    capped = parse({"max_tokens": 20}, [1, 2, 3], max_output_tokens=5)
     assert capped.max_tokens == 5
-    assert parse_completion({}, [1], vocab_size=VOCAB, max_model_len=MAX_LEN,
-                            max_output_tokens=100).max_tokens == DEFAULT_MAX_TOKENS
+    assert parse({}, [1], max_output_tokens=100).max_tokens == DEFAULT_MAX_TOKENS
 
 
 @pytest.mark.parametrize("value", [-1, 0])

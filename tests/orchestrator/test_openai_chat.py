@@ -10,7 +10,7 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from orchestrator.http_server import build_app
+from orchestrator.shim.server import build_app
 from tests.orchestrator.scripted_engine import ScriptedEngine
 
 TOOLS = [{"type": "function", "function": {
@@ -189,8 +189,8 @@ def test_overloaded_is_429(client, engine) -> None:
                                           ("top_k", 10**30), ("max_tokens", 2**63)])
 def test_integers_past_64_bits_are_refused(field, value) -> None:
     """They would fail to encode for the engine after validation: a 500 the fuzzer found."""
-    from orchestrator.errors import ApiError
-    from orchestrator.openai_chat import parse_chat_request
+    from orchestrator.shim.errors import ApiError
+    from orchestrator.shim.openai_request import parse_chat_request
 
     with pytest.raises(ApiError) as info:
         parse_chat_request({"messages": HELLO, field: value}, {})

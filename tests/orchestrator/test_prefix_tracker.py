@@ -8,8 +8,8 @@ import pytest
 from structlog.testing import capture_logs
 from tokenizers import Tokenizer
 
-from orchestrator.metrics import Metrics
-from orchestrator.prefix_tracker import PrefixTracker
+from orchestrator.shim.metrics import Metrics
+from orchestrator.shim.prefix_tracker import PrefixTracker
 
 EOS = 3
 TURN = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 from tokenizers import Tokenizer
 
-from orchestrator.chat_template import ChatTemplate
 from orchestrator.config import ShimOptions
-from orchestrator.http_server import build_app
-from orchestrator.reasoning import Answer, Reasoning, make_splitter, think_tag_ids
-from orchestrator.structured_output import after_reasoning, json_grammar
+from orchestrator.shim.chat_template import ChatTemplate
+from orchestrator.shim.reasoning import Answer, Reasoning, make_splitter, think_tag_ids
+from orchestrator.shim.server import build_app
+from orchestrator.shim.structured_output import after_reasoning, json_grammar
 from tests.orchestrator.scripted_engine import ScriptedEngine
 from tests.orchestrator.test_tool_parsers import chunkings
 from wire.client import ThinkingSpan

@@ -21,7 +21,7 @@ from orchestrator.config import (
     build_config,
     secret_file_env,
 )
-from orchestrator.http_server import build_app, parse_args, resolve_api_key
+from orchestrator.shim.server import build_app, parse_args, resolve_api_key
 from tests.orchestrator.test_http_server import StandInEngine, assert_openai_error
 from wire.security import SECRET_FILE_ENV
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.anthropic_request import parse_messages_request
-from orchestrator.errors import ApiError
-from orchestrator.openai_chat import parse_chat_request
-from orchestrator.structured_output import after_reasoning, json_grammar, tool_call_grammar
-from orchestrator.tool_parsers import ToolCall, make_tool_parser
+from orchestrator.shim.anthropic_request import parse_messages_request
+from orchestrator.shim.errors import ApiError
+from orchestrator.shim.openai_request import parse_chat_request
+from orchestrator.shim.structured_output import after_reasoning, json_grammar, tool_call_grammar
+from orchestrator.shim.tool_parsers import ToolCall, make_tool_parser
 from scheduler.guided import GuideFactory
 
 NAMES = ["Bash", 'Re"ad\\me', "Pflück"]

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from orchestrator.tool_parsers import (
+from orchestrator.shim.tool_parsers import (
     Event,
     HermesParser,
     Llama3JsonParser,
@@ -148,7 +148,7 @@ def test_a_forced_opening_is_read_as_the_start_of_the_call(parser, rest, expecte
     '{"c": NaN}', '{"c": [-Infinity]}',  # Python reads them; JSON responses cannot hold them
 ])
 def test_a_call_the_client_could_not_take_is_text(parser, template, args) -> None:
-    """What a request body may not hold (orchestrator/json_body.py) is not sent as a
+    """What a request body may not hold (orchestrator/shim/json_body.py) is not sent as a
     call either: it would be a 500 or a cut stream, and come back as a 400 next turn."""
     text = template % args
     events = run(parser, [text])

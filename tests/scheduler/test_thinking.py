@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from orchestrator.structured_output import after_reasoning, json_grammar
+from orchestrator.shim.structured_output import after_reasoning, json_grammar
 from scheduler.guided import mask_tokens
 from scheduler.scheduler import RequestRejected
 from scheduler.thinking import ThinkingBudget

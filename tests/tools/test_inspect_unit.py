@@ -12,7 +12,7 @@ import pytest
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.metrics import Metrics
+from orchestrator.shim.metrics import Metrics
 from tools.inspect_check import compare
 from tools.inspect_client import EngineNotFound, find_run_dir, load_engine
 from wire import codec

@@ -2,8 +2,9 @@
 render the conversation, tokenize it so the session's prefix keeps matching, check it
 fits, and turn the engine's text into reasoning, text and tool-call events.
 
-    request (API-specific parse) -> ChatRequest -> prepare_chat() -> ChatRun
+    body -> parse_chat(API parse) -> ChatRequest -> prepare_chat() -> ChatRun
     ChatRun.events(): ChatEvent (Reasoning | TextEvent | ToolCall), then the turn is recorded
+    (the API's response module formats the events; pipeline.serve drives the steps)
 
 tool_choice is applied here, the same way for both APIs: "none" leaves calls as text;
 "required" or a named tool appends the start of a call to the prompt (the parser's
@@ -22,27 +23,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.requests import Request
-
-from orchestrator.chat_template import Message
-from orchestrator.errors import ApiError
-from orchestrator.generation import Generation, GenerationParams
-from orchestrator.http_common import (
-    TOKENIZE_IN_THREAD_CHARS,
-    SchedulingHints,
-    ServerState,
-    admit,
-    check_counts,
-    read_json_object,
-    require_engine,
-    scheduling_hints,
-    shim_state,
-    tokenize,
-)
-from orchestrator.reasoning import Answer, Reasoning, make_splitter, opens_in
-from orchestrator.structured_output import after_reasoning, tool_call_grammar
-from orchestrator.tool_parsers import TextEvent, ToolCall, ToolParser, make_tool_parser
-from wire.client import SamplingParams, ThinkingSpan
+from orchestrator.shim.admission import SchedulingHints, check_counts
+from orchestrator.shim.chat_template import Message
+from orchestrator.shim.errors import ApiError
+from orchestrator.shim.generation import Delivery, Generation
+from orchestrator.shim.pipeline import Parse
+from orchestrator.shim.reasoning import Answer, Reasoning, make_splitter, opens_in
+from orchestrator.shim.state import TOKENIZE_IN_THREAD_CHARS, ServerState, tokenize
+from orchestrator.shim.structured_output import after_reasoning, tool_call_grammar
+from orchestrator.shim.tool_parsers import TextEvent, ToolCall, ToolParser, make_tool_parser
+from wire.client import GenerateRequest, SamplingParams, ThinkingSpan
 
 NO_HINTS = SchedulingHints()
 ChatEvent = TextEvent | ToolCall | Reasoning  # what a chat answer is made of, in order
@@ -83,9 +73,7 @@ class ChatRequest:
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     max_tokens: int | None = None  # None: all the room left
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: list[str] = field(default_factory=list)
-    stream: bool = False
-    include_usage: bool = False
+    delivery: Delivery = field(default_factory=Delivery)  # stop strings, stream, usage
     session: str = ""
     model: str = ""  # as the client named it
     grammar: str | None = None  # the answer's format (response_format, output_format)
@@ -111,7 +99,7 @@ class ChatPrompt:
     text: str  # the rendered conversation, then `forced`
     token_ids: list[int]
     forced: str = ""  # the start of a tool call that tool_choice requires
-    grammar: str | None = None  # what the answer must follow (orchestrator/structured_output.py)
+    grammar: str | None = None  # what the answer must follow (structured_output.py)
 
 
 @dataclass
@@ -212,20 +200,18 @@ class ChatRun:
         self.splitter = make_splitter(
             "none" if formatted and thinking is None else state.options.reasoning_parser,
             prompt.text, strip_answer=formatted)
-        params = GenerationParams(
+        request = GenerateRequest(
+            request_id=request_id,
             prompt_token_ids=prompt.token_ids,
             max_tokens=max_tokens,
             sampling=req.sampling,
-            stop=req.stop,
-            stream=req.stream,
-            include_usage=req.include_usage,
             session_id=req.session,
             priority=hints.priority,
             timeout_s=hints.timeout_s,
             grammar=grammar,
             thinking=thinking,
         )
-        self.gen = Generation(state.engine, state.tokenizer, request_id, params, api=api)
+        self.gen = Generation(state.engine, state.tokenizer, request, req.delivery, api=api)
         parse_calls = req.tools and req.tool_choice.mode != "none" and not formatted
         self.parser: ToolParser = make_tool_parser(
             state.options.tool_call_parser if parse_calls else "none",
@@ -283,26 +269,23 @@ class ChatRun:
         self.gen.log_done(finish_reason=finish_reason, error=error)
 
 
+def parse_chat(parse: Callable[[dict[str, Any], Any], ChatRequest]) -> Parse[ChatRequest]:
+    """A chat API's `parse(body, headers)` as the pipeline's parse step: --max-messages
+    and --max-tools are checked first, before any work is spent on the lists."""
+
+    async def parse_body(state: ServerState, body: dict[str, Any], headers: Any) -> ChatRequest:
+        check_counts(body, state)
+        return parse(body, headers)
+
+    return parse_body
+
+
 async def prepare_chat(state: ServerState, req: ChatRequest, request_id: str, *,
                        api: str, hints: SchedulingHints = NO_HINTS) -> ChatRun:
-    require_engine(state)  # again: it may have gone while the body was read
+    """Render and tokenize the conversation for the engine (the tool call tool_choice
+    requires, if any, opens the answer)."""
     forced = forced_call(state, req)
     text = await render_prompt(state, req) + forced.opening
     ids = await prompt_token_ids(state, req.session, text, request_id)
     prompt = ChatPrompt(text, ids, forced.opening, forced.grammar or req.grammar)
     return ChatRun(state, req, prompt, request_id, api=api, hints=hints)
-
-
-async def start_chat(request: Request, parse: Callable[[dict[str, Any], Any], ChatRequest],
-                     request_id: str, *, api: str) -> tuple[ChatRequest, ChatRun]:
-    """What every chat endpoint does before answering: admit the request, read and bound
-    its body, parse it in the endpoint's API (`parse(body, headers)`), then render and
-    tokenize it for the engine."""
-    state = shim_state(request)
-    admit(request, state)
-    body = await read_json_object(request, state)
-    check_counts(body, state)
-    req = parse(body, request.headers)
-    run = await prepare_chat(state, req, request_id, api=api,
-                             hints=scheduling_hints(request, state))
-    return req, run

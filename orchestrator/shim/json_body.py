@@ -18,7 +18,7 @@ import math
 import re
 from typing import Any
 
-from orchestrator.errors import ApiError
+from orchestrator.shim.errors import ApiError
 
 # Tool schemas nest a dozen levels at most; a hundred deep is no real request.
 MAX_DEPTH = 100

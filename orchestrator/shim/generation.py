@@ -9,42 +9,30 @@ request. The API modules only format what it yields.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import structlog
 from tokenizers import Tokenizer
 
-from orchestrator.detokenizer import Detokenizer
-from orchestrator.engine_client import EngineUnavailableError
-from orchestrator.errors import engine_error
-from wire.client import GenerateRequest, SamplingParams, ThinkingSpan
+from orchestrator.shim.detokenizer import Detokenizer
+from orchestrator.shim.engine_client import EngineUnavailableError
+from orchestrator.shim.errors import engine_error
+from wire.client import GenerateRequest
 
 log = structlog.get_logger()
-T = TypeVar("T")
 
 
 @dataclass
-class GenerationParams:
-    """A validated request, ready to become a GenerateRequest."""
+class Delivery:
+    """What the shim does with a request's output that the engine never sees, held beside
+    the GenerateRequest the engine gets (the API modules build both)."""
 
-    prompt_token_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    stream: bool = False
-    include_usage: bool = False
-    cache_salt: str | None = None
-    session_id: str | None = None  # lets the scheduler reuse the session's block hashes
-    priority: int = 0
-    timeout_s: float | None = None
-    grammar: str | None = None  # llguidance grammar the output follows (structured outputs)
-    thinking: ThinkingSpan | None = None  # a reasoning model's span, counted and capped
+    stop: list[str] = field(default_factory=list)  # stop strings: matched on the text, here
+    stream: bool = False  # SSE events rather than one JSON body
+    include_usage: bool = False  # OpenAI's stream_options.include_usage: a last usage chunk
 
 
 @dataclass
@@ -54,7 +42,7 @@ class Piece:
 
 
 class Generation:
-    """One request to the engine, from GenerateRequest to text pieces and counts.
+    """One request to the engine, from its GenerateRequest to text pieces and counts.
 
     `finish_reason` is "stop" (EOS, a stop token or a stop string; `stop_string` says
     which string), "length", "abort" or "error" once `pieces()` is done.
@@ -64,22 +52,23 @@ class Generation:
         self,
         engine: Any,  # EngineClient, or anything with its generate/abort
         tokenizer: Tokenizer,
-        request_id: str,
-        params: GenerationParams,
+        request: GenerateRequest,
+        delivery: Delivery,
         *,
         api: str = "completions",
     ) -> None:
         self.engine = engine
-        self.request_id = request_id
-        self.params = params
+        self.request = request
+        self.request_id = request.request_id
+        self.delivery = delivery
         self.api = api
         self.detok = Detokenizer(
-            tokenizer, stop=params.stop, prompt_token_ids=params.prompt_token_ids
+            tokenizer, stop=delivery.stop, prompt_token_ids=request.prompt_token_ids
         )
         self.token_ids: list[int] = []
         self.num_device_cached = 0
         self.num_host_cached = 0
-        self.num_reasoning_tokens = 0  # as the engine counts them (params.thinking)
+        self.num_reasoning_tokens = 0  # as the engine counts them (request.thinking)
         self.finish_reason: str | None = None
         self.ended_early = False  # end_here(): the client has not seen every token's text
         self.log_fields: dict[str, Any] = {}  # extra fields for the request_done line
@@ -88,7 +77,7 @@ class Generation:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.params.prompt_token_ids)
+        return len(self.request.prompt_token_ids)
 
     @property
     def num_cached(self) -> int:
@@ -104,23 +93,6 @@ class Generation:
         full = self.num_prompt_tokens // block_size * block_size if block_size > 0 else 0
         return max(0, full - self.num_cached)
 
-    def generate_request(self) -> GenerateRequest:
-        p = self.params
-        return GenerateRequest(
-            request_id=self.request_id,
-            prompt_token_ids=p.prompt_token_ids,
-            max_tokens=p.max_tokens,
-            sampling=p.sampling,  # a tiny temperature is greedy: worker/sampler.py
-            stop_token_ids=p.stop_token_ids,
-            ignore_eos=p.ignore_eos,
-            cache_salt=p.cache_salt,
-            session_id=p.session_id,
-            priority=p.priority,
-            timeout_s=p.timeout_s,
-            grammar=p.grammar,
-            thinking=p.thinking,
-        )
-
     async def end_here(self) -> None:
         """End the answer at what the caller has read (the first tool call, when parallel
         calls are off): a stop, like a stop string's."""
@@ -130,7 +102,7 @@ class Generation:
     async def pieces(self) -> AsyncIterator[Piece]:
         """A Piece per engine output; `finish_reason` is set before the last one.
         Raises ApiError if the engine reports an error."""
-        outputs = self.engine.generate(self.generate_request())
+        outputs = self.engine.generate(self.request)
         try:
             async for out in outputs:
                 # Cached counts may be on any output (the last may never come after a
@@ -179,40 +151,8 @@ class Generation:
             output_tokens=len(self.token_ids),
             reasoning_tokens=self.num_reasoning_tokens,
             finish_reason=finish_reason or self.finish_reason or "abort",
-            stream=self.params.stream,
+            stream=self.delivery.stream,
             duration_s=round(time.monotonic() - self._t0, 4),
             **self.log_fields,
             **({"error": error} if error else {}),
         )
-
-
-
-async def with_keepalive(items: AsyncIterator[T], interval_s: float) -> AsyncIterator[T | None]:
-    """`items`, with a None between them whenever `interval_s` passes without one (the
-    caller sends a keep-alive). The pending item is never cancelled by the timer.
-    Closing this closes `items` too, after the item it may be waiting on is cancelled
-    (in that order: `items` cannot close while it is running)."""
-    it = aiter(items)
-    pending: asyncio.Future[T] | None = None
-    try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(it))
-            done, _ = await asyncio.wait({pending}, timeout=interval_s)
-            if not done:
-                yield None
-                continue
-            try:
-                item = pending.result()
-            except StopAsyncIteration:
-                return
-            finally:
-                pending = None
-            yield item
-    finally:
-        if pending is not None:
-            pending.cancel()
-            await asyncio.gather(pending, return_exceptions=True)
-        close = getattr(items, "aclose", None)
-        if close is not None:
-            await close()

@@ -1,6 +1,6 @@
 """The HTTP shim: a Starlette app in front of the scheduler, served by uvicorn.
 
-    python -m orchestrator.http_server --run-dir DIR --model MODEL_DIR \
+    python -m orchestrator.shim.server --run-dir DIR --model MODEL_DIR \
         [--host 127.0.0.1] [--port 8000] [--api-key-file FILE] [--served-model-name NAME] \
         [--max-model-len N] [--max-output-tokens N] [--tool-call-parser hermes] \
         [--max-request-bytes N] [--max-tools N] [--max-messages N] [--max-header-bytes N] \
@@ -10,9 +10,10 @@ The API key: --api-key-file, --api-key, or $DEEPINFER_API_KEY (how `deepinfer-ru
 passes it: a command line is visible to every local user in `ps`). Every endpoint but
 /health requires it.
 
-Endpoints: POST /v1/messages and /v1/messages/count_tokens (Anthropic, `anthropic_api`),
-POST /v1/chat/completions (OpenAI chat, `openai_chat`), POST /v1/completions (OpenAI,
-`openai_api`), GET /v1/models, /health, /metrics.
+Endpoints: POST /v1/messages and /v1/messages/count_tokens (Anthropic,
+`anthropic_request` and `anthropic_response`), POST /v1/chat/completions and
+POST /v1/completions (OpenAI, `openai_request` and `openai_response`), each through one
+pipeline (`pipeline.serve`); GET /v1/models, /health, /metrics here.
 
 It renders chat templates (`chat_template`), tokenizes (MODEL_DIR/tokenizer.json),
 validates, sends token ids to the scheduler (ipc://DIR/requests.sock, or the "requests"
@@ -28,7 +29,6 @@ import json
 import os
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import datetime, timezone
@@ -44,26 +44,19 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tokenizers import Tokenizer
 
-from orchestrator import anthropic_api, openai_chat
-from orchestrator import openai_api as oai
-from orchestrator.chat_template import ChatTemplate
 from orchestrator.config import API_KEY_ENV, ShimOptions, add_shim_arguments, api_key_from
-from orchestrator.http_common import (
-    Engine,
+from orchestrator.shim import anthropic_response, openai_response
+from orchestrator.shim.admission import (
     HeaderLimit,
-    ServerState,
     admit,
     check_auth,
     error_response,
     is_anthropic_path,
-    json_result,
-    read_json_object,
-    require_engine,
-    scheduling_hints,
-    sse_response,
-    tokenize,
 )
-from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from orchestrator.shim.chat_template import ChatTemplate
+from orchestrator.shim.errors import ApiError
+from orchestrator.shim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from orchestrator.shim.state import Engine, ServerState
 from wire.log import configure_logging
 
 log = structlog.get_logger()
@@ -123,34 +116,10 @@ async def get_model(request: Request) -> Response:
     state: ServerState = request.app.state.shim
     admit(request, state)
     if request.path_params["model_id"] != state.model_name:
-        raise oai.ApiError(f"model {request.path_params['model_id']!r} not found (this "
+        raise ApiError(f"model {request.path_params['model_id']!r} not found (this "
                            f"engine serves {state.model_name!r})", status=404,
                            type="not_found_error")
     return JSONResponse(_model_card(state))
-
-
-async def completions(request: Request) -> Response:
-    state: ServerState = request.app.state.shim
-    admit(request, state)
-    body = await read_json_object(request, state)
-    prompt = oai.prompt_input(body)
-    if isinstance(prompt, str):
-        prompt_ids = await tokenize(state.tokenizer, prompt)
-    else:
-        prompt_ids = prompt
-    params = oai.parse_completion(
-        body, prompt_ids, vocab_size=state.vocab_size, max_model_len=state.max_model_len,
-        max_output_tokens=state.options.max_output_tokens,
-    )
-    hints = scheduling_hints(request, state)
-    params.priority, params.timeout_s = hints.priority, hints.timeout_s
-    require_engine(state)  # again: it may have gone while the body was read
-    run = oai.CompletionRun(
-        state.engine, state.tokenizer, f"cmpl-{uuid.uuid4().hex}", params, state.model_name
-    )
-    if not params.stream:
-        return await json_result(request, run.collect(), run.log_done)
-    return await sse_response(request, run.sse_chunks(state.ping_interval_s), run.log_done)
 
 
 # --- the app -------------------------------------------------------------------------
@@ -203,18 +172,18 @@ def build_app(
         assert isinstance(exc, HTTPException)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         msg = f"{request.method} {request.url.path}: {exc.detail}"
-        return error_response(oai.ApiError(msg, status=exc.status_code, type=kind),
+        return error_response(ApiError(msg, status=exc.status_code, type=kind),
                               anthropic=is_anthropic_path(request.url.path))
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, oai.ApiError)
+        assert isinstance(exc, ApiError)
         return error_response(exc, anthropic=is_anthropic_path(request.url.path))
 
     async def on_internal_error(request: Request, exc: Exception) -> Response:
         if isinstance(exc, ClientDisconnect):  # the client left while we read its body
             return Response(status_code=499)
         log.exception("internal_error", path=request.url.path)
-        return error_response(oai.ApiError(f"internal error: {type(exc).__name__}",
+        return error_response(ApiError(f"internal error: {type(exc).__name__}",
                                            status=500, type="internal_error"),
                               anthropic=is_anthropic_path(request.url.path))
 
@@ -225,15 +194,17 @@ def build_app(
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", openai_chat.chat_completions, methods=["POST"]),
-            Route("/v1/messages", anthropic_api.messages, methods=["POST"]),
-            Route("/v1/messages/count_tokens", anthropic_api.count_tokens, methods=["POST"]),
+            Route("/v1/completions", openai_response.completions, methods=["POST"]),
+            Route("/v1/chat/completions", openai_response.chat_completions,
+                  methods=["POST"]),
+            Route("/v1/messages", anthropic_response.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", anthropic_response.count_tokens,
+                  methods=["POST"]),
         ],
         middleware=[Middleware(HeaderLimit, limit=options.max_header_bytes)],
         exception_handlers={
             HTTPException: on_http_error,
-            oai.ApiError: on_api_error,
+            ApiError: on_api_error,
             Exception: on_internal_error,
         },
         lifespan=lifespan,
@@ -243,7 +214,7 @@ def build_app(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m orchestrator.http_server", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m orchestrator.shim.server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", required=True, help="the engine's run directory")
     p.add_argument("--model", required=True, help="model directory (holds tokenizer.json)")
@@ -273,7 +244,7 @@ def requests_address(run_dir: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    from orchestrator.engine_client import EngineClient
+    from orchestrator.shim.engine_client import EngineClient
 
     args = parse_args(argv)
     configure_logging("shim")

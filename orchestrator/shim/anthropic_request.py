@@ -17,28 +17,21 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from orchestrator.chat_run import ChatRequest, ToolChoice, session_key, tool_choice
-from orchestrator.chat_template import Message, join_text, strip_billing_header
-from orchestrator.errors import ApiError, describe, is_finite_number, is_int64
-from orchestrator.structured_output import json_grammar
+from orchestrator.shim.chat import ChatRequest, ToolChoice, session_key, tool_choice
+from orchestrator.shim.chat_template import Message, join_text, strip_billing_header
+from orchestrator.shim.generation import Delivery
+from orchestrator.shim.structured_output import json_grammar
+from orchestrator.shim.validate import describe, invalid, is_int64, is_positive_int64, number
 from wire.client import SamplingParams
 
 ROLES = ("user", "assistant", "system")
 UNSUPPORTED_BLOCKS = ("image", "document")
 
 
-def _bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(message, param=param)
-
-
 def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not is_finite_number(v):
-        raise _bad(f"{name}: Input should be a number, got {describe(v)}", name)
+    v = number(body, name, default, "{name}: Input should be a number, got {value}")
     if not lo <= v <= hi:
-        raise _bad(f"{name}: must be between {lo:g} and {hi:g}, got {v}", name)
+        raise invalid(f"{name}: must be between {lo:g} and {hi:g}, got {v}", name)
     return float(v)
 
 
@@ -48,24 +41,24 @@ def _texts(content: Any, where: str) -> list[str]:
     if isinstance(content, str):
         return [content]
     if not isinstance(content, list):
-        raise _bad(f"{where}: Input should be a string or a list of content blocks")
+        raise invalid(f"{where}: Input should be a string or a list of content blocks")
     out = []
     for i, block in enumerate(content):
         kind = _block_type(block, f"{where}.{i}")
         if kind == "text":
             text = block.get("text")
             if not isinstance(text, str):
-                raise _bad(f"{where}.{i}.text: Input should be a string")
+                raise invalid(f"{where}.{i}.text: Input should be a string")
             out.append(text)
     return out
 
 
 def _block_type(block: Any, where: str) -> str:
     if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-        raise _bad(f"{where}: each content block must be an object with a 'type'")
+        raise invalid(f"{where}: each content block must be an object with a 'type'")
     kind = block["type"]
     if kind in UNSUPPORTED_BLOCKS:
-        raise _bad(f"{where}: {kind} content is not supported: this engine serves a "
+        raise invalid(f"{where}: {kind} content is not supported: this engine serves a "
                    "text-only model")
     return kind
 
@@ -87,7 +80,7 @@ def _user_messages(content: Any, where: str) -> list[Message]:
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     if not isinstance(content, list):
-        raise _bad(f"{where}.content: Input should be a string or a list of content blocks")
+        raise invalid(f"{where}.content: Input should be a string or a list of content blocks")
     out: list[Message] = []
     texts: list[str] = []
     for i, block in enumerate(content):
@@ -100,7 +93,7 @@ def _user_messages(content: Any, where: str) -> list[Message]:
                 texts = []
             tool_use_id = block.get("tool_use_id")
             if not isinstance(tool_use_id, str):
-                raise _bad(f"{where}.content.{i}.tool_use_id: Field required")
+                raise invalid(f"{where}.content.{i}.tool_use_id: Field required")
             result = block.get("content")
             result_texts = [] if result is None else _texts(result, f"{where}.content.{i}.content")
             out.append({"role": "tool", "tool_call_id": tool_use_id,
@@ -114,7 +107,7 @@ def _assistant_message(content: Any, where: str) -> Message:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
     if not isinstance(content, list):
-        raise _bad(f"{where}.content: Input should be a string or a list of content blocks")
+        raise invalid(f"{where}.content: Input should be a string or a list of content blocks")
     texts: list[str] = []
     thinking: list[str] = []
     calls: list[dict[str, Any]] = []
@@ -128,7 +121,7 @@ def _assistant_message(content: Any, where: str) -> Message:
         elif kind == "tool_use":
             name, args = block.get("name"), block.get("input", {})
             if not isinstance(name, str) or not isinstance(args, dict):
-                raise _bad(f"{where}.content.{i}: tool_use needs a string 'name' and an "
+                raise invalid(f"{where}.content.{i}: tool_use needs a string 'name' and an "
                            "object 'input'")
             calls.append({"id": str(block.get("id", "")), "type": "function",
                           "function": {"name": name, "arguments": args}})
@@ -142,20 +135,20 @@ def _assistant_message(content: Any, where: str) -> Message:
 
 def convert_messages(messages: Any) -> list[Message]:
     if not isinstance(messages, list):
-        raise _bad("messages: Input should be a list", "messages")
+        raise invalid("messages: Input should be a list", "messages")
     if not messages:
-        raise _bad("messages: at least one message is required", "messages")
+        raise invalid("messages: at least one message is required", "messages")
     out: list[Message] = []
     for i, m in enumerate(messages):
         where = f"messages.{i}"
         if not isinstance(m, dict):
-            raise _bad(f"{where}: Input should be an object", "messages")
+            raise invalid(f"{where}: Input should be an object", "messages")
         role = m.get("role")
         if role not in ROLES:
-            raise _bad(f"{where}.role: Input should be 'user', 'assistant' or 'system', got "
+            raise invalid(f"{where}.role: Input should be 'user', 'assistant' or 'system', got "
                        f"{describe(role)}", "messages")
         if "content" not in m:
-            raise _bad(f"{where}.content: Field required", "messages")
+            raise invalid(f"{where}.content: Field required", "messages")
         if role == "user":
             out += _user_messages(m["content"], where)
         elif role == "assistant":
@@ -172,16 +165,16 @@ def convert_tools(tools: Any) -> list[dict[str, Any]]:
     if tools is None:
         return []
     if not isinstance(tools, list):
-        raise _bad("tools: Input should be a list", "tools")
+        raise invalid("tools: Input should be a list", "tools")
     out = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
-            raise _bad(f"tools.{i}: each tool needs a string 'name'", "tools")
+            raise invalid(f"tools.{i}: each tool needs a string 'name'", "tools")
         schema = tool.get("input_schema")
         if schema is None and tool.get("type") not in (None, "custom"):
             continue
         if not isinstance(schema, dict):
-            raise _bad(f"tools.{i}.input_schema: Input should be an object", "tools")
+            raise invalid(f"tools.{i}.input_schema: Input should be an object", "tools")
         function: dict[str, Any] = {"name": tool["name"]}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
@@ -199,14 +192,14 @@ def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> ToolChoice:
         return ToolChoice()
     kind = choice.get("type") if isinstance(choice, dict) else None
     if not isinstance(kind, str) or kind not in _CHOICE_MODES:
-        raise _bad("tool_choice: Input should be an object with type 'auto', 'any', 'tool' "
+        raise invalid("tool_choice: Input should be an object with type 'auto', 'any', 'tool' "
                    f"or 'none', got {describe(choice)}", "tool_choice")
     name = choice.get("name")
     if kind == "tool" and not isinstance(name, str):
-        raise _bad("tool_choice.name: Field required (a string) for type 'tool'", "tool_choice")
+        raise invalid("tool_choice.name: Field required (a string) for type 'tool'", "tool_choice")
     no_parallel = choice.get("disable_parallel_tool_use", False)
     if not isinstance(no_parallel, bool):
-        raise _bad("tool_choice.disable_parallel_tool_use: Input should be a boolean",
+        raise invalid("tool_choice.disable_parallel_tool_use: Input should be a boolean",
                    "tool_choice")
     return tool_choice(_CHOICE_MODES[kind], name, not no_parallel, tools)
 
@@ -222,11 +215,11 @@ def _thinking(thinking: Any) -> tuple[bool | None, int | None]:
         return None, None
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if not isinstance(kind, str):
-        raise _bad(f"thinking: Input should be an object with a 'type', got "
+        raise invalid(f"thinking: Input should be an object with a 'type', got "
                    f"{describe(thinking)}", "thinking")
     budget = thinking.get("budget_tokens") if kind == "enabled" else None
-    if budget is not None and (not is_int64(budget) or budget < 1):
-        raise _bad("thinking.enabled.budget_tokens: Input should be a positive integer, got "
+    if budget is not None and not is_positive_int64(budget):
+        raise invalid("thinking.enabled.budget_tokens: Input should be a positive integer, got "
                    f"{describe(budget)}", "thinking")
     return kind != "disabled", budget
 
@@ -243,7 +236,7 @@ def _output_grammar(body: dict[str, Any]) -> str | None:
     if fmt is None:
         return None
     if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema"):
-        raise _bad(f"{param}: Input should be an object with type 'json_schema', got "
+        raise invalid(f"{param}: Input should be an object with type 'json_schema', got "
                    f"{describe(fmt)}", param)
     return json_grammar(fmt.get("schema"), param)
 
@@ -253,13 +246,13 @@ def parse_messages_request(body: dict[str, Any], headers: Any, *,
     """Validate a /v1/messages (or count_tokens) body."""
     model = body.get("model", "")
     if not isinstance(model, str):
-        raise _bad(f"model: Input should be a string, got {describe(model)}", "model")
+        raise invalid(f"model: Input should be a string, got {describe(model)}", "model")
     max_tokens = body.get("max_tokens")
     if not count_only:
         if max_tokens is None:
-            raise _bad("max_tokens: Field required", "max_tokens")
-        if not is_int64(max_tokens) or max_tokens < 1:
-            raise _bad(f"max_tokens: must be a positive integer, got {describe(max_tokens)}",
+            raise invalid("max_tokens: Field required", "max_tokens")
+        if not is_positive_int64(max_tokens):
+            raise invalid(f"max_tokens: must be a positive integer, got {describe(max_tokens)}",
                        "max_tokens")
     messages = system_messages(body.get("system")) + convert_messages(body.get("messages"))
     tools = convert_tools(body.get("tools"))
@@ -270,16 +263,16 @@ def parse_messages_request(body: dict[str, Any], headers: Any, *,
     if stop is None:
         stop = []
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise _bad("stop_sequences: Input should be a list of strings", "stop_sequences")
+        raise invalid("stop_sequences: Input should be a list of strings", "stop_sequences")
     top_k = body.get("top_k")
     if top_k is not None and (not is_int64(top_k) or top_k < 0):
-        raise _bad(f"top_k: must be a non-negative integer, got {describe(top_k)}", "top_k")
+        raise invalid(f"top_k: must be a non-negative integer, got {describe(top_k)}", "top_k")
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     sampling = SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                               top_p=top_p if top_p > 0 else 1.0, top_k=top_k or 0)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise _bad(f"stream: Input should be a boolean, got {describe(stream)}", "stream")
+        raise invalid(f"stream: Input should be a boolean, got {describe(stream)}", "stream")
 
     metadata = body.get("metadata")
     user_id = metadata.get("user_id") if isinstance(metadata, dict) else None
@@ -291,8 +284,7 @@ def parse_messages_request(body: dict[str, Any], headers: Any, *,
         tool_choice=choice,
         max_tokens=max_tokens,
         sampling=sampling,
-        stop=[s for s in stop if s],
-        stream=stream,
+        delivery=Delivery(stop=[s for s in stop if s], stream=stream),
         session=session_key(explicit, model, messages, tools),
         model=model,
         grammar=None if count_only else _output_grammar(body),

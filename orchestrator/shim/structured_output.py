@@ -5,7 +5,7 @@ scheduler holds the grammar's state and masks each sampled token (scheduler/guid
     json_grammar(schema)           OpenAI response_format (json_object, json_schema),
                                    Anthropic output_format / output_config.format
     tool_call_grammar(tools, name) the rest of a call that tool_choice forces, after the
-                                   tool parser's opening (orchestrator/chat_run.py)
+                                   tool parser's opening (orchestrator/shim/chat.py)
 
 JSON is written with json.dumps' separators (", " and ": ") and no other whitespace:
 chat templates render a call's arguments back that way, so the next turn's prompt
@@ -21,7 +21,7 @@ from typing import Any
 
 from llguidance import LLMatcher
 
-from orchestrator.errors import ApiError
+from orchestrator.shim.errors import ApiError
 
 # "lenient": keywords the compiler does not implement (propertyNames, ...) are ignored,
 # not refused: tool schemas come from agents, not from us.

@@ -22,8 +22,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from orchestrator.errors import ApiError
-from orchestrator.json_body import check_value
+from orchestrator.shim.errors import ApiError
+from orchestrator.shim.json_body import check_value
 
 
 @dataclass

@@ -14,25 +14,7 @@ its SDKs retry as any 5xx).
 
 from __future__ import annotations
 
-import json
-import sys
 from typing import Any
-
-# The integers the engine's wire format (msgpack) carries signed: a larger seed or top_k
-# would fail to encode after validation, as a 500.
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-
-
-def is_finite_number(v: Any) -> bool:
-    """A JSON number a float can hold: not `true`, not NaN or infinite, not an integer
-    past a float's range (float() would raise OverflowError)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= sys.float_info.max
-
-
-def is_int64(v: Any) -> bool:
-    """A JSON integer the engine's wire format can carry (msgpack: 64 bits); JSON `true`
-    is not 1."""
-    return isinstance(v, int) and not isinstance(v, bool) and INT64_MIN <= v <= INT64_MAX
 
 # OpenAI error type -> (Anthropic error type, status override or None)
 _ANTHROPIC_TYPES: dict[str, str] = {
@@ -118,8 +100,3 @@ def unavailable_error(message: str, retry_after_s: int = UNAVAILABLE_RETRY_AFTER
     """503 + retry-after: the request was fine, the engine is not there to serve it now."""
     return ApiError(message, status=503, type="service_unavailable", code="unavailable",
                     headers={"retry-after": str(retry_after_s)})
-
-
-def describe(value: Any) -> str:
-    """A short JSON rendering of a bad value, for error messages."""
-    return json.dumps(value)[:40]

@@ -1,5 +1,6 @@
-"""Anthropic Messages API: `POST /v1/messages` (also `?beta=true`, what Claude Code
-calls) and `POST /v1/messages/count_tokens`.
+"""Anthropic Messages API responses, and its endpoints: `POST /v1/messages` (also
+`?beta=true`, what Claude Code calls) and `POST /v1/messages/count_tokens` (the requests
+are anthropic_request's; the pipeline is pipeline.serve).
 
 Streaming is SSE with `event:` lines, in Anthropic's order:
 
@@ -33,21 +34,26 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from orchestrator.anthropic_request import parse_messages_request, tool_input_json
-from orchestrator.chat_run import ChatEvent, ChatRun, render_prompt, start_chat
-from orchestrator.errors import ApiError
-from orchestrator.generation import with_keepalive
-from orchestrator.http_common import (
+from orchestrator.shim.admission import (
+    SchedulingHints,
     check_auth,
     check_counts,
-    json_result,
     read_json_object,
-    shim_state,
-    sse_response,
-    tokenize,
 )
-from orchestrator.reasoning import Reasoning
-from orchestrator.tool_parsers import ToolCall
+from orchestrator.shim.anthropic_request import parse_messages_request, tool_input_json
+from orchestrator.shim.chat import (
+    ChatEvent,
+    ChatRequest,
+    ChatRun,
+    parse_chat,
+    prepare_chat,
+    render_prompt,
+)
+from orchestrator.shim.errors import ApiError
+from orchestrator.shim.pipeline import Reply, serve
+from orchestrator.shim.reasoning import Reasoning
+from orchestrator.shim.state import ServerState, shim_state, tokenize
+from orchestrator.shim.tool_parsers import ToolCall
 
 
 def sse_event(kind: str, data: dict[str, Any]) -> str:
@@ -92,39 +98,10 @@ def stop_reason(run: ChatRun) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-def _message(run: ChatRun, msg_id: str, model: str, content: list[dict[str, Any]],
-             *, final: bool) -> dict[str, Any]:
-    reason, sequence = stop_reason(run) if final else (None, None)
-    return {"id": msg_id, "type": "message", "role": "assistant", "model": model,
-            "content": content, "stop_reason": reason, "stop_sequence": sequence,
-            "usage": usage(run)}
-
-
 def thinking_signature(thinking: str) -> str:
     """A thinking block's `signature`. Clients send it back with the block and we do
     not check it (the block only goes back into the prompt); a digest of the text."""
     return base64.b64encode(hashlib.sha256(thinking.encode()).digest()).decode()
-
-
-async def collect(run: ChatRun, msg_id: str, model: str) -> dict[str, Any]:
-    """The non-streaming response."""
-    content: list[dict[str, Any]] = []
-    async for event in run.events():
-        if isinstance(event, ToolCall):
-            content.append({"type": "tool_use", "id": tool_use_id(), "name": event.name,
-                            "input": event.arguments})
-            continue
-        if not event.text:
-            continue
-        kind, key = ("thinking", "thinking") if isinstance(event, Reasoning) else ("text", "text")
-        if content and content[-1]["type"] == kind:
-            content[-1][key] += event.text
-        else:
-            content.append({"type": kind, key: event.text})
-    for block in content:
-        if block["type"] == "thinking":
-            block["signature"] = thinking_signature(block["thinking"])
-    return _message(run, msg_id, model, content, final=True)
 
 
 class BlockStream:
@@ -190,56 +167,77 @@ def _stop(index: int) -> str:
     return sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
 
 
-async def stream(run: ChatRun, msg_id: str, model: str,
-                 ping_interval_s: float) -> AsyncIterator[str]:
-    """The streaming response. Its first chunk (message_start) comes with the first
-    output, or after `ping_interval_s` without one: an engine error before it is
-    still an HTTP error status (see sse_response)."""
-    keepalive = with_keepalive(run.events(), ping_interval_s)
-    started = False
-    blocks = BlockStream()
-    try:
-        async for event in keepalive:
-            if not started:
-                started = True
-                yield sse_event("message_start", {
-                    "type": "message_start",
-                    "message": _message(run, msg_id, model, [], final=False)})
-            if event is None:
-                yield sse_event("ping", {"type": "ping"})
+class MessageReply(Reply):
+    """One /v1/messages answer: a message, or its SSE events (message_start with the first
+    output or keep-alive; content blocks; message_delta and message_stop)."""
+
+    def __init__(self, run: ChatRun, msg_id: str, model: str) -> None:
+        self.run = run
+        self.delivery = run.req.delivery
+        self.msg_id = msg_id
+        self.model = model
+        self.blocks = BlockStream()
+
+    def items(self) -> AsyncIterator[ChatEvent]:
+        return self.run.events()
+
+    def log_done(self, *, finish_reason: str | None = None, error: str | None = None) -> None:
+        self.run.log_done(finish_reason=finish_reason, error=error)
+
+    async def collect(self) -> dict[str, Any]:
+        content: list[dict[str, Any]] = []
+        async for event in self.run.events():
+            if isinstance(event, ToolCall):
+                content.append({"type": "tool_use", "id": tool_use_id(), "name": event.name,
+                                "input": event.arguments})
                 continue
-            for chunk in blocks.add(event):
-                yield chunk
-    except ApiError as err:
-        run.log_done(finish_reason="error", error=err.message)
-        if not started:
-            raise
-        yield sse_event("error", err.anthropic_body())
-        return
-    finally:
-        await keepalive.aclose()  # and the events with it
-        run.log_done()  # no-op unless the client left early (logged as an abort)
-    if not started:
-        yield sse_event("message_start", {
-            "type": "message_start", "message": _message(run, msg_id, model, [], final=False)})
-    for chunk in blocks.close():
-        yield chunk
-    reason, sequence = stop_reason(run)
-    yield sse_event("message_delta", {
-        "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-        "usage": usage(run)})
-    yield sse_event("message_stop", {"type": "message_stop"})
+            if not event.text:
+                continue
+            kind = "thinking" if isinstance(event, Reasoning) else "text"
+            if content and content[-1]["type"] == kind:
+                content[-1][kind] += event.text
+            else:
+                content.append({"type": kind, kind: event.text})
+        for block in content:
+            if block["type"] == "thinking":
+                block["signature"] = thinking_signature(block["thinking"])
+        return self._message(content, final=True)
+
+    def _message(self, content: list[dict[str, Any]], *, final: bool) -> dict[str, Any]:
+        reason, sequence = stop_reason(self.run) if final else (None, None)
+        return {"id": self.msg_id, "type": "message", "role": "assistant",
+                "model": self.model, "content": content, "stop_reason": reason,
+                "stop_sequence": sequence, "usage": usage(self.run)}
+
+    def opening(self) -> list[str]:
+        return [sse_event("message_start", {
+            "type": "message_start", "message": self._message([], final=False)})]
+
+    def ping(self) -> str:
+        return sse_event("ping", {"type": "ping"})
+
+    def chunks(self, item: ChatEvent) -> list[str]:
+        return self.blocks.add(item)
+
+    def error(self, err: ApiError) -> list[str]:
+        return [sse_event("error", err.anthropic_body())]
+
+    def closing(self) -> list[str]:
+        reason, sequence = stop_reason(self.run)
+        return [*self.blocks.close(), sse_event("message_delta", {
+            "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": usage(self.run)}), sse_event("message_stop", {"type": "message_stop"})]
 
 
 async def messages(request: Request) -> Response:
-    state = shim_state(request)
+    return await serve(request, parse_chat(parse_messages_request), start_message)
+
+
+async def start_message(state: ServerState, req: ChatRequest,
+                        hints: SchedulingHints) -> MessageReply:
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
-    req, run = await start_chat(request, parse_messages_request, msg_id, api="anthropic")
-    model = req.model or state.model_name
-    if not req.stream:
-        return await json_result(request, collect(run, msg_id, model), run.log_done)
-    return await sse_response(request, stream(run, msg_id, model, state.ping_interval_s),
-                              run.log_done)
+    run = await prepare_chat(state, req, msg_id, api="anthropic", hints=hints)
+    return MessageReply(run, msg_id, req.model or state.model_name)
 
 
 async def count_tokens(request: Request) -> Response:

@@ -29,7 +29,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from orchestrator.errors import ApiError
+from orchestrator.shim.errors import ApiError
 
 # Claude Code's first system block: `x-anthropic-billing-header: cc_version=...; ...`,
 # different in every session. Rendered, it would make every new session miss at token 0.

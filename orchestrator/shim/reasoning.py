@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from orchestrator.tool_parsers import partial_suffix
+from orchestrator.shim.tool_parsers import partial_suffix
 
 REASONING_PARSERS = ("none", "think", "qwen3", "deepseek_r1")  # the last two: vLLM's names
 OPEN, CLOSE = "<think>", "</think>"

@@ -42,7 +42,7 @@ from wire.lifecycle import ClientHello, EngineInfo, Shutdown
 from wire.security import secure_connect
 
 if TYPE_CHECKING:
-    from orchestrator.metrics import Metrics, RequestTimer
+    from orchestrator.shim.metrics import Metrics, RequestTimer
 
 log = structlog.get_logger()
 HELLO_INTERVAL_S = 1.0  # while the engine is lost: how often ClientHello is resent
