@@ -32,13 +32,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from orchestrator.config import (
-    API_KEY_ENV,
     REPO,
     add_serve_arguments,
     build_config,
     repo_env,
     secret_file_env,
 )
+from orchestrator.shim.options import API_KEY_ENV
 from wire.control_server import CONTROL_DIR_ENV, control_address
 from wire.log import configure_logging
 from wire.security import SECRET_FILE_ENV

@@ -44,7 +44,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tokenizers import Tokenizer
 
-from orchestrator.config import API_KEY_ENV, ShimOptions, add_shim_arguments, api_key_from
 from orchestrator.shim import anthropic_response, openai_response
 from orchestrator.shim.admission import (
     HeaderLimit,
@@ -56,6 +55,7 @@ from orchestrator.shim.admission import (
 from orchestrator.shim.chat_template import ChatTemplate
 from orchestrator.shim.errors import ApiError
 from orchestrator.shim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from orchestrator.shim.options import API_KEY_ENV, ShimOptions, add_shim_arguments, api_key_from
 from orchestrator.shim.state import Engine, ServerState
 from wire.log import configure_logging
 
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     server = uvicorn.Server(config)
     check = None
     if args.self_check:  # imported only then: the gate's HTTP client is not needed else
-        from orchestrator.self_check import SelfCheck
+        from orchestrator.shim.self_check import SelfCheck
 
         check = SelfCheck(server, app.state.shim, args.host, args.port, api_key,
                           args.self_check_tokens)

@@ -12,9 +12,9 @@ import structlog
 from starlette.requests import Request
 from tokenizers import Tokenizer
 
-from orchestrator.config import ShimOptions
 from orchestrator.shim.chat_template import ChatTemplate
 from orchestrator.shim.metrics import Metrics
+from orchestrator.shim.options import ShimOptions
 from orchestrator.shim.prefix_tracker import PrefixTracker
 from orchestrator.shim.reasoning import think_tag_ids
 from wire.client import EngineStats, GenerateRequest, RequestOutput

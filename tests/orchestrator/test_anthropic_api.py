@@ -14,7 +14,7 @@ import anthropic
 import pytest
 from starlette.testclient import TestClient
 
-from orchestrator.config import ShimOptions
+from orchestrator.shim.options import ShimOptions
 from orchestrator.shim.server import build_app
 from tests.orchestrator.claude_code_body import claude_code_request
 from tests.orchestrator.scripted_engine import ScriptedEngine

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from orchestrator.chat_template import ChatTemplate
-from orchestrator.gguf_tokenizer import GGUFTokenizerError, load_gguf_tokenizer
+from orchestrator.shim.chat_template import ChatTemplate
+from orchestrator.shim.gguf_tokenizer import GGUFTokenizerError, load_gguf_tokenizer
 from tests.conftest import REPO
 from tests.orchestrator.gguf_vocab import write_tokenizer_gguf
 

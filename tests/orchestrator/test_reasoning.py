@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 from tokenizers import Tokenizer
 
-from orchestrator.config import ShimOptions
 from orchestrator.shim.chat_template import ChatTemplate
+from orchestrator.shim.options import ShimOptions
 from orchestrator.shim.reasoning import Answer, Reasoning, make_splitter, think_tag_ids
 from orchestrator.shim.server import build_app
 from orchestrator.shim.structured_output import after_reasoning, json_grammar
