@@ -171,20 +171,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or len(self.queue) or self._to_close)
 
-    # --- the close-timing rule -------------------------------------------------------
-    #
-    # A sequence whose final token is sampled at step k is closed by the plan of
-    # step k+1, on every rank at once, and its blocks are released *to the cache*
-    # (kept, hittable, evictable), never dropped. Why: during step k every rank
-    # still writes and reads the sequence's pages, and the scheduler learns that a
-    # token is final only from step k's results. Releasing any earlier (when the
-    # final token is emitted, as the adapter in DESIGN.md did) lets a block be
-    # reused or forgotten under a step that is still using it: every request then
-    # re-reads its prompt in full and nothing complains. So the release happens in
-    # exactly one place, `_take_closes`, while building plan k+1, and it checks
-    # the rule instead of trusting it. Aborts and preemptions go the same way.
+    # --- ends and closes ----------------------------------------------------------
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence; if the ranks hold it open, the next plan closes it (`_close`)."""
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         if seq.chain is not None:
@@ -194,22 +184,29 @@ class Scheduler:
         else:
             self._by_request.pop(seq.request_id, None)
 
-    def _take_closes(self, step: int) -> list[int]:
-        closed = []
-        for seq in self._to_close:
-            assert seq.opened and seq.last_step < step, (
-                f"close-timing violated: seq {seq.seq_id} closed in step {step}, "
-                f"last ran in step {seq.last_step}")
-            self._release(seq)
-            self._by_request.pop(seq.request_id, None)
-            closed.append(seq.seq_id)
-        self._to_close.clear()
-        return closed
+    def _close(self, seq: Sequence, plan: StepPlan) -> None:
+        """Close a sequence on every rank with `plan`, and release its blocks *to the
+        cache* (kept, hittable, evictable), never dropped. Every close goes through here:
+        an end (finish, abort, deadline) by the plan after the one that last ran it
+        (`_finish` defers it), a preemption by the plan that preempts it.
 
-    def _release(self, seq: Sequence) -> None:
-        self.cache.free(seq.seq_id)
+        The close-timing rule: a sequence whose final token is sampled at step k is
+        closed by the plan of step k+1, never by a plan that runs it. During step k
+        every rank still writes and reads its pages, and the scheduler learns that a
+        token is final only from step k's results; a release any earlier lets a block
+        be reused or forgotten under a step that still uses it -- every request then
+        re-reads its prompt in full and nothing complains. So the rule is checked
+        here rather than trusted (the cache and the ranks check it again, each
+        across its own boundary)."""
+        assert seq.opened and seq.last_step < plan.step, (
+            f"close-timing violated: seq {seq.seq_id} closed in step {plan.step}, "
+            f"last ran in step {seq.last_step}")
+        self.cache.free(seq.seq_id, plan.step)
         seq.opened = False
         seq.block_ids = []
+        plan.close.append(seq.seq_id)
+        if seq.status is SeqStatus.FINISHED:
+            self._by_request.pop(seq.request_id, None)
 
     # --- planning ------------------------------------------------------------------
 
@@ -217,7 +214,10 @@ class Scheduler:
         step = self.step
         if self._deadlines:
             self._expire(time.monotonic())
-        plan = StepPlan(step=step, close=self._take_closes(step))
+        plan = StepPlan(step=step)
+        to_close, self._to_close = self._to_close, []
+        for seq in to_close:
+            self._close(seq, plan)
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
 
@@ -281,7 +281,7 @@ class Scheduler:
         sequence admitted later in this one, e.g. a second agent sent the same fresh
         context -- may hit them."""
         scheduled.append((seq, num_new))
-        self.cache.commit(seq.seq_id, seq.tokens, seq.num_computed + num_new)
+        self.cache.commit(seq.seq_id, seq.tokens, seq.num_computed + num_new, self.step)
 
     def _settle_grammar(self, seq: Sequence, *, wait: bool) -> bool:
         """Whether the queue's head is settled: it has no grammar, or its grammar has
@@ -339,9 +339,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Recompute later: close it on the ranks now, requeue it in front."""
         self.running.remove(seq)
-        assert seq.opened and seq.last_step < plan.step
-        self._release(seq)
-        plan.close.append(seq.seq_id)
+        self._close(seq, plan)
         seq.status = SeqStatus.WAITING
         seq.num_computed = 0
         seq.num_preemptions += 1

@@ -94,7 +94,7 @@ class CacheMachine(RuleBasedStateMachine):
         seq.table += blocks
         start = seq.computed
         seq.computed = max(seq.computed, num_tokens)
-        self.m.commit(sid, seq.tokens, seq.computed)
+        self.m.commit(sid, seq.tokens, seq.computed, self.step)
         seq.scheduled_step = self.step
         self.writes.append((sid, start, seq.computed))
         self.learn_hashes(seq, seq.computed)
@@ -165,10 +165,10 @@ class CacheMachine(RuleBasedStateMachine):
         seq.computed = hit.num_tokens
         self.seqs[sid] = seq
         if chunk != len(tokens) and data.draw(st.integers(0, 9)) == 0:  # rolled back
-            self.m.free(sid)
+            self.m.free(sid, self.step)
             del self.seqs[sid]
             return
-        self.m.commit(sid, tokens, num_tokens)
+        self.m.commit(sid, tokens, num_tokens, self.step)
         seq.scheduled_step = self.step
         self.writes.append((sid, seq.computed, num_tokens))
         seq.computed = max(seq.computed, num_tokens)
@@ -191,7 +191,7 @@ class CacheMachine(RuleBasedStateMachine):
     def close(self, data) -> None:
         """Finish or abort (mid-prefill included): closed in a later step than its last run."""
         sid = data.draw(st.sampled_from(self.live_unscheduled()))
-        self.m.free(sid)
+        self.m.free(sid, self.step)
         seq = self.seqs.pop(sid)
         self.history.append((seq.key, list(seq.tokens)))
 
@@ -207,7 +207,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.admit(data, list(range(start, start + n)), KEYS[0], chunk=n)
         self.step_done()
         if sid in self.seqs:
-            self.m.free(sid)
+            self.m.free(sid, self.step)
             del self.seqs[sid]
 
     @precondition(lambda self: self.history and self.cfg.host_enabled and len(self.seqs) < 8
@@ -225,7 +225,7 @@ class CacheMachine(RuleBasedStateMachine):
         for sid in self.live_unscheduled():
             action = data.draw(st.sampled_from(["close", "grow", "grow", "idle"]))
             if action == "close":
-                self.m.free(sid)
+                self.m.free(sid, self.step)
                 seq = self.seqs.pop(sid)
                 self.history.append((seq.key, list(seq.tokens)))
             elif action == "grow":
@@ -250,7 +250,7 @@ class CacheMachine(RuleBasedStateMachine):
             sorted(s for s, q in self.seqs.items() if q.scheduled_step == self.step)))
         before = self.snapshot()
         with pytest.raises(AssertionError):
-            self.m.free(sid)
+            self.m.free(sid, self.step)
         assert self.m.has_seq(sid) and self.snapshot() == before
 
     @rule(data=st.data())
@@ -330,7 +330,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         self.step_done()  # finish the running step, then close everything
         for sid in list(self.seqs):
-            self.m.free(sid)
+            self.m.free(sid, self.step)
         self.seqs.clear()
         self.consistent()
         assert self.m.usage()["device"]["used"] == 0

@@ -118,7 +118,8 @@ class EarlyCloseScheduler(Scheduler):
         outputs = super().update(plan, sampled)
         for seq in self._to_close:
             if seq.opened:
-                self._release(seq)
+                self.cache.free(seq.seq_id, self.step)
+                seq.opened, seq.block_ids = False, []
         return outputs
 
 
