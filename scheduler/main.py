@@ -88,7 +88,7 @@ class SchedulerServer:
             try:
                 sched.add_request(msg)
                 self._owners[msg.request_id] = identity
-                self.telemetry.request_added(sched._by_request[msg.request_id])
+                self.telemetry.request_added(sched.sequence(msg.request_id))
             except RequestRejected as exc:
                 # the request's one log line: it ends here
                 self.log.info("request_rejected", request_id=msg.request_id,

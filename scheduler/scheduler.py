@@ -64,35 +64,24 @@ class Scheduler:
     def add_request(self, req: GenerateRequest) -> None:
         """Queue a request, or raise RequestRejected with a message for the client."""
         self._validate(req)
-        room = self.limits.max_model_len - len(req.prompt_token_ids)
+        extra_key = make_extra_key(self._model_key, req.cache_salt)
+        eos = frozenset() if req.ignore_eos else frozenset(self.limits.eos_token_ids)
         seq = Sequence(
-            seq_id=self._next_seq_id,
-            request_id=req.request_id,
-            prompt=list(req.prompt_token_ids),
-            max_tokens=min(req.max_tokens, room),
-            sampling=req.sampling,
-            stop_token_ids=frozenset(req.stop_token_ids)
-            | (frozenset() if req.ignore_eos else frozenset(self.limits.eos_token_ids)),
-            extra_key=make_extra_key(self._model_key, req.cache_salt),
-        )
-        seq.session_id = req.session_id
-        seq.priority = req.priority
-        if req.grammar is not None:
-            seq.guide_pending = self._guides.compile(req.grammar)
-        if req.thinking is not None:
-            seq.thinking = ThinkingBudget(req.thinking, self.limits.vocab_size)
-        if req.timeout_s is not None:
-            seq.deadline = seq.arrival + req.timeout_s
-        if self.config.enable_prefix_caching:
-            seq.chain = self._sessions.chain_for(req.session_id, seq.extra_key, seq.prompt)
+            self._next_seq_id, req, frozenset(req.stop_token_ids) | eos, extra_key,
+            guide_pending=self._guides.compile(req.grammar) if req.grammar is not None else None,
+            thinking=(ThinkingBudget(req.thinking, self.limits.vocab_size)
+                      if req.thinking is not None else None),
+            chain=(self._sessions.chain_for(req.session_id, extra_key, req.prompt_token_ids)
+                   if self.config.enable_prefix_caching else None))
         try:
             self.queue.push(seq)
         except QueueFullError as exc:
             raise RequestRejected(str(exc), "overloaded") from exc
         self._next_seq_id += 1
         self._by_request[req.request_id] = seq
-        if seq.deadline is not None:
-            heapq.heappush(self._deadlines, (seq.deadline, seq.seq_id, req.request_id))
+        if req.timeout_s is not None:
+            deadline = seq.arrival + req.timeout_s
+            heapq.heappush(self._deadlines, (deadline, seq.seq_id, req.request_id))
 
     def _validate(self, req: GenerateRequest) -> None:
         n, limit = len(req.prompt_token_ids), self.limits.max_model_len
@@ -347,7 +336,8 @@ class Scheduler:
 
     def _emit_chunk(self, plan: StepPlan, seq: Sequence, num_new: int, step: int) -> None:
         if not seq.opened:
-            plan.new_seqs.append(NewSequence(seq.seq_id, list(seq.block_ids), seq.sampling))
+            plan.new_seqs.append(NewSequence(seq.seq_id, list(seq.block_ids),
+                                             seq.request.sampling))
             seq.opened = True
             seq.num_sent_blocks = len(seq.block_ids)
         elif len(seq.block_ids) > seq.num_sent_blocks:
@@ -400,9 +390,9 @@ class Scheduler:
                 return "error"
             if seq.guide.complete:  # the grammar allows nothing more: the answer is whole
                 return "stop"
-        if len(seq.output) >= seq.max_tokens:
-            return "length"
-        if seq.num_tokens >= self.limits.max_model_len:
+        # max_tokens, or before it the room the context leaves after the prompt
+        if (len(seq.output) >= seq.request.max_tokens
+                or seq.num_tokens >= self.limits.max_model_len):
             return "length"
         return None
 
