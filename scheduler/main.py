@@ -60,7 +60,7 @@ class SchedulerServer:
         while not self._stopping:
             self._drain_clients(block=not sched.has_work())
             if sched.has_work():
-                self._send(self.core.step())
+                self._send(self.core.step().outputs)
 
     def _drain_clients(self, block: bool) -> None:
         timeout = IDLE_POLL_MS if block else 0
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
              host_blocks=limits.num_host_blocks,
              host_tokens=limits.num_host_blocks * config.block_size)
     telemetry = Telemetry(log)
-    core = EngineCore(Scheduler(config, limits), telemetry.wrap(executor))
+    core = EngineCore(Scheduler(config, limits), executor, telemetry)
     info = EngineInfo(config.model, config.block_size, config.world_size, limits)
     server = SchedulerServer(core, info, addresses["requests"], log, telemetry)
     control = SchedulerControl(core.scheduler, telemetry,

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from structlog.testing import capture_logs
 
 from scheduler.request import Sequence
-from scheduler.telemetry import Telemetry
+from scheduler.telemetry import StepRecord, Telemetry, summarize
 from wire.client import GenerateRequest, RequestOutput
 from wire.control import SeqRequest, SnapshotRequest, StacksRequest
 from wire.control_server import ask
@@ -54,7 +54,9 @@ def test_telemetry_logs_each_request_once_with_its_latencies():
     seq.num_device_cached = 32
     telemetry.request_added(seq)
     plan = StepPlan(0, new_seqs=[NewSequence(1, [0, 1, 2])])
-    telemetry.wrap(SimpleNamespace(step=lambda p: [])).step(plan)
+    record = StepRecord(summarize(plan))
+    telemetry.step_started(record)
+    telemetry.step_done(record)
     seq.append_output(7)
     seq.append_output(8)
     seq.arrival -= 0.05  # arrived 50 ms ago, first token 10 ms later
