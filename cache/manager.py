@@ -31,7 +31,6 @@ import numpy as np
 
 from cache import checks
 from cache.block_pool import DevicePool
-from cache.digest import CacheDigest
 from cache.hashing import BlockHashChain
 from cache.host_pool import HostPool
 from cache.stats import CacheStats
@@ -277,16 +276,6 @@ class KVCacheManager:
             "host": {"capacity": h.num_slots, "used": h.num_pinned,
                      "cached": h.num_cached, "free": h.num_free},
         }
-
-    def digest_state(self) -> CacheDigest:
-        """Registered device blocks and host slots with their hashes."""
-        def snap(index) -> tuple[np.ndarray, np.ndarray]:
-            items = index.registered_items()
-            return items, np.stack(index.keys_of(items), axis=1)
-
-        db, dk = snap(self.device.index)
-        hs, hk = snap(self.host.index)
-        return CacheDigest(db, dk, hs, hk)
 
     def check_accounting(self, live_seq_ids: set[int]) -> None:
         """The cheap check run on every step in production (cache/checks.py). Raises

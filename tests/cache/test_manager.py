@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cache import CacheConfig, KVCacheManager, PrefixHit, block_hashes, make_extra_key
+from tests.cache.digest import digest_state
 
 BS = 4
 KEY = make_extra_key("m", None)
@@ -69,7 +70,7 @@ def test_duplicate_content_is_indexed_once() -> None:
     m.commit(2, p, 8, 0)
     m.commit(2, p, 8, 0)  # idempotent
     m.check_invariants()
-    assert sorted(m.digest_state().device_map()) == sorted(a)
+    assert sorted(digest_state(m).device_map()) == sorted(a)
     m.take_ops()
     m.free(1, 1)
     m.free(2, 1)
@@ -81,11 +82,11 @@ def test_allocate_is_atomic_when_full() -> None:
     m = mgr(num_device_blocks=4)
     run(m, 1, prompt(12))
     m.take_ops()
-    before = (m.usage(), m.digest_state().fingerprint(), m.peek_ops())
+    before = (m.usage(), digest_state(m).fingerprint(), m.peek_ops())
     assert m.allocate(2, prompt(12, 100), 12, KEY) is None
     assert not m.has_seq(2)
     assert m.allocate(1, prompt(20), 20, KEY) is None
-    assert (m.usage(), m.digest_state().fingerprint(), m.peek_ops()) == before
+    assert (m.usage(), digest_state(m).fingerprint(), m.peek_ops()) == before
     assert m.allocate(1, prompt(16), 16, KEY) == [3]
     m.check_invariants()
 
@@ -101,7 +102,7 @@ def test_growing_sequence_registers_blocks_as_they_fill() -> None:
         m.commit(1, toks, len(toks), step)
         m.check_invariants()
     assert len(m.block_table(1)) == 4
-    assert len(m.digest_state().device_map()) == 3  # 13 tokens: 3 full blocks
+    assert len(digest_state(m).device_map()) == 3  # 13 tokens: 3 full blocks
 
 
 def test_close_in_the_running_step_is_loud() -> None:
@@ -138,7 +139,7 @@ def test_prefix_caching_disabled() -> None:
     m.free(1, 1)
     m.free(2, 1)
     assert m.usage()["device"] == {"capacity": 16, "used": 0, "cached": 0, "free": 16}
-    assert not m.digest_state().device_map() and not m.take_ops()
+    assert not digest_state(m).device_map() and not m.take_ops()
 
 
 def test_salts_never_share_blocks() -> None:
@@ -171,13 +172,13 @@ def test_evict_to_host_then_hit_from_host(policy: str) -> None:
     m.take_ops()
     m.free(2, 4)
     hashes = block_hashes(p, BS, KEY)
-    assert set(m.digest_state().host_map().values()) >= set(hashes)
+    assert set(digest_state(m).host_map().values()) >= set(hashes)
     assert m.lookup(p, KEY) == PrefixHit(0, 28)
     blocks = m.allocate(3, p, 32, KEY)
     assert m.num_cached_tokens(3) == PrefixHit(0, 28)
     ops = m.peek_ops()
     assert [b for _, b in ops.swap_in] == blocks[:7]
-    host = m.digest_state().host_map()
+    host = digest_state(m).host_map()
     assert [host[s] for s, _ in ops.swap_in] == hashes[:7]
     # Blocks evicted now (seq 2's) go out to the host before being loaded over.
     if policy == "write_back":

@@ -25,6 +25,7 @@ from hypothesis.stateful import (
 )
 
 from cache import CacheConfig, KVCacheManager, block_hashes, make_extra_key
+from tests.cache.digest import digest_state
 
 KEYS = [make_extra_key("m", None), make_extra_key("m", "tenant-b")]
 Content = tuple[bytes, tuple[int, ...]]
@@ -78,7 +79,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def snapshot(self):
         m = self.m
-        return (m.usage(), m.digest_state().fingerprint(), m.peek_ops(), m.stats.as_dict(),
+        return (m.usage(), digest_state(m).fingerprint(), m.peek_ops(), m.stats.as_dict(),
                 m.device.refcount.copy().tolist())
 
     def grow(self, sid: int, seq: SimSeq, num_tokens: int) -> bool:
@@ -153,7 +154,7 @@ class CacheMachine(RuleBasedStateMachine):
         n_hit = hit.num_tokens // self.bs
         assert len(blocks) == max(n_hit, -(-num_tokens // self.bs))
         hashes = block_hashes(tokens[:n_hit * self.bs], self.bs, seq.key)
-        dev_map = self.m.digest_state().device_map()
+        dev_map = digest_state(self.m).device_map()
         for i, b in enumerate(blocks):
             if refs_before[b] > 0:  # only a device hit may share a live block
                 assert i < n_hit and dev_map[b] == hashes[i]
@@ -295,7 +296,7 @@ class CacheMachine(RuleBasedStateMachine):
             for i in range(-(-seq.computed // self.bs)):
                 got = self.device.get(seq.table[i])
                 assert got == self.content(seq, min((i + 1) * self.bs, seq.computed))
-        digest = self.m.digest_state()
+        digest = digest_state(self.m)
         for b, h in digest.device_map().items():
             assert self.device.get(b) == self.content_of[h], "indexed block holds other KV"
         host = dict(self.host)
@@ -323,7 +324,7 @@ class CacheMachine(RuleBasedStateMachine):
         if not self.seqs:
             assert m.usage()["device"]["used"] == 0 and not m.device.refcount.any()
         if not self.cfg.enable_prefix_caching:
-            assert not m.digest_state().device_map() and m.usage()["device"]["cached"] == 0
+            assert not digest_state(m).device_map() and m.usage()["device"]["cached"] == 0
 
     def teardown(self) -> None:
         if not hasattr(self, "m"):

@@ -5,11 +5,11 @@ its budget."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
 from orchestrator.structured_output import after_reasoning, json_grammar
-from scheduler.guided import mask_tokens
 from scheduler.scheduler import RequestRejected
 from scheduler.thinking import ThinkingBudget
 from tests.scheduler.engine_harness import inprocess_engine, run_until_done
@@ -18,6 +18,12 @@ from wire.client import GenerateRequest, ThinkingSpan
 
 THINK, END = 6, 7  # the tiny tokenizer's <think> and </think>
 PROMPT = list(range(40, 90))
+
+
+def mask_tokens(mask: bytes) -> set[int]:
+    """The tokens a mask allows."""
+    bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits).tolist())
 
 
 def FREE() -> None:  # noqa: N802 -- the answer's mask: none (no grammar)

@@ -1,4 +1,5 @@
-"""A snapshot of what each block and slot holds, by hash, to compare across processes."""
+"""A snapshot of what each block and slot of a KVCacheManager holds, by hash: what the
+cache tests compare before and after an operation."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cache.hashing import BlockHash, keys_to_bytes
+from cache.manager import KVCacheManager
 
 
 @dataclass(frozen=True)
@@ -15,7 +17,7 @@ class CacheDigest:
     """Registered device blocks and host slots with the hash of the KV they hold.
 
     Arrays, not dicts: at full scale there are ~42M entries. ``fingerprint()`` is what
-    to compare; ``device_map()``/``host_map()`` are for tests and inspection.
+    to compare; ``device_map()``/``host_map()`` to look inside.
     """
 
     device_blocks: np.ndarray  # int32 [n], ascending
@@ -37,3 +39,14 @@ class CacheDigest:
     def host_map(self) -> dict[int, BlockHash]:
         keys = keys_to_bytes(self.host_keys[:, 0], self.host_keys[:, 1])
         return dict(zip(self.host_slots.tolist(), keys))
+
+
+def digest_state(m: KVCacheManager) -> CacheDigest:
+    """Registered device blocks and host slots of ``m`` with their hashes."""
+    def snap(index) -> tuple[np.ndarray, np.ndarray]:
+        items = index.registered_items()
+        return items, np.stack(index.keys_of(items), axis=1)
+
+    db, dk = snap(m.device.index)
+    hs, hk = snap(m.host.index)
+    return CacheDigest(db, dk, hs, hk)
