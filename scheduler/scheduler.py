@@ -200,15 +200,13 @@ class Scheduler:
     # --- planning ------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        step = self.step
         if self._deadlines:
             self._expire(time.monotonic())
-        plan = StepPlan(step=step)
+        plan = StepPlan(step=self.step)
         to_close, self._to_close = self._to_close, []
         for seq in to_close:
             self._close(seq, plan)
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Sequence, int]] = []
 
         # Running sequences first (decodes and unfinished prefills), oldest first.
         # When blocks run out, the newest running sequence is preempted (it has not
@@ -223,7 +221,7 @@ class Scheduler:
                 self._preempt(self.running[-1], plan)
                 grown = self._grow(seq, num_new)
             if grown:
-                self._schedule(seq, num_new, scheduled)
+                self._schedule(plan, seq, num_new)
                 budget -= num_new
                 i += 1
             elif len(self.running) == 1:  # alone and still out of room: it can never fit
@@ -238,7 +236,7 @@ class Scheduler:
         preempted = len(self.running) < num_running_before
         while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.queue.peek()
-            if seq is None or not self._settle_grammar(seq, wait=not scheduled):
+            if seq is None or not self._settle_grammar(seq, wait=not plan.chunks):
                 break
             if seq.status is SeqStatus.FINISHED:  # its grammar failed: popped, ended
                 continue
@@ -246,31 +244,43 @@ class Scheduler:
                 break
             self.queue.pop()
             num_new = min(seq.num_tokens - seq.num_computed, budget)
-            self.running.append(seq)
-            self._schedule(seq, num_new, scheduled)
-            budget -= num_new
             if seq.num_preemptions == 0 and seq.num_computed + num_new < seq.num_tokens:
                 # a prefill of several steps: tell the requester its cached share now (an
                 # output without tokens), not only with the first token
                 self._pending_outputs.append(self._output(seq))
+            self.running.append(seq)
+            self._schedule(plan, seq, num_new)
+            budget -= num_new
 
-        for seq, num_new in scheduled:
-            self._emit_chunk(plan, seq, num_new, step)
         ops = self.cache.take_ops()
         plan.swap_out, plan.swap_in, plan.register = ops.swap_out, ops.swap_in, ops.registered
         self.digest.apply(plan)
         self.step += 1
         return plan
 
-    def _schedule(self, seq: Sequence, num_new: int,
-                  scheduled: list[tuple[Sequence, int]]) -> None:
-        """Run `num_new` more tokens of `seq` this step. The blocks whose KV this step
-        writes are registered at once: steps run in order, and in each layer the ranks
-        write the whole batch's KV before attention reads any, so a later step -- or a
-        sequence admitted later in this one, e.g. a second agent sent the same fresh
-        context -- may hit them."""
-        scheduled.append((seq, num_new))
-        self.cache.commit(seq.seq_id, seq.tokens, seq.num_computed + num_new, self.step)
+    def _schedule(self, plan: StepPlan, seq: Sequence, num_new: int) -> None:
+        """Run `num_new` more tokens of `seq` in `plan`, with the block-table delta the
+        ranks need first. The blocks whose KV this step writes are registered at once:
+        steps run in order, and in each layer the ranks write the whole batch's KV
+        before attention reads any, so a later step -- or a sequence admitted later in
+        this one, e.g. a second agent sent the same fresh context -- may hit them."""
+        start = seq.num_computed
+        end = start + num_new
+        self.cache.commit(seq.seq_id, seq.tokens, end, plan.step)
+        if not seq.opened:
+            plan.new_seqs.append(NewSequence(seq.seq_id, list(seq.block_ids),
+                                             seq.request.sampling))
+            seq.opened = True
+            seq.num_sent_blocks = len(seq.block_ids)
+        elif len(seq.block_ids) > seq.num_sent_blocks:
+            plan.append.append(AppendBlocks(seq.seq_id, seq.block_ids[seq.num_sent_blocks:]))
+            seq.num_sent_blocks = len(seq.block_ids)
+        sample = end == seq.num_tokens
+        allowed = self._allowed(seq) if sample else None
+        plan.chunks.append(ScheduledChunk(seq.seq_id, seq.tokens[start:end], start,
+                                          sample=sample, allowed=allowed))
+        seq.num_computed = end
+        seq.last_step = plan.step
 
     def _settle_grammar(self, seq: Sequence, *, wait: bool) -> bool:
         """Whether the queue's head is settled: it has no grammar, or its grammar has
@@ -333,24 +343,6 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_preemptions += 1
         self.queue.push_front(seq)
-
-    def _emit_chunk(self, plan: StepPlan, seq: Sequence, num_new: int, step: int) -> None:
-        if not seq.opened:
-            plan.new_seqs.append(NewSequence(seq.seq_id, list(seq.block_ids),
-                                             seq.request.sampling))
-            seq.opened = True
-            seq.num_sent_blocks = len(seq.block_ids)
-        elif len(seq.block_ids) > seq.num_sent_blocks:
-            plan.append.append(AppendBlocks(seq.seq_id, seq.block_ids[seq.num_sent_blocks:]))
-            seq.num_sent_blocks = len(seq.block_ids)
-        start = seq.num_computed
-        end = start + num_new  # registered already (_schedule)
-        sample = end == seq.num_tokens
-        allowed = self._allowed(seq) if sample else None
-        plan.chunks.append(ScheduledChunk(seq.seq_id, seq.tokens[start:end], start,
-                                          sample=sample, allowed=allowed))
-        seq.num_computed = end
-        seq.last_step = step
 
     @staticmethod
     def _allowed(seq: Sequence) -> bytes | None:
