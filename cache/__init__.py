@@ -1,7 +1,7 @@
 """Prefix cache bookkeeping (no tensors, no torch): block hashes, the device and host
 tiers, and the ops that tell workers which blocks to copy. See cache/manager.py."""
 
-from cache.hashing import BlockHashChain, block_hashes, make_extra_key
+from cache.hashing import BlockHashChain, make_extra_key
 from cache.manager import CacheConfig, CacheOps, KVCacheManager, PrefixHit
 from cache.stats import CacheStats
 
@@ -12,6 +12,5 @@ __all__ = [
     "CacheStats",
     "KVCacheManager",
     "PrefixHit",
-    "block_hashes",
     "make_extra_key",
 ]

@@ -114,8 +114,8 @@ class Scheduler:
                 "(the device KV cache can never hold it)")
 
     def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
-        """Stop a request now. A queued one just leaves; a running one is closed by the
-        next plan, like a finished one (its blocks go back to the cache)."""
+        """Stop a request now. A queued one just leaves; a running one ends like a finished
+        one, and the next plan closes it (`_close`)."""
         seq = self._by_request.get(request_id)
         if seq is None or seq.status is SeqStatus.FINISHED:
             return None

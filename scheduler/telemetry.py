@@ -101,6 +101,7 @@ class Telemetry:
         self.t_step_start, self.stepping = now, True
 
     def step_done(self, record: StepRecord) -> None:
+        """The ranks ran the plan and its results are applied."""
         summary = record.summary
         summary.duration_s = record.execute_s
         self.hist["step_seconds"].observe(summary.duration_s)

@@ -1,15 +1,38 @@
-"""A snapshot of what each block and slot of a KVCacheManager holds, by hash: what the
-cache tests compare before and after an operation."""
+"""How the cache tests read hashes: the hashes of a token list (`block_hashes`), and a
+snapshot of what each block and slot of a KVCacheManager holds, by hash, to compare
+before and after an operation (`digest_state`)."""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from cache.hashing import BlockHash, keys_to_bytes
+from cache.hashing import HASH_BYTES, BlockHash, BlockHashChain
 from cache.manager import KVCacheManager
+
+
+def block_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, extra_key: bytes,
+                 parent: bytes | int | None = None) -> list[BlockHash]:
+    """Hashes of the FULL blocks of ``token_ids`` (a trailing partial block is not hashed).
+
+    ``parent`` continues a chain: pass the last hash of the previous part (bytes or a
+    128-bit int); None starts at the fixed ROOT_PARENT.
+    """
+    chain = BlockHashChain(block_size, extra_key, parent)
+    chain.extend(token_ids)
+    return chain.digests()
+
+
+def keys_to_bytes(lo: np.ndarray, hi: np.ndarray) -> list[BlockHash]:
+    """Inverse of `BlockHashChain.keys`: (lo, hi) arrays back to 16-byte hashes."""
+    words = np.empty((len(lo), 2), dtype="<u8")
+    words[:, 0] = lo
+    words[:, 1] = hi
+    raw = words.tobytes()
+    return [raw[i:i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES)]
 
 
 @dataclass(frozen=True)

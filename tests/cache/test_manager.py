@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cache import CacheConfig, KVCacheManager, PrefixHit, block_hashes, make_extra_key
-from tests.cache.digest import digest_state
+from cache import CacheConfig, KVCacheManager, PrefixHit, make_extra_key
+from tests.cache.digest import block_hashes, digest_state
 
 BS = 4
 KEY = make_extra_key("m", None)

@@ -24,8 +24,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from cache import CacheConfig, KVCacheManager, block_hashes, make_extra_key
-from tests.cache.digest import digest_state
+from cache import CacheConfig, KVCacheManager, make_extra_key
+from tests.cache.digest import block_hashes, digest_state
 
 KEYS = [make_extra_key("m", None), make_extra_key("m", "tenant-b")]
 Content = tuple[bytes, tuple[int, ...]]
