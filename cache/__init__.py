@@ -1,19 +1,16 @@
 """Prefix cache bookkeeping (no tensors, no torch): block hashes, the device and host
 tiers, and the ops that tell workers which blocks to copy. See cache/manager.py."""
 
-from cache.digest import CacheDigest
-from cache.hashing import BlockHashChain, block_hashes, make_extra_key
+from cache.hashing import BlockHashChain, make_extra_key
 from cache.manager import CacheConfig, CacheOps, KVCacheManager, PrefixHit
 from cache.stats import CacheStats
 
 __all__ = [
     "BlockHashChain",
     "CacheConfig",
-    "CacheDigest",
     "CacheOps",
     "CacheStats",
     "KVCacheManager",
     "PrefixHit",
-    "block_hashes",
     "make_extra_key",
 ]

@@ -12,34 +12,27 @@ from __future__ import annotations
 
 import numpy as np
 
-from cache import tier_ops
-from cache.free_list import FreeList
-from cache.hash_index import HashIndex
-from cache.lru import LruQueue
+from cache.tier import Tier
 
 
-class DevicePool:
+class DevicePool(Tier):
     def __init__(self, num_blocks: int) -> None:
         assert num_blocks > 0
+        super().__init__(num_blocks)  # the LRU holds exactly the cached blocks
         self.num_blocks = num_blocks
         self.refcount = np.zeros(num_blocks, dtype=np.int32)
         self.num_refs = 0  # refcount.sum(), kept as it changes: checked every step
-        self.index = HashIndex(num_blocks)
-        self.lru = LruQueue(num_blocks)  # exactly the cached blocks
-        self.free = FreeList(num_blocks)
         # Targets of a swap_in queued this step. Their KV arrives with this step's ops,
         # so they may be hit, but never evicted before the ops are drained: a second
         # swap_in into the same block in one batch would be applied in undefined order.
         self.busy = np.zeros(num_blocks, dtype=bool)
         self._busy: list[np.ndarray] = []
 
-    def nbytes(self) -> int:
-        return (self.refcount.nbytes + self.index.nbytes() + self.lru.nbytes()
-                + self.free.nbytes() + self.busy.nbytes)
+    def held(self) -> np.ndarray:
+        return self.busy
 
-    @property
-    def num_free(self) -> int:
-        return self.free.count
+    def nbytes(self) -> int:
+        return self.refcount.nbytes + super().nbytes()
 
     @property
     def num_cached(self) -> int:
@@ -107,14 +100,6 @@ class DevicePool:
         for blocks in self._busy:
             self.busy[blocks] = False
         self._busy = []
-
-    def drop_cached(self) -> int:
-        """Forget every cached block (not busy ones); they become free. Returns the count."""
-        return tier_ops.drop_cached(self.index, self.lru, self.free, self.busy)
-
-    def preload(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Mark free blocks as cached under these hashes (see tier_ops.preload)."""
-        return tier_ops.preload(self.index, self.lru, self.free, lo, hi)
 
     def check(self) -> None:
         rc = self.refcount

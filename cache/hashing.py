@@ -155,24 +155,3 @@ class BlockHashChain:
         words = np.frombuffer(bytes(self._digests[start * HASH_BYTES:stop * HASH_BYTES]),
                               dtype="<u8").reshape(-1, 2)
         return words[:, 0].astype(np.uint64), words[:, 1].astype(np.uint64)
-
-
-def block_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, extra_key: bytes,
-                 parent: bytes | int | None = None) -> list[BlockHash]:
-    """Hashes of the FULL blocks of ``token_ids`` (a trailing partial block is not hashed).
-
-    ``parent`` continues a chain: pass the last hash of the previous part (bytes or a
-    128-bit int); None starts at the fixed ROOT_PARENT.
-    """
-    chain = BlockHashChain(block_size, extra_key, parent)
-    chain.extend(token_ids)
-    return chain.digests()
-
-
-def keys_to_bytes(lo: np.ndarray, hi: np.ndarray) -> list[BlockHash]:
-    """Inverse of `BlockHashChain.keys`: (lo, hi) arrays back to 16-byte hashes."""
-    words = np.empty((len(lo), 2), dtype="<u8")
-    words[:, 0] = lo
-    words[:, 1] = hi
-    raw = words.tobytes()
-    return [raw[i:i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES)]

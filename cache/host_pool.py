@@ -14,29 +14,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from cache import tier_ops
-from cache.free_list import FreeList
-from cache.hash_index import HashIndex
-from cache.lru import LruQueue
+from cache.tier import Tier
 
 
-class HostPool:
+class HostPool(Tier):
     def __init__(self, num_slots: int) -> None:
         assert num_slots >= 0
+        super().__init__(num_slots)  # the LRU holds exactly the registered slots
         self.num_slots = num_slots
-        self.index = HashIndex(num_slots)
-        self.lru = LruQueue(num_slots)  # exactly the registered slots
-        self.free = FreeList(num_slots)
         self.pinned = np.zeros(num_slots, dtype=bool)
         self.num_pinned = 0
         self._pinned: list[np.ndarray] = []
 
-    def nbytes(self) -> int:
-        return self.index.nbytes() + self.lru.nbytes() + self.free.nbytes() + self.pinned.nbytes
-
-    @property
-    def num_free(self) -> int:
-        return self.free.count
+    def held(self) -> np.ndarray:
+        return self.pinned
 
     @property
     def num_cached(self) -> int:
@@ -76,14 +67,6 @@ class HostPool:
         """Index slots about to receive a swap_out this step (and pin them)."""
         self.index.insert(slots, lo, hi)
         self.pin(slots)
-
-    def drop_cached(self) -> int:
-        """Forget every cached slot (not pinned ones); they become free. Returns the count."""
-        return tier_ops.drop_cached(self.index, self.lru, self.free, self.pinned)
-
-    def preload(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Mark free slots as holding these hashes (see tier_ops.preload)."""
-        return tier_ops.preload(self.index, self.lru, self.free, lo, hi)
 
     def check(self) -> None:
         free = self.free.is_free

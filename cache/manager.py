@@ -3,10 +3,11 @@
 The scheduler owns this object; workers never decide anything about cache state. Per
 step, the scheduler calls (in this order):
 
-  1. ``free(seq)`` for sequences closed this step (finished or aborted at an earlier
-     step: see the close-timing rule on `free`);
+  1. ``free(seq, step)`` for sequences closed this step (never one this step runs: the
+     close-timing rule, scheduler/scheduler.py `Scheduler._close`);
   2. ``lookup`` (optional, read-only) and ``allocate`` for sequences it schedules;
-  3. ``commit`` for every scheduled sequence, with the tokens whose KV this step writes;
+  3. ``commit(..., step)`` for every scheduled sequence, with the tokens whose KV this
+     step writes;
   4. ``take_ops()`` exactly once, and sends the ops in the step plan.
 
 Workers apply a plan in order: all ``swap_out`` (device block -> host slot), then all
@@ -30,7 +31,6 @@ import numpy as np
 
 from cache import checks
 from cache.block_pool import DevicePool
-from cache.digest import CacheDigest
 from cache.hashing import BlockHashChain
 from cache.host_pool import HostPool
 from cache.stats import CacheStats
@@ -127,7 +127,6 @@ class KVCacheManager:
         # Blocks committed this step under write_through: their KV is written by this
         # step's forward pass, so their copy to the host goes into the *next* step's ops.
         self._write_through_next: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        self._step = 0  # number of take_ops calls so far
 
     # --- queries --------------------------------------------------------------------
 
@@ -188,15 +187,17 @@ class KVCacheManager:
         seq.blocks.extend(blocks.tolist())
         return blocks.tolist()
 
-    def commit(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def commit(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int,
+               step: int) -> None:
         """Register the full blocks of tokens [0, num_computed_tokens) in the prefix index.
 
         Call it in the step that writes their KV (once the tokens are scheduled), for
-        every scheduled sequence. Idempotent. A hash already indexed to another block
-        keeps that block; this sequence keeps its own copy, unindexed. Under
-        write_through, newly registered blocks are copied to the host next step."""
+        every scheduled sequence, with the scheduler's step number. Idempotent. A hash
+        already indexed to another block keeps that block; this sequence keeps its own
+        copy, unindexed. Under write_through, newly registered blocks are copied to the
+        host next step."""
         seq = self._seqs[seq_id]
-        seq.last_commit_step = self._step
+        seq.last_commit_step = step
         if seq.chain is None:
             return
         n_full = num_computed_tokens // self.block_size
@@ -217,20 +218,15 @@ class KVCacheManager:
         if self.config.write_policy == "write_through" and self.config.host_enabled:
             self._write_through_next.append((blocks, lo, hi))
 
-    def free(self, seq_id: int) -> None:
-        """Close ``seq_id``: release its blocks *to the cache* (full registered blocks stay
-        hittable in the LRU; the rest return to the free list).
-
-        Close-timing rule (enforced here): a sequence must not be closed in the step
-        that runs it. Its final token is sampled at step k, so it is closed by the plan
-        of step k+1; closing at step k would let another sequence reuse a block that
-        step k's forward pass still writes, or index KV that is never written. Freeing
-        a sequence that was allocated but not committed this step (an admission rolled
-        back) is allowed.
-        """
+    def free(self, seq_id: int, step: int) -> None:
+        """Close ``seq_id`` in the scheduler's step ``step``: release its blocks *to the
+        cache* (full registered blocks stay hittable in the LRU; the rest return to the
+        free list). Never in a step that commits it (the close-timing rule,
+        scheduler/scheduler.py `Scheduler._close`); a sequence allocated but not
+        committed this step (an admission rolled back) may be freed at once."""
         seq = self._seqs[seq_id]
-        assert seq.last_commit_step != self._step, (
-            f"seq {seq_id} closed in step {self._step}, the step that runs it; "
+        assert seq.last_commit_step != step, (
+            f"seq {seq_id} closed in step {step}, the step that runs it; "
             "close it with the next step's plan")
         del self._seqs[seq_id]
         # Tail first: the LRU then evicts a chain's tail before its head, so shared
@@ -240,7 +236,6 @@ class KVCacheManager:
     def take_ops(self) -> CacheOps:
         """Drain this step's ops (call exactly once per step, even when empty)."""
         ops, self._ops = self._ops, CacheOps()
-        self._step += 1
         self.device.clear_busy()
         self.host.unpin_all()
         pending, self._write_through_next = self._write_through_next, []
@@ -281,16 +276,6 @@ class KVCacheManager:
             "host": {"capacity": h.num_slots, "used": h.num_pinned,
                      "cached": h.num_cached, "free": h.num_free},
         }
-
-    def digest_state(self) -> CacheDigest:
-        """Registered device blocks and host slots with their hashes."""
-        def snap(index) -> tuple[np.ndarray, np.ndarray]:
-            items = index.registered_items()
-            return items, np.stack(index.keys_of(items), axis=1)
-
-        db, dk = snap(self.device.index)
-        hs, hk = snap(self.host.index)
-        return CacheDigest(db, dk, hs, hk)
 
     def check_accounting(self, live_seq_ids: set[int]) -> None:
         """The cheap check run on every step in production (cache/checks.py). Raises

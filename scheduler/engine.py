@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cache.manager import CacheAccountingError
 from scheduler.executor import Executor
 from scheduler.scheduler import Scheduler
-from wire.client import EngineStats, RequestOutput
+from scheduler.telemetry import StepRecord, Telemetry, summarize
+from wire.client import EngineStats
 from wire.lifecycle import EngineLimits, WorkerReady
 from wire.step import StepResult
 
@@ -32,17 +33,24 @@ def check_cache(scheduler: Scheduler, step: int) -> None:
 
 
 @dataclass
-class StepTimings:
-    """Seconds per part of the last step, for the engine benchmark and metrics."""
+class StepTotals:
+    """Sums over every step since start (or since a benchmark reset them): /metrics' step
+    time and token counters, and the engine benchmark's per-step figures."""
 
-    schedule: float = 0.0
-    execute: float = 0.0  # wall time of the executor call (IPC + forward + wait)
-    forward: float = 0.0  # rank 0's own forward pass
-    update: float = 0.0
-    num_tokens: int = 0
-    num_prefill_tokens: int = 0  # totals since start
+    schedule_s: float = 0.0
+    execute_s: float = 0.0
+    forward_s: float = 0.0
+    update_s: float = 0.0
+    num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
-    totals: dict[str, float] = field(default_factory=dict)
+
+    def add(self, record: StepRecord) -> None:
+        self.schedule_s += record.schedule_s
+        self.execute_s += record.execute_s
+        self.forward_s += record.forward_s
+        self.update_s += record.update_s
+        self.num_prefill_tokens += record.summary.num_prefill_tokens
+        self.num_decode_tokens += record.summary.num_decode_tokens
 
 
 def agree_limits(ready: list[WorkerReady]) -> EngineLimits:
@@ -66,42 +74,44 @@ def check_digests(step: int, expected: int, results: list[StepResult]) -> None:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
+    def __init__(self, scheduler: Scheduler, executor: Executor,
+                 telemetry: Telemetry | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
-        self.timings = StepTimings()
+        self.telemetry = telemetry
+        self.totals = StepTotals()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepRecord:
+        """Plan, run on every rank, check them, apply rank 0's tokens. The record's
+        summary is made between the plan and the run, outside every timed part."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
+        schedule_s = time.perf_counter() - t0
+        record = StepRecord(summarize(plan), schedule_s=schedule_s)
+        if self.telemetry is not None:
+            self.telemetry.step_started(record)
         t1 = time.perf_counter()
         results = self.executor.step(plan)
         t2 = time.perf_counter()
         check_digests(plan.step, self.scheduler.digest.value, results)
-        outputs = self.scheduler.update(plan, results[0].sampled)
+        record.outputs = self.scheduler.update(plan, results[0].sampled)
         check_cache(self.scheduler, plan.step)
-        t3 = time.perf_counter()
-        tm = self.timings
-        tm.schedule, tm.execute, tm.update = t1 - t0, t2 - t1, t3 - t2
-        tm.forward = results[0].forward_s
-        tm.num_tokens = sum(len(c.token_ids) for c in plan.chunks)
-        decodes = sum(1 for c in plan.chunks if len(c.token_ids) == 1 and c.sample)
-        tm.num_decode_tokens += decodes
-        tm.num_prefill_tokens += tm.num_tokens - decodes
-        for key in ("schedule", "execute", "forward", "update", "num_tokens"):
-            tm.totals[key] = tm.totals.get(key, 0.0) + getattr(tm, key)
-        return outputs
+        record.execute_s, record.update_s = t2 - t1, time.perf_counter() - t2
+        record.forward_s = results[0].forward_s
+        self.totals.add(record)
+        if self.telemetry is not None:
+            self.telemetry.step_done(record)
+        return record
 
     def stats(self) -> EngineStats:
-        sched, tm = self.scheduler, self.timings
+        sched, tot = self.scheduler, self.totals
         return EngineStats(
             step=sched.step,
             num_waiting=len(sched.queue),
             num_running=len(sched.running),
-            num_prefill_tokens=tm.num_prefill_tokens,
-            num_decode_tokens=tm.num_decode_tokens,
-            step_seconds=tm.totals.get("schedule", 0.0) + tm.totals.get("execute", 0.0)
-            + tm.totals.get("update", 0.0),
+            num_prefill_tokens=tot.num_prefill_tokens,
+            num_decode_tokens=tot.num_decode_tokens,
+            step_seconds=tot.schedule_s + tot.execute_s + tot.update_s,
             kv_bytes_per_block=sched.limits.kv_bytes_per_block,
             cache={k: int(v) for k, v in vars(sched.cache.stats).items()},
             usage=sched.cache.usage(),

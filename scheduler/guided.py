@@ -20,7 +20,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import llguidance
-import numpy as np
 
 
 def token_mask(tokens: Iterable[int], vocab_size: int) -> bytes:
@@ -37,12 +36,6 @@ def with_token(mask: bytes, token: int) -> bytes:
     out = bytearray(mask)
     out[token // 8] |= 1 << (token % 8)
     return bytes(out)
-
-
-def mask_tokens(mask: bytes) -> set[int]:
-    """The tokens a mask allows."""
-    bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
-    return set(np.flatnonzero(bits).tolist())
 
 
 class GrammarError(ValueError):

@@ -60,7 +60,7 @@ class SchedulerServer:
         while not self._stopping:
             self._drain_clients(block=not sched.has_work())
             if sched.has_work():
-                self._send(self.core.step())
+                self._send(self.core.step().outputs)
 
     def _drain_clients(self, block: bool) -> None:
         timeout = IDLE_POLL_MS if block else 0
@@ -88,7 +88,7 @@ class SchedulerServer:
             try:
                 sched.add_request(msg)
                 self._owners[msg.request_id] = identity
-                self.telemetry.request_added(sched._by_request[msg.request_id])
+                self.telemetry.request_added(sched.sequence(msg.request_id))
             except RequestRejected as exc:
                 # the request's one log line: it ends here
                 self.log.info("request_rejected", request_id=msg.request_id,
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
              host_blocks=limits.num_host_blocks,
              host_tokens=limits.num_host_blocks * config.block_size)
     telemetry = Telemetry(log)
-    core = EngineCore(Scheduler(config, limits), telemetry.wrap(executor))
+    core = EngineCore(Scheduler(config, limits), executor, telemetry)
     info = EngineInfo(config.model, config.block_size, config.world_size, limits)
     server = SchedulerServer(core, info, addresses["requests"], log, telemetry)
     control = SchedulerControl(core.scheduler, telemetry,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from cache.hashing import BlockHashChain
 from scheduler.guided import Guide
 from scheduler.thinking import ThinkingBudget
-from wire.client import SamplingParams
+from wire.client import GenerateRequest
 
 
 class SeqStatus(enum.Enum):
@@ -21,19 +21,24 @@ class SeqStatus(enum.Enum):
 
 @dataclass
 class Sequence:
+    """The request as it arrived (`request`, never modified) and its progress."""
+
     seq_id: int
-    request_id: str
-    prompt: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    stop_token_ids: frozenset[int]
-    extra_key: bytes
+    request: GenerateRequest
+    stop_token_ids: frozenset[int]  # the request's, and EOS unless it ignores EOS
+    extra_key: bytes  # the model and the request's cache salt: what its KV may be shared with
+    # The prompt's block hashes, computed once and extended as tokens arrive: hashing
+    # a long prompt is the dominant cost of a lookup. None: prefix caching is off.
+    chain: BlockHashChain | None = None
+    guide_pending: Future[Guide] | None = None  # its grammar, while it compiles
+    thinking: ThinkingBudget | None = None  # its reasoning span, counted and capped
     arrival: float = field(default_factory=time.monotonic)
     output: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # tokens whose KV is written (or being written this step)
-    block_ids: list[int] = field(default_factory=list)  # the table as the ranks know it
+    block_ids: list[int] = field(default_factory=list)  # the table as the scheduler has it
     opened: bool = False  # the ranks hold its block table
+    num_sent_blocks: int = 0  # leading `block_ids` the ranks hold (sent in plans)
     last_step: int = -1  # last step that ran this sequence's tokens
     num_emitted: int = 0  # output tokens already sent to the requester
     finish_reason: str | None = None
@@ -41,26 +46,34 @@ class Sequence:
     num_host_cached: int = 0
     first_token_time: float | None = None
     num_preemptions: int = 0
-    # The prompt's block hashes, computed once and extended as tokens arrive: hashing
-    # a long prompt is the dominant cost of a lookup.
-    chain: BlockHashChain | None = None
-    session_id: str | None = None
-    priority: int = 0  # admission order: lower first
-    deadline: float | None = None  # time.monotonic() past which it ends with "timeout"
     error: str | None = None  # why it ended, when it ended with an error
     error_type: str | None = None
-    guide: Guide | None = None  # the grammar its output follows (guided decoding)
-    guide_pending: Future[Guide] | None = None  # ... while it compiles (it cannot run yet)
-    thinking: ThinkingBudget | None = None  # its reasoning span, counted and capped
+    guide: Guide | None = None  # the compiled grammar its output follows (guided decoding)
 
     def __post_init__(self) -> None:
         # prompt + output in one list, appended in place: a 450K-token prompt must not
         # be copied every time a step slices it or the cache hashes it.
-        self._tokens = list(self.prompt)
+        self._tokens = list(self.request.prompt_token_ids)
 
     def append_output(self, token: int) -> None:
         self.output.append(token)
         self._tokens.append(token)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def session_id(self) -> str | None:
+        return self.request.session_id
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
 
     @property
     def tokens(self) -> list[int]:
@@ -70,7 +83,3 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self._tokens)
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_computed < self.num_tokens - 1

@@ -64,35 +64,24 @@ class Scheduler:
     def add_request(self, req: GenerateRequest) -> None:
         """Queue a request, or raise RequestRejected with a message for the client."""
         self._validate(req)
-        room = self.limits.max_model_len - len(req.prompt_token_ids)
+        extra_key = make_extra_key(self._model_key, req.cache_salt)
+        eos = frozenset() if req.ignore_eos else frozenset(self.limits.eos_token_ids)
         seq = Sequence(
-            seq_id=self._next_seq_id,
-            request_id=req.request_id,
-            prompt=list(req.prompt_token_ids),
-            max_tokens=min(req.max_tokens, room),
-            sampling=req.sampling,
-            stop_token_ids=frozenset(req.stop_token_ids)
-            | (frozenset() if req.ignore_eos else frozenset(self.limits.eos_token_ids)),
-            extra_key=make_extra_key(self._model_key, req.cache_salt),
-        )
-        seq.session_id = req.session_id
-        seq.priority = req.priority
-        if req.grammar is not None:
-            seq.guide_pending = self._guides.compile(req.grammar)
-        if req.thinking is not None:
-            seq.thinking = ThinkingBudget(req.thinking, self.limits.vocab_size)
-        if req.timeout_s is not None:
-            seq.deadline = seq.arrival + req.timeout_s
-        if self.config.enable_prefix_caching:
-            seq.chain = self._sessions.chain_for(req.session_id, seq.extra_key, seq.prompt)
+            self._next_seq_id, req, frozenset(req.stop_token_ids) | eos, extra_key,
+            guide_pending=self._guides.compile(req.grammar) if req.grammar is not None else None,
+            thinking=(ThinkingBudget(req.thinking, self.limits.vocab_size)
+                      if req.thinking is not None else None),
+            chain=(self._sessions.chain_for(req.session_id, extra_key, req.prompt_token_ids)
+                   if self.config.enable_prefix_caching else None))
         try:
             self.queue.push(seq)
         except QueueFullError as exc:
             raise RequestRejected(str(exc), "overloaded") from exc
         self._next_seq_id += 1
         self._by_request[req.request_id] = seq
-        if seq.deadline is not None:
-            heapq.heappush(self._deadlines, (seq.deadline, seq.seq_id, req.request_id))
+        if req.timeout_s is not None:
+            deadline = seq.arrival + req.timeout_s
+            heapq.heappush(self._deadlines, (deadline, seq.seq_id, req.request_id))
 
     def _validate(self, req: GenerateRequest) -> None:
         n, limit = len(req.prompt_token_ids), self.limits.max_model_len
@@ -125,8 +114,8 @@ class Scheduler:
                 "(the device KV cache can never hold it)")
 
     def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
-        """Stop a request now. A queued one just leaves; a running one is closed by the
-        next plan, like a finished one (its blocks go back to the cache)."""
+        """Stop a request now. A queued one just leaves; a running one ends like a finished
+        one, and the next plan closes it (`_close`)."""
         seq = self._by_request.get(request_id)
         if seq is None or seq.status is SeqStatus.FINISHED:
             return None
@@ -171,20 +160,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or len(self.queue) or self._to_close)
 
-    # --- the close-timing rule -------------------------------------------------------
-    #
-    # A sequence whose final token is sampled at step k is closed by the plan of
-    # step k+1, on every rank at once, and its blocks are released *to the cache*
-    # (kept, hittable, evictable), never dropped. Why: during step k every rank
-    # still writes and reads the sequence's pages, and the scheduler learns that a
-    # token is final only from step k's results. Releasing any earlier (when the
-    # final token is emitted, as the adapter in DESIGN.md did) lets a block be
-    # reused or forgotten under a step that is still using it: every request then
-    # re-reads its prompt in full and nothing complains. So the release happens in
-    # exactly one place, `_take_closes`, while building plan k+1, and it checks
-    # the rule instead of trusting it. Aborts and preemptions go the same way.
+    # --- ends and closes ----------------------------------------------------------
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence; if the ranks hold it open, the next plan closes it (`_close`)."""
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         if seq.chain is not None:
@@ -194,32 +173,40 @@ class Scheduler:
         else:
             self._by_request.pop(seq.request_id, None)
 
-    def _take_closes(self, step: int) -> list[int]:
-        closed = []
-        for seq in self._to_close:
-            assert seq.opened and seq.last_step < step, (
-                f"close-timing violated: seq {seq.seq_id} closed in step {step}, "
-                f"last ran in step {seq.last_step}")
-            self._release(seq)
-            self._by_request.pop(seq.request_id, None)
-            closed.append(seq.seq_id)
-        self._to_close.clear()
-        return closed
+    def _close(self, seq: Sequence, plan: StepPlan) -> None:
+        """Close a sequence on every rank with `plan`, and release its blocks *to the
+        cache* (kept, hittable, evictable), never dropped. Every close goes through here:
+        an end (finish, abort, deadline) by the plan after the one that last ran it
+        (`_finish` defers it), a preemption by the plan that preempts it.
 
-    def _release(self, seq: Sequence) -> None:
-        self.cache.free(seq.seq_id)
+        The close-timing rule: a sequence whose final token is sampled at step k is
+        closed by the plan of step k+1, never by a plan that runs it. During step k
+        every rank still writes and reads its pages, and the scheduler learns that a
+        token is final only from step k's results; a release any earlier lets a block
+        be reused or forgotten under a step that still uses it -- every request then
+        re-reads its prompt in full and nothing complains. So the rule is checked
+        here rather than trusted (the cache and the ranks check it again, each
+        across its own boundary)."""
+        assert seq.opened and seq.last_step < plan.step, (
+            f"close-timing violated: seq {seq.seq_id} closed in step {plan.step}, "
+            f"last ran in step {seq.last_step}")
+        self.cache.free(seq.seq_id, plan.step)
         seq.opened = False
         seq.block_ids = []
+        plan.close.append(seq.seq_id)
+        if seq.status is SeqStatus.FINISHED:
+            self._by_request.pop(seq.request_id, None)
 
     # --- planning ------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        step = self.step
         if self._deadlines:
             self._expire(time.monotonic())
-        plan = StepPlan(step=step, close=self._take_closes(step))
+        plan = StepPlan(step=self.step)
+        to_close, self._to_close = self._to_close, []
+        for seq in to_close:
+            self._close(seq, plan)
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Sequence, int]] = []
 
         # Running sequences first (decodes and unfinished prefills), oldest first.
         # When blocks run out, the newest running sequence is preempted (it has not
@@ -234,7 +221,7 @@ class Scheduler:
                 self._preempt(self.running[-1], plan)
                 grown = self._grow(seq, num_new)
             if grown:
-                self._schedule(seq, num_new, scheduled)
+                self._schedule(plan, seq, num_new)
                 budget -= num_new
                 i += 1
             elif len(self.running) == 1:  # alone and still out of room: it can never fit
@@ -249,7 +236,7 @@ class Scheduler:
         preempted = len(self.running) < num_running_before
         while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.queue.peek()
-            if seq is None or not self._settle_grammar(seq, wait=not scheduled):
+            if seq is None or not self._settle_grammar(seq, wait=not plan.chunks):
                 break
             if seq.status is SeqStatus.FINISHED:  # its grammar failed: popped, ended
                 continue
@@ -257,31 +244,43 @@ class Scheduler:
                 break
             self.queue.pop()
             num_new = min(seq.num_tokens - seq.num_computed, budget)
-            self.running.append(seq)
-            self._schedule(seq, num_new, scheduled)
-            budget -= num_new
             if seq.num_preemptions == 0 and seq.num_computed + num_new < seq.num_tokens:
                 # a prefill of several steps: tell the requester its cached share now (an
                 # output without tokens), not only with the first token
                 self._pending_outputs.append(self._output(seq))
+            self.running.append(seq)
+            self._schedule(plan, seq, num_new)
+            budget -= num_new
 
-        for seq, num_new in scheduled:
-            self._emit_chunk(plan, seq, num_new, step)
         ops = self.cache.take_ops()
         plan.swap_out, plan.swap_in, plan.register = ops.swap_out, ops.swap_in, ops.registered
         self.digest.apply(plan)
         self.step += 1
         return plan
 
-    def _schedule(self, seq: Sequence, num_new: int,
-                  scheduled: list[tuple[Sequence, int]]) -> None:
-        """Run `num_new` more tokens of `seq` this step. The blocks whose KV this step
-        writes are registered at once: steps run in order, and in each layer the ranks
-        write the whole batch's KV before attention reads any, so a later step -- or a
-        sequence admitted later in this one, e.g. a second agent sent the same fresh
-        context -- may hit them."""
-        scheduled.append((seq, num_new))
-        self.cache.commit(seq.seq_id, seq.tokens, seq.num_computed + num_new)
+    def _schedule(self, plan: StepPlan, seq: Sequence, num_new: int) -> None:
+        """Run `num_new` more tokens of `seq` in `plan`, with the block-table delta the
+        ranks need first. The blocks whose KV this step writes are registered at once:
+        steps run in order, and in each layer the ranks write the whole batch's KV
+        before attention reads any, so a later step -- or a sequence admitted later in
+        this one, e.g. a second agent sent the same fresh context -- may hit them."""
+        start = seq.num_computed
+        end = start + num_new
+        self.cache.commit(seq.seq_id, seq.tokens, end, plan.step)
+        if not seq.opened:
+            plan.new_seqs.append(NewSequence(seq.seq_id, list(seq.block_ids),
+                                             seq.request.sampling))
+            seq.opened = True
+            seq.num_sent_blocks = len(seq.block_ids)
+        elif len(seq.block_ids) > seq.num_sent_blocks:
+            plan.append.append(AppendBlocks(seq.seq_id, seq.block_ids[seq.num_sent_blocks:]))
+            seq.num_sent_blocks = len(seq.block_ids)
+        sample = end == seq.num_tokens
+        allowed = self._allowed(seq) if sample else None
+        plan.chunks.append(ScheduledChunk(seq.seq_id, seq.tokens[start:end], start,
+                                          sample=sample, allowed=allowed))
+        seq.num_computed = end
+        seq.last_step = plan.step
 
     def _settle_grammar(self, seq: Sequence, *, wait: bool) -> bool:
         """Whether the queue's head is settled: it has no grammar, or its grammar has
@@ -339,30 +338,11 @@ class Scheduler:
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Recompute later: close it on the ranks now, requeue it in front."""
         self.running.remove(seq)
-        assert seq.opened and seq.last_step < plan.step
-        self._release(seq)
-        plan.close.append(seq.seq_id)
+        self._close(seq, plan)
         seq.status = SeqStatus.WAITING
         seq.num_computed = 0
         seq.num_preemptions += 1
         self.queue.push_front(seq)
-
-    def _emit_chunk(self, plan: StepPlan, seq: Sequence, num_new: int, step: int) -> None:
-        if not seq.opened:
-            plan.new_seqs.append(NewSequence(seq.seq_id, list(seq.block_ids), seq.sampling))
-            seq.opened = True
-            seq.num_sent_blocks = len(seq.block_ids)
-        elif len(seq.block_ids) > seq.num_sent_blocks:
-            plan.append.append(AppendBlocks(seq.seq_id, seq.block_ids[seq.num_sent_blocks:]))
-            seq.num_sent_blocks = len(seq.block_ids)
-        start = seq.num_computed
-        end = start + num_new  # registered already (_schedule)
-        sample = end == seq.num_tokens
-        allowed = self._allowed(seq) if sample else None
-        plan.chunks.append(ScheduledChunk(seq.seq_id, seq.tokens[start:end], start,
-                                          sample=sample, allowed=allowed))
-        seq.num_computed = end
-        seq.last_step = step
 
     @staticmethod
     def _allowed(seq: Sequence) -> bytes | None:
@@ -402,9 +382,9 @@ class Scheduler:
                 return "error"
             if seq.guide.complete:  # the grammar allows nothing more: the answer is whole
                 return "stop"
-        if len(seq.output) >= seq.max_tokens:
-            return "length"
-        if seq.num_tokens >= self.limits.max_model_len:
+        # max_tokens, or before it the room the context leaves after the prompt
+        if (len(seq.output) >= seq.request.max_tokens
+                or seq.num_tokens >= self.limits.max_model_len):
             return "length"
         return None
 

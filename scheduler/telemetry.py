@@ -1,7 +1,7 @@
 """What the scheduler records about its own work, for metrics, logs and inspection.
 
-- every step plan, summarised, in a ring (`deepinfer-inspect trace`), and whether a
-  step is in flight (wrapping the executor, so the engine loop is untouched);
+- every step, from the record the engine makes of it (`StepRecord`): its plan,
+  summarised, in a ring (`deepinfer-inspect trace`), and whether a step is in flight;
 - histograms of queue wait, step time and tokens per step (`/metrics`);
 - every request from arrival to its end, logged once at its end with its token
   counts, cached tokens per tier and latencies, and kept in a ring for `inspect cache`;
@@ -13,15 +13,14 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
-from scheduler.executor import Executor
 from scheduler.request import Sequence
 from wire.client import HistogramData, RequestOutput
 from wire.control import ChunkSummary, PlanSummary, PrefixBreak, RequestRecord
-from wire.step import StepPlan, StepResult
+from wire.step import StepPlan
 
 TRACE_STEPS = 256
 RECENT_REQUESTS = 1000
@@ -47,6 +46,20 @@ TOKENS = [0, 1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 65536]
 
 
 @dataclass
+class StepRecord:
+    """One engine step (scheduler/engine.py), for telemetry, /metrics and the benchmarks.
+    Seconds per part: `execute_s` is the executor call (IPC + forward + wait), of which
+    `forward_s` is rank 0's own forward pass."""
+
+    summary: PlanSummary  # the plan in brief, with its prefill and decode token counts
+    outputs: list[RequestOutput] = field(default_factory=list)
+    schedule_s: float = 0.0
+    execute_s: float = 0.0
+    forward_s: float = 0.0
+    update_s: float = 0.0
+
+
+@dataclass
 class _Tracked:
     seq: Sequence
     admitted: float | None = None
@@ -69,33 +82,32 @@ class Telemetry:
         self._by_request: dict[str, _Tracked] = {}
         self._by_seq: dict[int, _Tracked] = {}
 
-    def wrap(self, executor: Executor) -> Executor:
-        return _ObservedExecutor(executor, self)
-
     def histograms(self) -> dict[str, HistogramData]:
         return {name: h.data() for name, h in self.hist.items()}
 
-    # --- steps (from the executor wrapper) --------------------------------------------
+    # --- steps (from the engine) -----------------------------------------------------
 
-    def on_step_start(self, plan: StepPlan) -> None:
-        structlog.contextvars.bind_contextvars(step=plan.step)
+    def step_started(self, record: StepRecord) -> None:
+        """The plan is made and about to run on the ranks."""
+        summary = record.summary
+        structlog.contextvars.bind_contextvars(step=summary.step)
         now = time.monotonic()
-        for new in plan.new_seqs:
-            tracked = self._by_seq.get(new.seq_id)
+        for seq_id in summary.new_seqs:
+            tracked = self._by_seq.get(seq_id)
             if tracked is not None and tracked.admitted is None:  # not a re-admission
                 tracked.admitted = now
                 self.hist["queue_seconds"].observe(now - tracked.seq.arrival)
-        self.trace.append(summarize(plan))
+        self.trace.append(summary)
         self.t_step_start, self.stepping = now, True
 
-    def on_step_end(self) -> None:
-        now = time.monotonic()
-        summary = self.trace[-1]
-        summary.duration_s = now - self.t_step_start
+    def step_done(self, record: StepRecord) -> None:
+        """The ranks ran the plan and its results are applied."""
+        summary = record.summary
+        summary.duration_s = record.execute_s
         self.hist["step_seconds"].observe(summary.duration_s)
         self.hist["step_prefill_tokens"].observe(summary.num_prefill_tokens)
         self.hist["step_decode_tokens"].observe(summary.num_decode_tokens)
-        self.t_step_end, self.stepping = now, False
+        self.t_step_end, self.stepping = time.monotonic(), False
 
     def failed(self, error: str, digest_mismatch: bool = False) -> None:
         self.last_error = error
@@ -157,27 +169,3 @@ def summarize(plan: StepPlan) -> PlanSummary:
         num_register=len(plan.register),
         num_prefill_tokens=sum(c.num_tokens for c in chunks) - decode,
         num_decode_tokens=decode, chunks=chunks)
-
-
-class _ObservedExecutor:
-    """Passes every call through; marks each step's start and end on the telemetry."""
-
-    def __init__(self, inner: Executor, telemetry: Telemetry) -> None:
-        self.inner = inner
-        self.telemetry = telemetry
-
-    def start(self):
-        return self.inner.start()
-
-    def step(self, plan: StepPlan) -> list[StepResult]:
-        self.telemetry.on_step_start(plan)
-        try:
-            return self.inner.step(plan)
-        except Exception as exc:
-            self.telemetry.failed(f"step {plan.step}: {exc}")
-            raise
-        finally:
-            self.telemetry.on_step_end()
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()

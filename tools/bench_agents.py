@@ -71,7 +71,7 @@ def run_workload(core: EngineCore, args: argparse.Namespace, progress: tqdm) -> 
             time.sleep(0.01)  # every agent is thinking
             continue
         by_id = {f"{a.name}-{a.turn}": a for a in agents}
-        for out in core.step():
+        for out in core.step().outputs:
             a = by_id[out.request_id]
             if a.first_token_at is None and out.token_ids:
                 a.first_token_at = time.perf_counter()

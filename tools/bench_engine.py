@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from orchestrator.launcher import free_port, spawn, stop_all
 from orchestrator.shim.structured_output import json_grammar
-from scheduler.engine import EngineCore, agree_limits
+from scheduler.engine import EngineCore, StepTotals, agree_limits
 from scheduler.executor import ZmqExecutor
 from scheduler.scheduler import Scheduler
 from wire import codec
@@ -61,7 +61,7 @@ def run_one(model: str, world_size: int, args: argparse.Namespace,
                                 args.max_tokens, ignore_eos=True, grammar=grammar)
                 for i in range(args.num_requests)]
             _drive(core, make("warm")[:2])  # warm-up: first-step allocations, thread pools
-            core.timings.totals.clear()
+            core.totals = StepTotals()
             start = time.perf_counter()
             steps, tokens_out = _drive(core, make("r"))
             wall = time.perf_counter() - start
@@ -69,9 +69,9 @@ def run_one(model: str, world_size: int, args: argparse.Namespace,
         finally:
             executor.shutdown()
             stop_all(ranks)
-    t = core.timings.totals
-    step_total = t["schedule"] + t["execute"] + t["update"]
-    outside = step_total - t["forward"]
+    t = core.totals
+    step_total = t.schedule_s + t.execute_s + t.update_s
+    outside = step_total - t.forward_s
     return {
         "world_size": world_size,
         "guided": guided,
@@ -80,10 +80,10 @@ def run_one(model: str, world_size: int, args: argparse.Namespace,
         "total_tokens_per_s": (tokens_out + args.num_requests * args.prompt_len) / wall,
         "steps": steps,
         "outside_forward_share": outside / step_total,
-        "schedule_ms_per_step": 1000 * t["schedule"] / steps,
-        "ipc_and_wait_ms_per_step": 1000 * (t["execute"] - t["forward"]) / steps,
-        "update_ms_per_step": 1000 * t["update"] / steps,
-        "forward_ms_per_step": 1000 * t["forward"] / steps,
+        "schedule_ms_per_step": 1000 * t.schedule_s / steps,
+        "ipc_and_wait_ms_per_step": 1000 * (t.execute_s - t.forward_s) / steps,
+        "update_ms_per_step": 1000 * t.update_s / steps,
+        "forward_ms_per_step": 1000 * t.forward_s / steps,
         "encode_decode_ms_per_plan": 1000 * encode_s,
     }
 
@@ -94,7 +94,7 @@ def _drive(core: EngineCore, requests: list[GenerateRequest]) -> tuple[int, int]
         core.scheduler.add_request(r)
     steps = tokens = 0
     while core.scheduler.has_work():
-        tokens += sum(len(out.token_ids) for out in core.step())
+        tokens += sum(len(out.token_ids) for out in core.step().outputs)
         steps += 1
     return steps, tokens
 

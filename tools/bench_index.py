@@ -133,14 +133,14 @@ def main() -> None:
 
     def alloc_free_a() -> None:
         assert mgr.allocate(1, toks_a, len(toks_a), key, chain=chains["A"]) is not None
-        mgr.free(1)  # rolled back in the same step: allowed, no commit happened
+        mgr.free(1, 0)  # rolled back in the same step: allowed, no commit happened
 
     t_alloc_a = median_ms(alloc_free_a, r)
     t = time.perf_counter()
     assert mgr.allocate(2, prompts["B"], len(prompts["B"]), key, chain=chains["B"])
     t_alloc_b = 1e3 * (time.perf_counter() - t)
     ops = mgr.peek_ops()
-    mgr.free(2)
+    mgr.free(2, 0)
     mgr.take_ops()
 
     # --- report ------------------------------------------------------------------------

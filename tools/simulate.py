@@ -166,7 +166,7 @@ def run_scenario(core: EngineCore, sc: Scenario, clock, progress: tqdm | None = 
             _advance(core, min(a.ready_at for a in agents if a.turn < sc.turns))
             continue
         t0 = time.process_time()
-        outputs = core.step()
+        outputs = core.step().outputs
         cpu_per_step.append(time.process_time() - t0)
         now = clock()
         for out in outputs:

@@ -148,8 +148,8 @@ class ModelRunner:
         self.kv.swap(plan.swap_out, plan.swap_in)
         running = {c.seq_id for c in plan.chunks}
         for seq_id in plan.close:
-            # The close-timing rule (scheduler/scheduler.py): a sequence is closed by
-            # the plan after its last step, never by a plan that still runs it.
+            # The close-timing rule (scheduler/scheduler.py `Scheduler._close`), checked
+            # again across the process boundary: never closed by a plan that runs it.
             assert seq_id not in running, f"step {plan.step}: seq {seq_id} closed while running"
             del self.block_tables[seq_id]
             del self.sampling[seq_id]

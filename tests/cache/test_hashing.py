@@ -11,13 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cache.hashing import (
-    ROOT_PARENT,
-    BlockHashChain,
-    block_hashes,
-    keys_to_bytes,
-    make_extra_key,
-)
+from cache.hashing import ROOT_PARENT, BlockHashChain, make_extra_key
+from tests.cache.digest import block_hashes, keys_to_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENS = [(i * 7919) % 151_000 for i in range(100)]
@@ -95,7 +90,8 @@ def test_out_of_range_tokens_raise() -> None:
 
 def test_deterministic_across_processes_and_hash_seeds() -> None:
     code = (
-        "import json; from cache.hashing import block_hashes, make_extra_key;"
+        "import json; from cache.hashing import make_extra_key;"
+        "from tests.cache.digest import block_hashes;"
         f"k = make_extra_key('llama-3-8b', 'salt');"
         f"print(json.dumps([h.hex() for h in block_hashes({TOKENS!r}, 16, k)]))"
     )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cache import CacheConfig, KVCacheManager, PrefixHit, block_hashes, make_extra_key
+from cache import CacheConfig, KVCacheManager, PrefixHit, make_extra_key
+from tests.cache.digest import block_hashes, digest_state
 
 BS = 4
 KEY = make_extra_key("m", None)
@@ -15,11 +16,11 @@ def mgr(num_device_blocks: int = 16, num_host_blocks: int = 0, **kw) -> KVCacheM
                                       num_host_blocks=num_host_blocks, **kw))
 
 
-def run(m: KVCacheManager, seq_id: int, tokens: list[int]) -> list[int]:
+def run(m: KVCacheManager, seq_id: int, tokens: list[int], step: int = 0) -> list[int]:
     """Admit a whole prompt in one step and commit it."""
     blocks = m.allocate(seq_id, tokens, len(tokens), KEY)
     assert blocks is not None
-    m.commit(seq_id, tokens, len(tokens))
+    m.commit(seq_id, tokens, len(tokens), step)
     m.check_invariants()
     return blocks
 
@@ -38,11 +39,11 @@ def test_hit_shares_blocks_and_caps_at_last_token() -> None:
     assert m.num_cached_tokens(2) == PrefixHit(16, 0)
     assert m.device.refcount[a[:4]].tolist() == [2, 2, 2, 2]
     m.take_ops()
-    m.free(1)  # still referenced by seq 2
+    m.free(1, 1)  # still referenced by seq 2
     m.check_invariants()
     assert m.device.refcount[a[:4]].tolist() == [1, 1, 1, 1]
     assert m.usage()["device"] == {"capacity": 16, "used": 5, "cached": 0, "free": 11}
-    m.free(2)
+    m.free(2, 1)
     m.check_invariants()
     u = m.usage()["device"]
     assert u["used"] == 0 and u["cached"] == 4 and u["cached"] + u["free"] == 16
@@ -55,7 +56,7 @@ def test_hit_on_live_blocks_of_another_sequence_in_the_same_step() -> None:
     # Same step: seq 1's blocks are committed (KV written by this step's forward).
     b = m.allocate(2, p + [7, 8], 14, KEY)
     assert b[:3] == a[:3] and m.num_cached_tokens(2) == PrefixHit(12, 0)
-    m.commit(2, p + [7, 8], 14)
+    m.commit(2, p + [7, 8], 14, 0)
     m.check_invariants()
 
 
@@ -65,14 +66,14 @@ def test_duplicate_content_is_indexed_once() -> None:
     a = m.allocate(1, p, 8, KEY)
     b = m.allocate(2, p, 8, KEY)  # nothing committed yet: no hit, own blocks
     assert set(a).isdisjoint(b)
-    m.commit(1, p, 8)
-    m.commit(2, p, 8)
-    m.commit(2, p, 8)  # idempotent
+    m.commit(1, p, 8, 0)
+    m.commit(2, p, 8, 0)
+    m.commit(2, p, 8, 0)  # idempotent
     m.check_invariants()
-    assert sorted(m.digest_state().device_map()) == sorted(a)
+    assert sorted(digest_state(m).device_map()) == sorted(a)
     m.take_ops()
-    m.free(1)
-    m.free(2)
+    m.free(1, 1)
+    m.free(2, 1)
     m.check_invariants()
     assert m.usage()["device"]["cached"] == 2  # b's copies went back to the free list
 
@@ -81,11 +82,11 @@ def test_allocate_is_atomic_when_full() -> None:
     m = mgr(num_device_blocks=4)
     run(m, 1, prompt(12))
     m.take_ops()
-    before = (m.usage(), m.digest_state().fingerprint(), m.peek_ops())
+    before = (m.usage(), digest_state(m).fingerprint(), m.peek_ops())
     assert m.allocate(2, prompt(12, 100), 12, KEY) is None
     assert not m.has_seq(2)
     assert m.allocate(1, prompt(20), 20, KEY) is None
-    assert (m.usage(), m.digest_state().fingerprint(), m.peek_ops()) == before
+    assert (m.usage(), digest_state(m).fingerprint(), m.peek_ops()) == before
     assert m.allocate(1, prompt(16), 16, KEY) == [3]
     m.check_invariants()
 
@@ -94,26 +95,26 @@ def test_growing_sequence_registers_blocks_as_they_fill() -> None:
     m = mgr()
     toks = prompt(6)
     assert len(run(m, 1, toks)) == 2
-    for t in range(6, 13):
+    for step, t in enumerate(range(6, 13), start=1):
         m.take_ops()
         toks.append(t)
         m.allocate(1, toks, len(toks), KEY)
-        m.commit(1, toks, len(toks))
+        m.commit(1, toks, len(toks), step)
         m.check_invariants()
     assert len(m.block_table(1)) == 4
-    assert len(m.digest_state().device_map()) == 3  # 13 tokens: 3 full blocks
+    assert len(digest_state(m).device_map()) == 3  # 13 tokens: 3 full blocks
 
 
 def test_close_in_the_running_step_is_loud() -> None:
     m = mgr()
     run(m, 1, prompt(8))
     with pytest.raises(AssertionError, match="closed in step"):
-        m.free(1)
+        m.free(1, 0)
     m.take_ops()
-    m.free(1)  # the next step is fine
+    m.free(1, 1)  # the next step is fine
     # Rolling back an admission that was never committed is allowed in the same step.
     assert m.allocate(2, prompt(8, 50), 8, KEY) is not None
-    m.free(2)
+    m.free(2, 1)
     m.check_invariants()
 
 
@@ -121,8 +122,8 @@ def test_eviction_keeps_prefix_heads_longest() -> None:
     m = mgr(num_device_blocks=6)
     run(m, 1, prompt(16))  # 4 blocks
     m.take_ops()
-    m.free(1)
-    run(m, 2, prompt(12, 100))  # needs 3 blocks: 2 free + 1 evicted, the tail of seq 1
+    m.free(1, 1)
+    run(m, 2, prompt(12, 100), step=1)  # needs 3 blocks: 2 free + 1 evicted, the tail of seq 1
     assert m.lookup(prompt(17), KEY) == PrefixHit(12, 0)
     assert m.stats.num_device_evictions == 1
 
@@ -135,10 +136,10 @@ def test_prefix_caching_disabled() -> None:
     b = run(m, 2, p)
     assert set(a).isdisjoint(b)
     m.take_ops()
-    m.free(1)
-    m.free(2)
+    m.free(1, 1)
+    m.free(2, 1)
     assert m.usage()["device"] == {"capacity": 16, "used": 0, "cached": 0, "free": 16}
-    assert not m.digest_state().device_map() and not m.take_ops()
+    assert not digest_state(m).device_map() and not m.take_ops()
 
 
 def test_salts_never_share_blocks() -> None:
@@ -146,7 +147,7 @@ def test_salts_never_share_blocks() -> None:
     p = prompt(16)
     k1, k2 = make_extra_key("m", "a"), make_extra_key("m", "b")
     m.allocate(1, p, 16, k1)
-    m.commit(1, p, 16)
+    m.commit(1, p, 16, 0)
     assert m.lookup(p, k2) == PrefixHit(0, 0)
     assert m.lookup(p, k1) == PrefixHit(12, 0)
 
@@ -162,28 +163,28 @@ def test_evict_to_host_then_hit_from_host(policy: str) -> None:
     ops = m.take_ops()
     if policy == "write_through":
         assert len(ops.swap_out) == 8
-    m.free(1)
+    m.free(1, 2)
     # Fill beyond the device capacity: p's blocks are evicted (write_back copies them).
-    run(m, 2, prompt(32, 1000))
+    run(m, 2, prompt(32, 1000), step=2)
     ops = m.take_ops()
     if policy == "write_back":
         assert len(ops.swap_out) == 8
     m.take_ops()
-    m.free(2)
+    m.free(2, 4)
     hashes = block_hashes(p, BS, KEY)
-    assert set(m.digest_state().host_map().values()) >= set(hashes)
+    assert set(digest_state(m).host_map().values()) >= set(hashes)
     assert m.lookup(p, KEY) == PrefixHit(0, 28)
     blocks = m.allocate(3, p, 32, KEY)
     assert m.num_cached_tokens(3) == PrefixHit(0, 28)
     ops = m.peek_ops()
     assert [b for _, b in ops.swap_in] == blocks[:7]
-    host = m.digest_state().host_map()
+    host = digest_state(m).host_map()
     assert [host[s] for s, _ in ops.swap_in] == hashes[:7]
     # Blocks evicted now (seq 2's) go out to the host before being loaded over.
     if policy == "write_back":
         outs = {b for b, _ in ops.swap_out}
         assert {b for _, b in ops.swap_in} <= outs | set(range(8))
-    m.commit(3, p, 32)
+    m.commit(3, p, 32, 4)
     m.check_invariants()
     assert m.stats.num_host_hit_tokens == 28 and m.stats.num_swap_in_blocks == 7
 
@@ -195,11 +196,11 @@ def test_host_sources_are_pinned_while_host_is_full() -> None:
     p = prompt(16)
     run(m, 1, p)
     m.take_ops()
-    m.free(1)
-    run(m, 2, prompt(16, 500))  # evicts all 4 of p's blocks; host keeps 3
+    m.free(1, 1)
+    run(m, 2, prompt(16, 500), step=1)  # evicts all 4 of p's blocks; host keeps 3
     m.take_ops()
     m.take_ops()
-    m.free(2)
+    m.free(2, 3)
     assert m.lookup(p, KEY) == PrefixHit(0, 12)
     m.allocate(3, p, 16, KEY)
     ops = m.peek_ops()
@@ -213,7 +214,7 @@ def test_reset_prefix_cache() -> None:
     run(m, 1, prompt(16))
     run(m, 2, prompt(16, 100))
     m.take_ops()
-    m.free(1)
+    m.free(1, 1)
     assert m.reset_prefix_cache() == 4
     assert m.lookup(prompt(16), KEY) == PrefixHit(0, 0)
     assert m.lookup(prompt(16, 100), KEY) == PrefixHit(12, 0)  # referenced: kept
@@ -226,19 +227,19 @@ def test_rolled_back_swap_in_targets_are_not_reused_in_the_same_step() -> None:
     m = mgr(num_device_blocks=4, num_host_blocks=16)
     p, q, r = prompt(16), prompt(16, 100), prompt(16, 200)
     for sid, toks in ((1, p), (2, q), (3, r)):  # each evicts the previous one to the host
-        run(m, sid, toks)
+        run(m, sid, toks, step=2 * sid - 2)
         m.take_ops()
-        m.free(sid)
+        m.free(sid, 2 * sid - 1)
         m.take_ops()
     assert m.lookup(p, KEY) == PrefixHit(0, 12) and m.lookup(q, KEY) == PrefixHit(0, 12)
     loaded = m.allocate(4, p, 16, KEY)[:3]
-    m.free(4)  # admission rolled back: the 3 blocks being loaded stay cached, busy
+    m.free(4, 6)  # admission rolled back: the 3 blocks being loaded stay cached, busy
     m.check_invariants()
     assert m.allocate(5, q, 16, KEY) is None  # would need the busy blocks
     assert m.lookup(p, KEY) == PrefixHit(12, 0)  # but they can be hit
     assert m.allocate(6, p, 16, KEY)[:3] == loaded
     m.check_invariants()
     m.take_ops()
-    m.free(6)
+    m.free(6, 7)
     assert m.allocate(5, q, 16, KEY) is not None  # next step they are ordinary cached blocks
     m.check_invariants()

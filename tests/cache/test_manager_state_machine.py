@@ -24,7 +24,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from cache import CacheConfig, KVCacheManager, block_hashes, make_extra_key
+from cache import CacheConfig, KVCacheManager, make_extra_key
+from tests.cache.digest import block_hashes, digest_state
 
 KEYS = [make_extra_key("m", None), make_extra_key("m", "tenant-b")]
 Content = tuple[bytes, tuple[int, ...]]
@@ -78,7 +79,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def snapshot(self):
         m = self.m
-        return (m.usage(), m.digest_state().fingerprint(), m.peek_ops(), m.stats.as_dict(),
+        return (m.usage(), digest_state(m).fingerprint(), m.peek_ops(), m.stats.as_dict(),
                 m.device.refcount.copy().tolist())
 
     def grow(self, sid: int, seq: SimSeq, num_tokens: int) -> bool:
@@ -94,7 +95,7 @@ class CacheMachine(RuleBasedStateMachine):
         seq.table += blocks
         start = seq.computed
         seq.computed = max(seq.computed, num_tokens)
-        self.m.commit(sid, seq.tokens, seq.computed)
+        self.m.commit(sid, seq.tokens, seq.computed, self.step)
         seq.scheduled_step = self.step
         self.writes.append((sid, start, seq.computed))
         self.learn_hashes(seq, seq.computed)
@@ -153,7 +154,7 @@ class CacheMachine(RuleBasedStateMachine):
         n_hit = hit.num_tokens // self.bs
         assert len(blocks) == max(n_hit, -(-num_tokens // self.bs))
         hashes = block_hashes(tokens[:n_hit * self.bs], self.bs, seq.key)
-        dev_map = self.m.digest_state().device_map()
+        dev_map = digest_state(self.m).device_map()
         for i, b in enumerate(blocks):
             if refs_before[b] > 0:  # only a device hit may share a live block
                 assert i < n_hit and dev_map[b] == hashes[i]
@@ -165,10 +166,10 @@ class CacheMachine(RuleBasedStateMachine):
         seq.computed = hit.num_tokens
         self.seqs[sid] = seq
         if chunk != len(tokens) and data.draw(st.integers(0, 9)) == 0:  # rolled back
-            self.m.free(sid)
+            self.m.free(sid, self.step)
             del self.seqs[sid]
             return
-        self.m.commit(sid, tokens, num_tokens)
+        self.m.commit(sid, tokens, num_tokens, self.step)
         seq.scheduled_step = self.step
         self.writes.append((sid, seq.computed, num_tokens))
         seq.computed = max(seq.computed, num_tokens)
@@ -191,7 +192,7 @@ class CacheMachine(RuleBasedStateMachine):
     def close(self, data) -> None:
         """Finish or abort (mid-prefill included): closed in a later step than its last run."""
         sid = data.draw(st.sampled_from(self.live_unscheduled()))
-        self.m.free(sid)
+        self.m.free(sid, self.step)
         seq = self.seqs.pop(sid)
         self.history.append((seq.key, list(seq.tokens)))
 
@@ -207,7 +208,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.admit(data, list(range(start, start + n)), KEYS[0], chunk=n)
         self.step_done()
         if sid in self.seqs:
-            self.m.free(sid)
+            self.m.free(sid, self.step)
             del self.seqs[sid]
 
     @precondition(lambda self: self.history and self.cfg.host_enabled and len(self.seqs) < 8
@@ -225,7 +226,7 @@ class CacheMachine(RuleBasedStateMachine):
         for sid in self.live_unscheduled():
             action = data.draw(st.sampled_from(["close", "grow", "grow", "idle"]))
             if action == "close":
-                self.m.free(sid)
+                self.m.free(sid, self.step)
                 seq = self.seqs.pop(sid)
                 self.history.append((seq.key, list(seq.tokens)))
             elif action == "grow":
@@ -250,7 +251,7 @@ class CacheMachine(RuleBasedStateMachine):
             sorted(s for s, q in self.seqs.items() if q.scheduled_step == self.step)))
         before = self.snapshot()
         with pytest.raises(AssertionError):
-            self.m.free(sid)
+            self.m.free(sid, self.step)
         assert self.m.has_seq(sid) and self.snapshot() == before
 
     @rule(data=st.data())
@@ -295,7 +296,7 @@ class CacheMachine(RuleBasedStateMachine):
             for i in range(-(-seq.computed // self.bs)):
                 got = self.device.get(seq.table[i])
                 assert got == self.content(seq, min((i + 1) * self.bs, seq.computed))
-        digest = self.m.digest_state()
+        digest = digest_state(self.m)
         for b, h in digest.device_map().items():
             assert self.device.get(b) == self.content_of[h], "indexed block holds other KV"
         host = dict(self.host)
@@ -323,14 +324,14 @@ class CacheMachine(RuleBasedStateMachine):
         if not self.seqs:
             assert m.usage()["device"]["used"] == 0 and not m.device.refcount.any()
         if not self.cfg.enable_prefix_caching:
-            assert not m.digest_state().device_map() and m.usage()["device"]["cached"] == 0
+            assert not digest_state(m).device_map() and m.usage()["device"]["cached"] == 0
 
     def teardown(self) -> None:
         if not hasattr(self, "m"):
             return
         self.step_done()  # finish the running step, then close everything
         for sid in list(self.seqs):
-            self.m.free(sid)
+            self.m.free(sid, self.step)
         self.seqs.clear()
         self.consistent()
         assert self.m.usage()["device"]["used"] == 0

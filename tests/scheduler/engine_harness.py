@@ -83,7 +83,7 @@ def run_until_done(core: EngineCore, requests: list[GenerateRequest],
         if not core.scheduler.has_work():
             return results
         step = core.scheduler.step
-        for out in core.step():
+        for out in core.step().outputs:
             res = results.setdefault(out.request_id, {"tokens": []})
             res["tokens"].extend(out.token_ids)
             if out.finished:

@@ -67,7 +67,7 @@ def test_grammars_compile_off_the_loop_and_a_bad_one_fails_only_its_request(defa
     bad = llguidance.LLMatcher.grammar_from_lark('start: "a" undefined_rule')
     core.scheduler.add_request(GenerateRequest("bad", PROMPT, max_tokens=5, grammar=bad))
     assert core.scheduler.sequence("bad").guide_pending is not None  # not compiled inline
-    failed = [o for _ in range(3) for o in core.step() if o.request_id == "bad"]
+    failed = [o for _ in range(3) for o in core.step().outputs if o.request_id == "bad"]
     assert [(o.finish_reason, o.error_type) for o in failed] == [("error", "invalid_request")]
     assert "grammar" in failed[0].error
     out = run_until_done(core, [GenerateRequest("good", PROMPT, max_tokens=200,

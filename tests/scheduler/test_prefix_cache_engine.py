@@ -93,7 +93,7 @@ def test_workload_larger_than_the_device_budget(default_model):
     for req in reqs:
         core.scheduler.add_request(req)
     while core.scheduler.has_work():
-        for out in core.step():
+        for out in core.step().outputs:
             first.setdefault(out.request_id, []).extend(out.token_ids)
         usage = cache.usage()
         for tier in ("device", "host"):
@@ -118,7 +118,8 @@ class EarlyCloseScheduler(Scheduler):
         outputs = super().update(plan, sampled)
         for seq in self._to_close:
             if seq.opened:
-                self._release(seq)
+                self.cache.free(seq.seq_id, self.step)
+                seq.opened, seq.block_ids = False, []
         return outputs
 
 

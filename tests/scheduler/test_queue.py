@@ -12,15 +12,14 @@ from hypothesis import strategies as st
 from scheduler.queue import QueueFullError, RequestQueue
 from scheduler.request import Sequence
 from tests.scheduler.test_scheduler_unit import make, req, run_step
-from wire.client import SamplingParams
+from wire.client import GenerateRequest
 
 _ids = iter(range(1, 10**9))
 
 
 def seq(rid: str, session: str | None = None, n: int = 10, priority: int = 0) -> Sequence:
-    s = Sequence(next(_ids), rid, list(range(n)), 4, SamplingParams(), frozenset(), b"")
-    s.session_id, s.priority = session, priority
-    return s
+    request = GenerateRequest(rid, list(range(n)), 4, session_id=session, priority=priority)
+    return Sequence(next(_ids), request, frozenset(), b"")
 
 
 def drain(q: RequestQueue) -> list[str]:

@@ -5,11 +5,11 @@ its budget."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
 from orchestrator.shim.structured_output import after_reasoning, json_grammar
-from scheduler.guided import mask_tokens
 from scheduler.scheduler import RequestRejected
 from scheduler.thinking import ThinkingBudget
 from tests.scheduler.engine_harness import inprocess_engine, run_until_done
@@ -18,6 +18,12 @@ from wire.client import GenerateRequest, ThinkingSpan
 
 THINK, END = 6, 7  # the tiny tokenizer's <think> and </think>
 PROMPT = list(range(40, 90))
+
+
+def mask_tokens(mask: bytes) -> set[int]:
+    """The tokens a mask allows."""
+    bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits).tolist())
 
 
 def FREE() -> None:  # noqa: N802 -- the answer's mask: none (no grammar)
@@ -72,7 +78,7 @@ def test_the_engine_ends_a_span_at_its_budget(default_model) -> None:
     for req in requests:
         core.scheduler.add_request(req)
     while core.scheduler.has_work():
-        for out in core.step():
+        for out in core.step().outputs:
             outputs.setdefault(out.request_id, []).append(out)
     tokens = {rid: [t for out in outs for t in out.token_ids] for rid, outs in outputs.items()}
     assert END not in tokens["free"]

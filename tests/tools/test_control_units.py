@@ -8,8 +8,8 @@ from types import SimpleNamespace
 from structlog.testing import capture_logs
 
 from scheduler.request import Sequence
-from scheduler.telemetry import Telemetry
-from wire.client import RequestOutput, SamplingParams
+from scheduler.telemetry import StepRecord, Telemetry, summarize
+from wire.client import GenerateRequest, RequestOutput
 from wire.control import SeqRequest, SnapshotRequest, StacksRequest
 from wire.control_server import ask
 from wire.digest import StateDigest, table_digest
@@ -49,13 +49,14 @@ def test_rank_control_reports_its_real_tables(tmp_path):
 
 def test_telemetry_logs_each_request_once_with_its_latencies():
     telemetry = Telemetry()
-    seq = Sequence(seq_id=1, request_id="r1", prompt=list(range(40)), max_tokens=2,
-                   sampling=SamplingParams(), stop_token_ids=frozenset(), extra_key=b"",
-                   session_id="s1")
+    seq = Sequence(seq_id=1, request=GenerateRequest("r1", list(range(40)), 2, session_id="s1"),
+                   stop_token_ids=frozenset(), extra_key=b"")
     seq.num_device_cached = 32
     telemetry.request_added(seq)
     plan = StepPlan(0, new_seqs=[NewSequence(1, [0, 1, 2])])
-    telemetry.wrap(SimpleNamespace(step=lambda p: [])).step(plan)
+    record = StepRecord(summarize(plan))
+    telemetry.step_started(record)
+    telemetry.step_done(record)
     seq.append_output(7)
     seq.append_output(8)
     seq.arrival -= 0.05  # arrived 50 ms ago, first token 10 ms later

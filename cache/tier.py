@@ -1,0 +1,49 @@
+"""What the two tiers share (cache/block_pool.py, cache/host_pool.py): ids 0..N-1 (device
+blocks or host slots), each cached one in a hash index and an LRU, the others on a free
+list; and the ones this step's ops hold (busy blocks, pinned slots), which stay put."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cache.free_list import FreeList
+from cache.hash_index import HashIndex
+from cache.lru import LruQueue
+
+
+class Tier:
+    def __init__(self, num_items: int) -> None:
+        self.index = HashIndex(num_items)
+        self.lru = LruQueue(num_items)
+        self.free = FreeList(num_items)
+
+    def held(self) -> np.ndarray:
+        """bool [num_items]: held by this step's ops (each tier says which)."""
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        return (self.index.nbytes() + self.lru.nbytes() + self.free.nbytes()
+                + self.held().nbytes)
+
+    @property
+    def num_free(self) -> int:
+        return self.free.count
+
+    def drop_cached(self) -> int:
+        """Forget every cached entry except those held this step; they become free.
+        Returns how many."""
+        ids = np.flatnonzero(self.lru.present).astype(np.int32)
+        ids = ids[~self.held()[ids]]
+        self.lru.remove(ids)
+        self.index.remove(ids)
+        self.free.push(ids)
+        return len(ids)
+
+    def preload(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Mark free entries as cached under these hashes (absent, distinct): for tools and
+        restores, when the KV is known to be there. Returns the ids taken."""
+        assert len(lo) <= self.free.count
+        ids = self.free.pop(len(lo))
+        self.index.insert(ids, lo, hi)
+        self.lru.push(ids)
+        return ids
