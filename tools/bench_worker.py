@@ -69,8 +69,11 @@ class RankBench:
         self.threads = set_torch_threads(info.local_world_size)
         self.device = resolve_device(args.device, info.local_rank)
         self.tp = init_tensor_parallel(info, self.device)
+        # the device tier holds exactly what the benchmark runs, so the context served is
+        # the longest sequence it runs (a rank refuses a context its tier cannot hold)
+        longest = max(args.prompt_len, args.shared_prefix_len + args.decode_len)
         config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                              world_size=info.world_size,
+                              world_size=info.world_size, max_model_len=longest,
                               attention_backend=args.attention_backend, seed=args.seed)
         bs = config.block_size
         assert bs == BLOCK_SIZE, "shared_prefix_len is checked against BLOCK_SIZE"

@@ -38,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from orchestrator.config import DEFAULT_MODEL
+from orchestrator.config import TINY_MODEL
 from tools import inspect as inspect_cli
 from tools.bench import scrape
 from tools.served import Served
@@ -254,7 +254,7 @@ def print_report(r: dict[str, Any], console: Console) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tools.soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--model", default=str(TINY_MODEL))
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--requests", type=int, default=3000)
     p.add_argument("--concurrency", type=int, default=24)

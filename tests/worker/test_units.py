@@ -108,7 +108,7 @@ def test_llama3_rope_scaling_keeps_high_frequencies(tmp_path):
 
 def test_worker_refuses_token_ids_outside_the_vocabulary(default_model):
     runner = ModelRunner(EngineConfig(model=str(default_model), dtype="float32",
-                                      kv_cache_memory=8 << 20),
+                                      kv_cache_memory=8 << 20, max_model_len=512),
                          TensorParallelGroup(0, 1), torch.device("cpu"))
     plan = StepPlan(0, new_seqs=[NewSequence(1, [0])],
                     chunks=[ScheduledChunk(1, [5, 8192], 0, True)])

@@ -14,6 +14,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 
+from tests.conftest import fitting_max_model_len
 from wire.config import EngineConfig
 from wire.step import NewSequence, ScheduledChunk, StepPlan
 from worker.distributed import (
@@ -30,8 +31,11 @@ def main() -> None:
     info = RankInfo.from_env()
     set_torch_threads(info.local_world_size)
     tp = init_tensor_parallel(info, torch.device("cpu"))
+    kv_cache_memory = args.get("kv_cache_memory", 64 << 20)
     config = EngineConfig(model=args["model"], dtype=args["dtype"], world_size=info.world_size,
-                          kv_cache_memory=args.get("kv_cache_memory", 64 << 20))
+                          kv_cache_memory=kv_cache_memory,
+                          max_model_len=fitting_max_model_len(args["model"], kv_cache_memory,
+                                                              info.world_size))
     runner = ModelRunner(config, tp, torch.device("cpu"))
     prompt, chunk = args["prompt"], args["chunk"]
     bs = config.block_size

@@ -5,12 +5,16 @@ the BPE merges, each token's type (normal, control, user-defined, ...), the spec
 and the chat template as metadata. For `tokenizer.ggml.model = gpt2` (byte-level BPE:
 Llama 3, SmolLM, Qwen2 and most recent models) this builds the equivalent
 `tokenizers.Tokenizer`; other kinds (SentencePiece `llama`, `t5`, `bert`, `rwkv`, ...)
-are refused by name. The shim's process has no torch: this reads the file with the
-`gguf` package (numpy only).
+are refused by name. This reads the file with the `gguf` package (numpy only, no torch).
+
+The launcher writes what it builds as a Hugging Face tokenizer directory in the run
+directory (`write_tokenizer_dir`), which the shim (tokenization, the chat template) and
+the scheduler (guided decoding) read as they read any model's (EngineConfig.tokenizer).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,3 +146,17 @@ def read_tokenizer_metadata(path: str | Path) -> dict:
 def load_gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
     """The tokenizer, chat template and special tokens of a GGUF file."""
     return build_tokenizer(read_tokenizer_metadata(path))
+
+
+def write_tokenizer_dir(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """The GGUF's tokenizer as `tokenizer.json` and its chat template and special tokens as
+    `tokenizer_config.json` in `out_dir`, the files a Hugging Face model directory holds."""
+    built = load_gguf_tokenizer(gguf_path)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    built.tokenizer.save(str(out / "tokenizer.json"))
+    config = {"add_bos_token": built.add_bos_token, **built.special_tokens}
+    if built.chat_template is not None:
+        config["chat_template"] = built.chat_template
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return out
