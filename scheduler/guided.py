@@ -1,7 +1,7 @@
 """Guided decoding: the grammar a request's output must follow (structured outputs).
 
 The shim turns a JSON schema, a forced tool call or an any-JSON request into one
-llguidance grammar (orchestrator/structured_output.py) and sends it with the request.
+llguidance grammar (orchestrator/shim/structured_output.py) and sends it with the request.
 Here each guided sequence holds a matcher, compiled in a thread pool while the request
 waits in the queue (llguidance drops the GIL: a schema that takes 100 ms to compile
 does not pause the steps of everyone else). Before a step samples the sequence, the

@@ -14,7 +14,7 @@ span, and only the answer's tokens advance it.
 The tags must be single tokens that the detokenizer keeps (they are, in these models'
 tokenizers); the shim sends no span otherwise, and the budget is not enforced. A span
 opens in the prompt or with the output's first token, as these models write it; a start
-tag later on is text. (The shim's splitter, orchestrator/reasoning.py, also opens a span
+tag later on is text. (The shim's splitter, orchestrator/shim/reasoning.py, also opens a span
 after leading whitespace, or written as several tokens: such a span, which these models
 do not write, is the client's reasoning but is neither counted nor capped here.)
 """

@@ -43,7 +43,8 @@ from pathlib import Path
 
 from orchestrator.config import repo_env
 from orchestrator.launcher import free_port
-from tools.bench_worker_report import BLOCK_SIZE, BenchArgs, add_shares, machine_info, print_table
+from tools.bench_worker_report import BLOCK_SIZE, BenchArgs, add_shares, print_table
+from tools.machine import describe
 from tools.model_flops import num_parameters, prefill_flop
 
 REPO = Path(__file__).resolve().parent.parent
@@ -378,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
                          shared_prefix_len=ns.shared_prefix_len, repeats=ns.repeats)
     except ValueError as e:
         ap.error(str(e))
-    machine = machine_info()
+    machine = describe(measure=False)
     command = " ".join(["python -m tools.bench_worker", *(argv if argv is not None
                                                           else sys.argv[1:])])
     cores = machine["cores"] or 1

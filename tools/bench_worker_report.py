@@ -4,8 +4,6 @@ results table."""
 
 from __future__ import annotations
 
-import os
-import platform
 from dataclasses import dataclass
 
 BLOCK_SIZE = 16  # EngineConfig's default, which the ranks use
@@ -57,23 +55,6 @@ def add_shares(run: dict, args: BenchArgs) -> None:
         step_us[f"decode_b{b}"] = b / run["decode_tok_s"][str(b)] * 1e6
         cost_us[f"decode_b{b}"] = n * ar[str(b)]
     run["all_reduce_share"] = {k: cost_us[k] / step_us[k] for k in step_us}
-
-
-def machine_info() -> dict:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    info = {"cores": os.cpu_count(), "cpu": cpu, "torch": torch.__version__,
-            "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0]}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-        info["cuda"] = torch.version.cuda
-    return info
 
 
 def print_table(runs: list[dict], args: BenchArgs) -> None:

@@ -111,7 +111,7 @@ def test_workload_larger_than_the_device_budget(default_model):
 
 
 class EarlyCloseScheduler(Scheduler):
-    """The bug DESIGN.md was written against: release a sequence's cache entries the
+    """The bug docs/design.md tells of: release a sequence's cache entries the
     moment its final token is emitted, instead of in the plan of the next step."""
 
     def update(self, plan, sampled):
