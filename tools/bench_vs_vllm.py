@@ -455,6 +455,8 @@ def gguf_to_hf_dir(gguf_path: Path, out: Path) -> Path:
         state.pop("lm_head.weight", None)  # shared with the embedding; safetensors refuses both
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        config.pop(key, None)  # the weights written are float32, not the GGUF's blocks
     config["architectures"] = [type(model).__name__]
     config["torch_dtype"] = config["dtype"] = "float32"
     rope = config.get("rope_parameters") or {}
