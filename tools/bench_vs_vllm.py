@@ -511,6 +511,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if min(args.agents, args.steps, args.max_tokens, args.system_tokens) < 1:
         p.error("--agents, --steps, --max-tokens and --system-tokens must be >= 1")
+    # absolute (the peer runs elsewhere), not resolved: a venv's python is a symlink
+    args.peer_python, args.peer_dir = map(os.path.abspath, (args.peer_python, args.peer_dir))
     if args.salt is None:
         args.salt = os.urandom(6).hex()
     if args.json is None:

@@ -136,3 +136,13 @@ def test_end_to_end_against_a_stand_in_peer(default_model, tmp_path, capsys):
     assert result["machine"]["cpu"] and result["load"]["salt"]
     printed = capsys.readouterr().out
     assert "machine:" in printed and "prompt tok/s" in printed
+
+
+def test_peer_paths_are_made_absolute_but_not_resolved(tmp_path, monkeypatch):
+    venv_python = tmp_path / "venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.symlink_to("/usr/bin/env")  # as a venv's python: a link out of the venv
+    monkeypatch.chdir(tmp_path)
+    args = bvv.parse_args(["--peer-python", "venv/bin/python", "--peer-dir", "peer"])
+    assert args.peer_python == str(venv_python)  # the peer starts in another directory
+    assert args.peer_dir == str(tmp_path / "peer") and args.salt
