@@ -18,6 +18,7 @@ from wire.security import (
     InsecureFileError,
     read_secret,
 )
+from wire.threads import apply_openmp_defaults
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,6 +27,7 @@ def repo_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This environment for a child process, with this checkout first on PYTHONPATH: the
     children import this checkout's packages, whatever is installed."""
     env = dict(os.environ)
+    apply_openmp_defaults(env)  # before the child's libgomp loads (wire/threads.py)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra or {})
     return env

@@ -7,6 +7,7 @@ nothing from each other. Messages are grouped by hop:
     config.py      EngineConfig: built from the command line, sent to every process
     client.py      shim <-> scheduler: requests, their outputs, the engine's counters
     step.py        scheduler <-> ranks: one StepPlan to every rank, one StepResult back
+    threads.py     the OpenMP wait policy every torch child starts with
     lifecycle.py   hellos, readiness and goodbyes of ranks and the shim
     control.py     deepinfer-inspect <-> any process's control socket
 

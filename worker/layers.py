@@ -30,10 +30,14 @@ class Rotary:
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, H, D]
+        """x * cos + rotate_half(x) * sin, bit for bit (a + (-b) * s is a - b * s in IEEE
+        arithmetic), without building rotate_half(x): two passes over half of x fewer.
+        x: [T, H, D]; cos, sin: [T, 1, D]."""
         half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        out = x * cos  # [T, H, D]
+        out[..., :half] -= x[..., half:] * sin[..., :half]
+        out[..., half:] += x[..., :half] * sin[..., half:]
+        return out
 
 
 class VocabParallelEmbedding:

@@ -137,14 +137,16 @@ class LlamaModel:
         t, d = x.shape[0], self.head_dim
         qkv = F.linear(x, w.qkv, w.qkv_bias)
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
-        q = q.view(t, self.num_heads, d)
-        k = k.view(t, self.num_kv_heads, d)
         v = v.view(t, self.num_kv_heads, d)
         if w.q_norm is not None:  # Qwen3: RMSNorm over each head before rotary
-            q = rms_norm(q, w.q_norm, self._eps)
-            k = rms_norm(k, w.k_norm, self._eps)
-        q = Rotary.apply(q, cos, sin)
-        k = Rotary.apply(k, cos, sin)
+            q = Rotary.apply(rms_norm(q.view(t, self.num_heads, d), w.q_norm, self._eps),
+                             cos, sin)
+            k = Rotary.apply(rms_norm(k.view(t, self.num_kv_heads, d), w.k_norm, self._eps),
+                             cos, sin)
+        else:  # q and k heads side by side in qkv: one rotary over both
+            heads = self.num_heads + self.num_kv_heads
+            qk = Rotary.apply(qkv[:, : heads * d].view(t, heads, d), cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H | Hkv, D]
         kv.wait_layer(i)  # this layer's tier copies (CUDA side stream) are done
         kv.write(i, k, v, slots)
         o = attn.forward(q, kv.k[i], kv.v[i])  # [T, heads on this rank, head_dim]

@@ -36,12 +36,15 @@ def dense_reference(q, k, v):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def build_case(lens, heads, kv_heads, d, dtype, device, seed=0):
+def build_case(lens, heads, kv_heads, d, dtype, device, seed=0, shuffle=True):
+    """Random q and KV pages for `lens`; `shuffle=False` gives each sequence consecutive
+    page ids (the backend reads those as a slice, without a gather)."""
     g = torch.Generator().manual_seed(seed)
     num_pages = sum(-(-kv // PAGE) for _, kv in lens) + 7
     k_cache = torch.randn(num_pages, PAGE, kv_heads, d, generator=g).to(dtype)
     v_cache = torch.randn(num_pages, PAGE, kv_heads, d, generator=g).to(dtype)
-    perm = torch.randperm(num_pages, generator=g).tolist()
+    perm = (torch.randperm(num_pages, generator=g) if shuffle
+            else torch.arange(num_pages)).tolist()
     qs, refs, qo, kvp, idx, last = [], [], [0], [0], [], []
     for q_len, kv_len in lens:
         n = -(-kv_len // PAGE)
@@ -61,8 +64,9 @@ def build_case(lens, heads, kv_heads, d, dtype, device, seed=0):
             torch.cat(refs))
 
 
-def run_backend(name, lens, heads, kv_heads, d, dtype, device):
-    q, k_cache, v_cache, meta, ref = build_case(lens, heads, kv_heads, d, dtype, device)
+def run_backend(name, lens, heads, kv_heads, d, dtype, device, shuffle=True):
+    q, k_cache, v_cache, meta, ref = build_case(lens, heads, kv_heads, d, dtype, device,
+                                                shuffle=shuffle)
     backend = create_backend(name, heads, kv_heads, d, PAGE, dtype, torch.device(device))
     backend.plan(meta)
     out = backend.forward(q, k_cache, v_cache).float().cpu()
@@ -76,12 +80,51 @@ def test_torch_backend_matches_dense(lens, heads, kv_heads):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_exact_page_table_ignores_stale_tail():
-    """Garbage after the last valid token of the last page must not leak in."""
-    lens = [(3, 21)]
+# The torch backend's own paths: decodes batched into one padded call (contexts of very
+# different lengths, page-size edges), decodes after or between prefills (their query rows
+# scattered), one decode alone, prefills with and without a cached prefix in one step.
+PATH_CASES = [
+    [(1, 1), (1, 16), (1, 17), (1, 200), (1, 3), (1, 48)],
+    [(30, 30), (1, 9), (12, 50), (1, 70), (1, 32)],
+    [(1, 20), (1, 90), (7, 7), (16, 33)],
+    [(1, 129)],
+    [(64, 64), (16, 48)],
+]
+
+
+@pytest.mark.parametrize("shuffle", [True, False], ids=["scattered", "consecutive"])
+@pytest.mark.parametrize("lens", PATH_CASES)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 4), (9, 3), (8, 2)])  # G = 1, 2, 3, 4
+def test_torch_backend_paths_match_dense(lens, heads, kv_heads, shuffle):
+    out, ref = run_backend("torch", lens, heads, kv_heads, 32, torch.float32, "cpu", shuffle)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_backend_takes_the_fused_kernel():
+    """Never SDPA's math fallback (it builds the whole score matrix): grouped heads,
+    batched decodes, a cached prefix and a plain prefill all reach the flash kernel."""
+    from torch.profiler import profile
+
+    q, k_cache, v_cache, meta, _ = build_case(PATH_CASES[1], 9, 3, 32, torch.float32, "cpu")
+    backend = create_backend("torch", 9, 3, 32, PAGE, torch.float32, torch.device("cpu"))
+    backend.plan(meta)
+    with profile() as prof:
+        backend.forward(q, k_cache, v_cache)
+    ops = [e.key for e in prof.key_averages()]
+    assert "aten::_scaled_dot_product_attention_math" not in ops
+    # one call for the three batched decodes, one per prefill
+    assert [e.count for e in prof.key_averages()
+            if e.key == "aten::_scaled_dot_product_flash_attention_for_cpu"] == [3]
+
+
+@pytest.mark.parametrize("lens", [[(3, 21)], [(1, 21)], [(1, 40), (1, 21)]])
+def test_exact_page_table_ignores_stale_tail(lens):
+    """Garbage after the last valid token of the last page must not leak in (nor, in a
+    batched decode, the padding up to the longest sequence's pages)."""
     q, k_cache, v_cache, meta, ref = build_case(lens, 4, 2, 16, torch.float32, "cpu")
     page = meta.kv_indices[-1].item()
     k_cache[page, 5:] = 1e4  # slots past kv_last_page_len (21 - 16 = 5)
+    v_cache[page, 5:] = 1e4
     backend = create_backend("torch", 4, 2, 16, PAGE, torch.float32, torch.device("cpu"))
     backend.plan(meta)
     torch.testing.assert_close(backend.forward(q, k_cache, v_cache), ref, atol=1e-5, rtol=1e-5)

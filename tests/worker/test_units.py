@@ -114,3 +114,19 @@ def test_worker_refuses_token_ids_outside_the_vocabulary(default_model):
                     chunks=[ScheduledChunk(1, [5, 8192], 0, True)])
     with pytest.raises(AssertionError, match="outside the vocabulary"):
         runner.execute(plan)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_equals_hf_rotate_half_bit_for_bit(dtype):
+    """Rotary.apply skips building rotate_half(x); the result is HF's to the bit, on a
+    strided view too (q and k heads of the fused qkv output)."""
+    from worker.layers import Rotary
+
+    g = torch.Generator().manual_seed(3)
+    rotary = Rotary([10000 ** (-i / 16) for i in range(16)], torch.device("cpu"))
+    cos, sin = rotary.cos_sin(torch.arange(40) * 7, dtype)
+    qkv = torch.randn(40, 7 * 32, generator=g).to(dtype)
+    x = qkv[:, : 5 * 32].view(40, 5, 32)  # rows strided by 7 heads
+    half = 16
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    assert torch.equal(Rotary.apply(x, cos, sin), x * cos + rotated * sin)

@@ -55,4 +55,5 @@ class FlashInferAttentionBackend:
     def forward(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        return self._wrapper.run(q, (k_cache, v_cache))
+        # q may be a view of the joint q|k rotary output (worker/model.py): rows strided
+        return self._wrapper.run(q.contiguous(), (k_cache, v_cache))
