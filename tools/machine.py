@@ -12,6 +12,8 @@ import os
 import platform
 import time
 
+from worker.budget import cpu_flags as worker_cpu_flags
+
 # The flags that decide what a CPU forward can reach.
 VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16",
                 "amx_int8", "bf16", "asimd", "sve")
@@ -29,13 +31,8 @@ def cpu_model() -> str:
 
 
 def cpu_flags() -> list[str]:
-    """The VECTOR_FLAGS this CPU has (from /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next(ln for ln in f if ln.startswith(("flags", "Features")))
-    except (OSError, StopIteration):
-        return []
-    have = set(line.split(":", 1)[1].split())
+    """The VECTOR_FLAGS this CPU has (the ranks read the same line to choose a dtype)."""
+    have = worker_cpu_flags()
     return [f for f in VECTOR_FLAGS if f in have]
 
 

@@ -30,17 +30,23 @@ class StartupError(ValueError):
     """A setting the model or the machine cannot honour; the rank refuses to start."""
 
 
-def cpu_bf16_flags() -> list[str]:
-    """The CPU's bf16 instructions (x86 avx512_bf16 / amx_bf16, Arm bf16), from
-    /proc/cpuinfo; empty without them (a bf16 matmul is then emulated: measured 0.3
-    GFLOP/s against 105 in float32 on an AVX2-only EPYC)."""
+def cpu_flags() -> set[str]:
+    """Every flag of the CPU's first `flags` (x86) or `Features` (Arm) line in /proc/cpuinfo;
+    empty where there is none."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith(("flags", "Features"))), [])
-    return [f for f in flags if f in ("avx512_bf16", "amx_bf16", "bf16")]
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines()
+                 if line.startswith(("flags", "Features"))), set())
+
+
+def cpu_bf16_flags() -> list[str]:
+    """The CPU's bf16 instructions (x86 avx512_bf16 / amx_bf16, Arm bf16); empty without
+    them (a bf16 matmul is then emulated: measured 0.3 GFLOP/s against 105 in float32 on
+    an AVX2-only EPYC)."""
+    have = cpu_flags()
+    return [f for f in ("avx512_bf16", "amx_bf16", "bf16") if f in have]
 
 
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
