@@ -12,10 +12,17 @@ INSTALLED := $(VENV)/.deepinfer-installed
 TORCH_CPU := torch==2.13.0+cpu
 PYTEST_ARGS ?=
 
-.PHONY: install test lint serve bench bench-worker bench-engine bench-agents bench-index \
+.PHONY: install cpu-kernels test lint serve bench bench-worker bench-engine bench-agents bench-index \
 	simulate clean e2e-claude-code soak fuzz gpu-check gpu-wheels bench-vs-vllm
 
-install: $(INSTALLED) $(TINY)/deepinfer_tiny.json $(SMOLLM2)
+install: $(INSTALLED) $(TINY)/deepinfer_tiny.json $(SMOLLM2) cpu-kernels
+
+# The torch backend's paged decode kernel, compiled for this machine's CPU (under
+# ~/.cache/torch_extensions, named after the CPU's flags; a second run only loads it).
+# Without a C++ compiler the engine runs its plain-torch path, a few times slower.
+cpu-kernels: $(INSTALLED)
+	@$(PY) -m worker.attention.cpu_kernels || \
+		echo "warning: the CPU attention kernel did not build (is a C++ compiler installed?)"
 
 # On a CUDA machine the venv sees the system's CUDA torch; elsewhere a CPU
 # build is pinned so installing never pulls a multi-GB CUDA wheel.

@@ -8,11 +8,12 @@ some decode one token. The same cases run against FlashInfer on CUDA.
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
 
-from worker.attention import AttentionMetadata, create_backend
+from worker.attention import AttentionMetadata, cpu_kernels, create_backend
 
 PAGE = 16
 CASES = [
@@ -22,6 +23,24 @@ CASES = [
     [(1, 17), (1, 64), (1, 5)],
     [(20, 100), (64, 64), (3, 48), (1, 16)],
 ]
+
+
+@pytest.fixture(params=["kernel", "gathered"])
+def torch_path(request, monkeypatch):
+    """The torch backend both ways: decodes through the compiled CPU kernel, and through
+    the plain-torch gather + SDPA (DEEPINFER_CPU_KERNELS=0)."""
+    if request.param == "gathered":
+        monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    elif cpu_kernels.load() is None:
+        pytest.skip("no C++ compiler: the CPU kernel cannot be built here")
+    return request.param
+
+
+def test_cpu_kernel_builds_where_there_is_a_compiler():
+    """The kernel must not quietly fall back on a machine that can build it."""
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler")
+    assert cpu_kernels.load() is not None
 
 
 def dense_reference(q, k, v):
@@ -75,7 +94,7 @@ def run_backend(name, lens, heads, kv_heads, d, dtype, device, shuffle=True):
 
 @pytest.mark.parametrize("lens", CASES)
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
-def test_torch_backend_matches_dense(lens, heads, kv_heads):
+def test_torch_backend_matches_dense(lens, heads, kv_heads, torch_path):
     out, ref = run_backend("torch", lens, heads, kv_heads, 32, torch.float32, "cpu")
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -95,14 +114,15 @@ PATH_CASES = [
 @pytest.mark.parametrize("shuffle", [True, False], ids=["scattered", "consecutive"])
 @pytest.mark.parametrize("lens", PATH_CASES)
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 4), (9, 3), (8, 2)])  # G = 1, 2, 3, 4
-def test_torch_backend_paths_match_dense(lens, heads, kv_heads, shuffle):
+def test_torch_backend_paths_match_dense(lens, heads, kv_heads, shuffle, torch_path):
     out, ref = run_backend("torch", lens, heads, kv_heads, 32, torch.float32, "cpu", shuffle)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_torch_backend_takes_the_fused_kernel():
+def test_torch_backend_takes_the_fused_kernel(torch_path):
     """Never SDPA's math fallback (it builds the whole score matrix): grouped heads,
-    batched decodes, a cached prefix and a plain prefill all reach the flash kernel."""
+    batched decodes, a cached prefix and a plain prefill all reach the flash kernel (or,
+    for the decodes, the compiled CPU kernel)."""
     from torch.profiler import profile
 
     q, k_cache, v_cache, meta, _ = build_case(PATH_CASES[1], 9, 3, 32, torch.float32, "cpu")
@@ -112,13 +132,14 @@ def test_torch_backend_takes_the_fused_kernel():
         backend.forward(q, k_cache, v_cache)
     ops = [e.key for e in prof.key_averages()]
     assert "aten::_scaled_dot_product_attention_math" not in ops
-    # one call for the three batched decodes, one per prefill
+    # one call per prefill, and one for the three batched decodes unless the kernel has them
     assert [e.count for e in prof.key_averages()
-            if e.key == "aten::_scaled_dot_product_flash_attention_for_cpu"] == [3]
+            if e.key == "aten::_scaled_dot_product_flash_attention_for_cpu"] == (
+                [2] if torch_path == "kernel" else [3])
 
 
 @pytest.mark.parametrize("lens", [[(3, 21)], [(1, 21)], [(1, 40), (1, 21)]])
-def test_exact_page_table_ignores_stale_tail(lens):
+def test_exact_page_table_ignores_stale_tail(lens, torch_path):
     """Garbage after the last valid token of the last page must not leak in (nor, in a
     batched decode, the padding up to the longest sequence's pages)."""
     q, k_cache, v_cache, meta, ref = build_case(lens, 4, 2, 16, torch.float32, "cpu")
@@ -220,9 +241,23 @@ def write_then_attend(cases, heads, kv_heads, d, dtype, device, backends):
 
 
 @pytest.mark.parametrize("cases", WRITE_CASES)
-def test_torch_backend_after_writing_new_tokens_to_pages(cases):
+def test_torch_backend_after_writing_new_tokens_to_pages(cases, torch_path):
     outs, ref = write_then_attend(cases, 8, 2, 32, torch.float32, "cpu", ["torch"])
     torch.testing.assert_close(outs["torch"], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lens", [PATH_CASES[0], PATH_CASES[1], [(1, 700), (1, 3)]])
+def test_cpu_kernel_in_16_bit_matches_the_gathered_path(lens, dtype, monkeypatch):
+    """16-bit KV: the kernel accumulates in float32 and rounds once, so it stays within
+    the 16-bit rounding of the gathered SDPA path (which rounds its own way)."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no C++ compiler")
+    kernel, ref = run_backend("torch", lens, 8, 2, 64, dtype, "cpu")
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    gathered, _ = run_backend("torch", lens, 8, 2, 64, dtype, "cpu")
+    assert relative_error(kernel, ref) < 1e-2
+    assert relative_error(kernel, gathered) < 1e-2
 
 
 @pytest.mark.cuda

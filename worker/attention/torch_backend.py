@@ -8,15 +8,22 @@ either `is_causal` or a mask that broadcasts over the heads. So:
   pages gathered once into a padded [B, Hkv, L, D] view, the G query heads of a KV
   head folded into the query rows ([B, Hkv, G, D]: one query per row needs no
   causal mask, only a [B, 1, 1, L] padding mask);
-- each prefill runs on its own, its K/V repeated to the query heads; with no
-  cached prefix it is `is_causal`, with one a [q_len, kv_len] bottom-right mask.
+- each prefill runs on its own: with no cached prefix `is_causal`, its K/V repeated
+  to the query heads; with one a [q_len, kv_len] bottom-right mask, the G query heads
+  of a KV head folded into the query rows as for decodes (no K/V copy).
 
 All the step's index tensors and masks are built once in `plan()`, not per layer.
+
+Where the compiled CPU kernel is there (`cpu_kernels`, on CPU tensors), the decodes
+skip the gather and SDPA instead: the kernel reads the pages in place and writes each
+decode's row of the output. The gathered path stays the reference it is tested against.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +44,7 @@ class _Pages:
         # cache: [num_pages, page, Hkv, D] -> [count, page, Hkv, D]
         if self.index is None:
             return cache[self.first : self.first + self.count]
-        return cache[self.index]
+        return cache.index_select(0, self.index)  # a page-sized memcpy each, unlike cache[index]
 
 
 @dataclass
@@ -46,7 +53,9 @@ class _Prefill:
     q_len: int
     kv_len: int
     pages: _Pages
-    mask: torch.Tensor | None  # [q_len, kv_len] bool (True = attend); None: is_causal
+    # [q_len, kv_len] bool (True = attend), [G * q_len, kv_len] with grouped heads;
+    # None: is_causal
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -59,6 +68,16 @@ class _Decode:
     mask: torch.Tensor | None  # [B, 1, 1, L] bool; None when nothing is padding
 
 
+@dataclass
+class _KernelDecode:
+    """The compiled kernel's inputs for the step's decodes (one query each)."""
+
+    rows: torch.Tensor  # [B] int64, their query rows
+    page_start: torch.Tensor  # [B] int64, where each one's pages begin in kv_indices
+    kv_lens: torch.Tensor  # [B] int64
+    kv_indices: torch.Tensor  # [num_pages] int32, the step's whole page list
+
+
 def _pages(indices: list[int], device: torch.device) -> _Pages:
     first, n = indices[0], len(indices)
     if indices == list(range(first, first + n)):
@@ -68,14 +87,16 @@ def _pages(indices: list[int], device: torch.device) -> _Pages:
 
 class TorchAttentionBackend:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, kernels: ModuleType | None = None) -> None:
         self.device = device or torch.device("cpu")
+        self.kernels = kernels if self.device.type == "cpu" else None
         self.num_qo_heads = num_qo_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group = num_qo_heads // num_kv_heads
         self._prefills: list[_Prefill] = []
         self._decode: _Decode | None = None
+        self._kernel_decode: _KernelDecode | None = None
 
     def plan(self, meta: AttentionMetadata) -> None:
         qo = meta.qo_indptr.tolist()
@@ -91,10 +112,20 @@ class TorchAttentionBackend:
             if q_len == 1:
                 decodes.append(i)
                 continue
+            mask = _causal_mask(q_len, kv_len, self.device)
+            if mask is not None and self.group > 1:  # one block of rows per grouped head
+                mask = mask.repeat(self.group, 1)
             self._prefills.append(_Prefill(
-                qo[i], q_len, kv_len, _pages(indices[kv[i] : kv[i + 1]], self.device),
-                _causal_mask(q_len, kv_len, self.device)))
-        self._decode = self._plan_decode(decodes, qo, kv, kv_lens, indices, page)
+                qo[i], q_len, kv_len, _pages(indices[kv[i] : kv[i + 1]], self.device), mask))
+        self._decode, self._kernel_decode = None, None
+        if self.kernels is not None and decodes:
+            long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+            self._kernel_decode = _KernelDecode(
+                long([qo[i] for i in decodes]), long([kv[i] for i in decodes]),
+                long([kv_lens[i] for i in decodes]),
+                meta.kv_indices.to(torch.int32).contiguous())
+        else:
+            self._decode = self._plan_decode(decodes, qo, kv, kv_lens, indices, page)
 
     def _plan_decode(self, seqs: list[int], qo: list[int], kv: list[int], kv_lens: list[int],
                      indices: list[int], page: int) -> _Decode | None:
@@ -122,6 +153,8 @@ class TorchAttentionBackend:
     def forward(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
+        if self._kernel_decode is not None:
+            return self._forward_with_kernel(q, k_cache, v_cache)
         d = self._decode
         if d is not None and not self._prefills and d.rows is None:
             return self._run_decode(q, k_cache, v_cache)  # a pure decode step: no scatter
@@ -135,13 +168,43 @@ class TorchAttentionBackend:
                 out[d.rows] = self._run_decode(q[d.rows], k_cache, v_cache)
         return out
 
+    def _forward_with_kernel(self, q: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor) -> torch.Tensor:
+        kd = self._kernel_decode
+        assert kd is not None and self.kernels is not None
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        for p in self._prefills:
+            out[p.start : p.start + p.q_len] = self._run_prefill(p, q, k_cache, v_cache)
+        self.kernels.paged_decode(out, q, k_cache, v_cache, kd.rows, kd.page_start, kd.kv_lens,
+                                  kd.kv_indices, 1.0 / math.sqrt(self.head_dim))
+        return out
+
     def _run_prefill(self, p: _Prefill, q: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor) -> torch.Tensor:
-        qs = q[p.start : p.start + p.q_len].transpose(0, 1)[None]  # [1, H, q_len, D]
-        k = self._heads(p.pages.take(k_cache).flatten(0, 1)[: p.kv_len])  # [1, H, kv_len, D]
-        v = self._heads(p.pages.take(v_cache).flatten(0, 1)[: p.kv_len])
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=p.mask, is_causal=p.mask is None)
+        qs = q[p.start : p.start + p.q_len]  # [q_len, H, D]
+        k = p.pages.take(k_cache).flatten(0, 1)[: p.kv_len]  # [kv_len, Hkv, D]
+        v = p.pages.take(v_cache).flatten(0, 1)[: p.kv_len]
+        if p.mask is not None and self.group > 1:
+            return self._run_prefill_folded(p, qs, k, v)
+        o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], self._heads(k),
+                                           self._heads(v), attn_mask=p.mask,
+                                           is_causal=p.mask is None)
         return o[0].transpose(0, 1)  # [q_len, H, D]
+
+    def _run_prefill_folded(self, p: _Prefill, q: torch.Tensor, k: torch.Tensor,
+                            v: torch.Tensor) -> torch.Tensor:
+        """A prefill behind a cached prefix with grouped heads: the G query heads of a KV
+        head become G blocks of query rows ([1, Hkv, G * q_len, D], the mask repeated per
+        block), so K/V are read as they are instead of copied G times. (A prefill without
+        a prefix keeps `is_causal` and the copy: a mask would cost the kernel its
+        skipping of the blocks above the diagonal.)"""
+        q_len, hkv, g, dim = p.q_len, self.num_kv_heads, self.group, self.head_dim
+        qf = q.view(q_len, hkv, g, dim).permute(1, 2, 0, 3).reshape(1, hkv, g * q_len, dim)
+        assert p.mask is not None
+        o = F.scaled_dot_product_attention(qf, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           attn_mask=p.mask)
+        return o.view(hkv, g, q_len, dim).permute(2, 0, 1, 3).reshape(q_len, self.num_qo_heads,
+                                                                     dim)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         """[L, Hkv, D] -> [1, H, L, D]: each KV head repeated for its G query heads (a
