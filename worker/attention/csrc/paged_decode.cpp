@@ -10,13 +10,18 @@
 
 #include <torch/extension.h>
 
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
+
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -24,18 +29,82 @@ namespace {
 // work, large enough that the merge is noise.
 constexpr int64_t kSplit = 256;
 
-template <typename scalar_t>
+// One token's K (or V) row as float32: float rows are read where they are; 16-bit
+// rows are widened once into `buf` by a loop the compiler vectorizes (element-wise
+// c10 conversions do not vectorize, which left bf16 no faster than float32 and fp16
+// four times slower).
+inline const float* as_float(const float* row, float*, int64_t) { return row; }
+
+inline const float* as_float(const c10::BFloat16* row, float* buf, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t wide = static_cast<uint32_t>(bits[i]) << 16;  // bf16 is float's top half
+    std::memcpy(buf + i, &wide, sizeof(float));
+  }
+  return buf;
+}
+
+inline const float* as_float(const c10::Half* row, float* buf, int64_t n) {
+  int64_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i))));
+#endif
+  for (; i < n; ++i) buf[i] = static_cast<float>(row[i]);
+  return buf;
+}
+
+// exp(x) for x <= 0 in a form the compiler vectorizes (std::exp does not, and a
+// decode takes one per context token and query head): 2^(x log2 e) split into an
+// integer part (the exponent bits) and a fraction in [-0.5, 0.5] (a degree-6
+// polynomial, relative error 1e-7, float32's own rounding).
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.f) * 1.4426950408889634f;
+  const float n = std::nearbyint(t);
+  const float f = t - n;
+  float p = 1.5465312520617985e-4f;
+  p = p * f + 1.3395279800723324e-3f;
+  p = p * f + 9.6180399450030800e-3f;
+  p = p * f + 5.5503406807439634e-2f;
+  p = p * f + 2.4022651101321707e-1f;
+  p = p * f + 6.9314720006268040e-1f;
+  p = p * f + 1.f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(float));
+  return p * scale;
+}
+
+// Calls fn(i, row) for the tokens t0 + i in [t0, t1) of one sequence, `row` pointing at
+// that token's K (or V) row of every KV head: page by page, so no division per token.
+template <typename scalar_t, typename Fn>
+inline void for_each_row(const scalar_t* cache, const int32_t* pages, int64_t t0, int64_t t1,
+                         int64_t page_size, int64_t slot_stride, Fn fn) {
+  int64_t i = 0;
+  for (int64_t p = t0 / page_size; i < t1 - t0; ++p) {
+    const scalar_t* page = cache + pages[p] * page_size * slot_stride;
+    const int64_t first = (p == t0 / page_size) ? t0 % page_size : 0;
+    const int64_t last = std::min(page_size, first + (t1 - t0 - i));
+    for (int64_t slot = first; slot < last; ++slot, ++i) fn(i, page + slot * slot_stride);
+  }
+}
+
+// kD > 0: the head dim fixed at compile time (64 and 128 are the common ones), so the
+// per-head loops unroll; 0: any head dim, read from D.
+template <typename scalar_t, int64_t kD>
 void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
             const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* rows,
             const int64_t* page_start, const int64_t* kv_lens, const int32_t* kv_indices,
-            scalar_t* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t page_size,
+            scalar_t* out, int64_t B, int64_t H, int64_t Hkv, int64_t head_dim, int64_t page_size,
             float scale) {
+  const int64_t D = kD > 0 ? kD : head_dim;
   const int64_t G = H / Hkv;
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, kv_lens[b]);
   const int64_t S = (max_len + kSplit - 1) / kSplit;
   const int64_t slot_stride = Hkv * D;  // one token's K (or V) of every KV head: contiguous
-  const int64_t page_stride = page_size * slot_stride;
+  std::vector<int64_t> kv_offset(H);  // where query head h's KV head sits in a token row
+  for (int64_t h = 0; h < H; ++h) kv_offset[h] = (h / G) * D;  // (no division per token)
 
   // Per (sequence, split, query head): running max, sum of exp, and the weighted V.
   // A work item takes every head of a run of tokens, so it reads whole token rows
@@ -45,7 +114,7 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
   std::vector<float> part_acc(B * S * H * D, 0.f);
 
   at::parallel_for(0, B * S, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(H * D), scores(H * kSplit);
+    std::vector<float> qf(H * D), scores(H * kSplit), row(slot_stride);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / S, s = item % S;
       const int64_t t0 = s * kSplit, t1 = std::min(kv_lens[b], t0 + kSplit);
@@ -56,43 +125,42 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
         for (int64_t d = 0; d < D; ++d) qf[h * D + d] = static_cast<float>(qh[d]) * scale;
       }
       const int32_t* pages = kv_indices + page_start[b];
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t t = t0 + i;
-        const scalar_t* kt = k_cache + pages[t / page_size] * page_stride + (t % page_size) * slot_stride;
-        for (int64_t h = 0; h < H; ++h) {
+      for_each_row(k_cache, pages, t0, t1, page_size, slot_stride, [&](int64_t i, const scalar_t* r) {
+        const float* kt = as_float(r, row.data(), slot_stride);
+        for (int64_t h = 0; h < H; ++h) {  // query head h reads KV head h / G
           const float* qh = qf.data() + h * D;
-          const scalar_t* kp = kt + (h / G) * D;
+          const float* kp = kt + kv_offset[h];
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qh[d] * static_cast<float>(kp[d]);
+          for (int64_t d = 0; d < D; ++d) dot += qh[d] * kp[d];
           scores[h * kSplit + i] = dot;
         }
-      }
+      });
       const int64_t base = (b * S + s) * H;  // then + h
       for (int64_t h = 0; h < H; ++h) {
         float* sh = scores.data() + h * kSplit;
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t i = 0; i < n; ++i) m = std::max(m, sh[i]);
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < n; ++i) {
-          sh[i] = std::exp(sh[i] - m);
+          sh[i] = exp_nonpositive(sh[i] - m);
           sum += sh[i];
         }
         part_max[base + h] = m;
         part_sum[base + h] = sum;
       }
       float* acc = part_acc.data() + base * D;
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t t = t0 + i;
-        const scalar_t* vt = v_cache + pages[t / page_size] * page_stride + (t % page_size) * slot_stride;
+      for_each_row(v_cache, pages, t0, t1, page_size, slot_stride, [&](int64_t i, const scalar_t* r) {
+        const float* vt = as_float(r, row.data(), slot_stride);
         for (int64_t h = 0; h < H; ++h) {
           const float p = scores[h * kSplit + i];
-          const scalar_t* vp = vt + (h / G) * D;
+          const float* vp = vt + kv_offset[h];
           float* ah = acc + h * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ah[d] += p * static_cast<float>(vp[d]);
+          for (int64_t d = 0; d < D; ++d) ah[d] += p * vp[d];
         }
-      }
+      });
     }
   });
 
@@ -136,14 +204,21 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0, "head_dim or head counts do not match");
   const int64_t B = rows.numel();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1),
-                     k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                     rows.data_ptr<int64_t>(), page_start.data_ptr<int64_t>(),
-                     kv_lens.data_ptr<int64_t>(), kv_indices.data_ptr<int32_t>(),
-                     out.data_ptr<scalar_t>(), B, H, Hkv, D, k_cache.size(1),
-                     static_cast<float>(scale));
-  });
+  auto run = [&](auto zero) {
+    using scalar_t = decltype(zero);
+    auto kernel = D == 64 ? decode<scalar_t, 64> : D == 128 ? decode<scalar_t, 128>
+                                                            : decode<scalar_t, 0>;
+    kernel(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_cache.data_ptr<scalar_t>(),
+           v_cache.data_ptr<scalar_t>(), rows.data_ptr<int64_t>(), page_start.data_ptr<int64_t>(),
+           kv_lens.data_ptr<int64_t>(), kv_indices.data_ptr<int32_t>(), out.data_ptr<scalar_t>(),
+           B, H, Hkv, D, k_cache.size(1), static_cast<float>(scale));
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: run(0.f); break;
+    case at::kBFloat16: run(c10::BFloat16(0.f)); break;
+    case at::kHalf: run(c10::Half(0.f)); break;
+    default: TORCH_CHECK(false, "paged_decode takes float32, bfloat16 or float16, not ", q.scalar_type());
+  }
 }
 
 }  // namespace
