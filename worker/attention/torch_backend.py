@@ -9,8 +9,9 @@ either `is_causal` or a mask that broadcasts over the heads. So:
   head folded into the query rows ([B, Hkv, G, D]: one query per row needs no
   causal mask, only a [B, 1, 1, L] padding mask);
 - each prefill runs on its own: with no cached prefix `is_causal`, its K/V repeated
-  to the query heads; with one a [q_len, kv_len] bottom-right mask, the G query heads
-  of a KV head folded into the query rows as for decodes (no K/V copy).
+  to the query heads; behind one, two calls without a mask (over the prefix, then
+  causal over its own keys) merged by their log-sum-exps, the G query heads of a KV
+  head folded into the query rows as for decodes (no K/V copy).
 
 All the step's index tensors and masks are built once in `plan()`, not per layer.
 
@@ -53,9 +54,6 @@ class _Prefill:
     q_len: int
     kv_len: int
     pages: _Pages
-    # [q_len, kv_len] bool (True = attend), [G * q_len, kv_len] with grouped heads;
-    # None: is_causal
-    mask: torch.Tensor | None
 
 
 @dataclass
@@ -112,11 +110,8 @@ class TorchAttentionBackend:
             if q_len == 1:
                 decodes.append(i)
                 continue
-            mask = _causal_mask(q_len, kv_len, self.device)
-            if mask is not None and self.group > 1:  # one block of rows per grouped head
-                mask = mask.repeat(self.group, 1)
             self._prefills.append(_Prefill(
-                qo[i], q_len, kv_len, _pages(indices[kv[i] : kv[i + 1]], self.device), mask))
+                qo[i], q_len, kv_len, _pages(indices[kv[i] : kv[i + 1]], self.device)))
         self._decode, self._kernel_decode = None, None
         if self.kernels is not None and decodes:
             long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
@@ -184,25 +179,36 @@ class TorchAttentionBackend:
         qs = q[p.start : p.start + p.q_len]  # [q_len, H, D]
         k = p.pages.take(k_cache).flatten(0, 1)[: p.kv_len]  # [kv_len, Hkv, D]
         v = p.pages.take(v_cache).flatten(0, 1)[: p.kv_len]
-        if p.mask is not None and self.group > 1:
-            return self._run_prefill_folded(p, qs, k, v)
+        if p.q_len < p.kv_len:
+            return self._run_prefill_after_prefix(p, qs, k, v)
         o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], self._heads(k),
-                                           self._heads(v), attn_mask=p.mask,
-                                           is_causal=p.mask is None)
+                                           self._heads(v), is_causal=True)
         return o[0].transpose(0, 1)  # [q_len, H, D]
 
-    def _run_prefill_folded(self, p: _Prefill, q: torch.Tensor, k: torch.Tensor,
-                            v: torch.Tensor) -> torch.Tensor:
-        """A prefill behind a cached prefix with grouped heads: the G query heads of a KV
-        head become G blocks of query rows ([1, Hkv, G * q_len, D], the mask repeated per
-        block), so K/V are read as they are instead of copied G times. (A prefill without
-        a prefix keeps `is_causal` and the copy: a mask would cost the kernel its
-        skipping of the blocks above the diagonal.)"""
+    def _run_prefill_after_prefix(self, p: _Prefill, q: torch.Tensor, k: torch.Tensor,
+                                  v: torch.Tensor) -> torch.Tensor:
+        """A prefill behind a cached prefix, in two fused calls and no mask: the queries
+        over the prefix (every key visible) and over their own keys (`is_causal`, which
+        is then aligned right), merged by their log-sum-exps. A [q_len, kv_len] mask would
+        cost the kernel a pass over it per block and its skipping above the diagonal.
+
+        The G query heads of a KV head become G blocks of query rows ([1, Hkv, G * q_len,
+        D]), so K/V are read as they are instead of copied G times; for the causal part
+        the blocks are heads of a batch of Hkv, their KV head broadcast to them."""
         q_len, hkv, g, dim = p.q_len, self.num_kv_heads, self.group, self.head_dim
+        prefix = p.kv_len - q_len
         qf = q.view(q_len, hkv, g, dim).permute(1, 2, 0, 3).reshape(1, hkv, g * q_len, dim)
-        assert p.mask is not None
-        o = F.scaled_dot_product_attention(qf, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                           attn_mask=p.mask)
+        kt, vt = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, kv_len, D]
+        o_prefix, lse_prefix = _flash(qf, kt[None, :, :prefix], vt[None, :, :prefix])
+        own = (hkv, g, q_len, dim)
+        o_own, lse_own = _flash(qf.view(own), kt[:, None, prefix:].expand(own),
+                                vt[:, None, prefix:].expand(own), is_causal=True)
+        lse_own = lse_own.reshape(lse_prefix.shape)  # [1, Hkv, G * q_len]
+        lse = torch.maximum(lse_prefix, lse_own)
+        w_prefix = (lse_prefix - lse).exp()[..., None]
+        w_own = (lse_own - lse).exp()[..., None]
+        o = ((o_prefix.float() * w_prefix + o_own.reshape(o_prefix.shape).float() * w_own)
+             / (w_prefix + w_own)).to(q.dtype)
         return o.view(hkv, g, q_len, dim).permute(2, 0, 1, 3).reshape(q_len, self.num_qo_heads,
                                                                      dim)
 
@@ -233,15 +239,10 @@ class TorchAttentionBackend:
         return o.reshape(b, h, dim)
 
 
-def _causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
-    """Bottom-right causal mask: query row j sits at position kv_len - q_len + j.
-
-    SDPA's `is_causal` aligns top-left, which is only right when q_len == kv_len
-    (no cached prefix), so any other prefill gets an explicit mask, [q_len, kv_len],
-    broadcast over the heads by the fused kernel.
-    """
-    if q_len == kv_len:
-        return None
-    rows = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
-    # [q_len, kv_len] bool, True = attend
-    return torch.arange(kv_len, device=device)[None, :] <= rows
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's fused CPU kernel, which also returns the log-sum-exp of each query row's
+    scores ([B, H, L] float32) that `F.scaled_dot_product_attention` drops."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, is_causal)
+    return out, lse
