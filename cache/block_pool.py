@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from cache.retention import RetentionPolicy
 from cache.tier import Tier
 
 
 class DevicePool(Tier):
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, retention: RetentionPolicy | None = None) -> None:
         assert num_blocks > 0
-        super().__init__(num_blocks)  # the LRU holds exactly the cached blocks
+        super().__init__(num_blocks, retention)  # the LRU holds exactly the cached blocks
         self.num_blocks = num_blocks
         self.refcount = np.zeros(num_blocks, dtype=np.int32)
         self.num_refs = 0  # refcount.sum(), kept as it changes: checked every step
@@ -58,7 +59,8 @@ class DevicePool(Tier):
     def unref(self, blocks: np.ndarray) -> None:
         """Drop one reference to each block; ``blocks[0]`` is the first to be evicted.
 
-        Blocks reaching refcount 0 go to the LRU if registered, else to the free list."""
+        Blocks reaching refcount 0 go to the LRU if registered (a use: their retention,
+        if marked, runs from now), else to the free list."""
         if len(blocks) == 0:
             return
         assert (self.refcount[blocks] > 0).all(), "block released with refcount 0"
@@ -66,7 +68,9 @@ class DevicePool(Tier):
         self.num_refs -= len(blocks)
         zero = blocks[self.refcount[blocks] == 0]
         registered = self.index.is_registered(zero)
+        self.lru.touch(zero[registered])
         self.lru.push(zero[registered])
+        self.lru.clear(zero[~registered])
         self.free.push(zero[~registered])
 
     def take(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

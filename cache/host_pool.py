@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from cache.retention import RetentionPolicy
 from cache.tier import Tier
 
 
 class HostPool(Tier):
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, retention: RetentionPolicy | None = None) -> None:
         assert num_slots >= 0
-        super().__init__(num_slots)  # the LRU holds exactly the registered slots
+        super().__init__(num_slots, retention)  # the LRU holds exactly the registered slots
         self.num_slots = num_slots
         self.pinned = np.zeros(num_slots, dtype=bool)
         self.num_pinned = 0
@@ -55,11 +56,14 @@ class HostPool(Tier):
 
     def take(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Up to ``k`` slots to write: free ones, then the least recently used unpinned
-        ones, whose hashes leave the index. Fewer when the rest are pinned.
+        ones, whose hashes leave the index. Fewer when the rest are pinned or retained: a
+        copy to the host is optional, so it never costs a retained slot its TTL.
 
         Returns (slots, evicted)."""
         got = self.free.pop(k)
-        evicted = self.lru.pop(k - len(got), skip=self.pinned if self.num_pinned else None)
+        evicted = self.lru.pop(k - len(got), skip=self.pinned if self.num_pinned else None,
+                               retained=False)
+        self.lru.clear(evicted)
         self.index.remove(evicted)
         return np.concatenate([got, evicted]), evicted
 

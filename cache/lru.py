@@ -29,6 +29,7 @@ class LruQueue:
         self.present = self._present[:num_items]  # view: is each item in the order?
         self._stamp = np.zeros(num_items + 1, dtype=np.int64)  # push order
         self._clock = 0
+        self._front_clock = 0  # push_front's stamps count down from here: list order holds
         self.count = 0
 
     def nbytes(self) -> int:
@@ -55,6 +56,31 @@ class LruQueue:
         self._stamp[ids] = np.arange(self._clock, self._clock + len(ids))
         self._clock += len(ids)
         self.count += len(ids)
+
+    def push_front(self, ids: np.ndarray) -> None:
+        """Make ``ids`` the least recently used, ``ids[0]`` the oldest of all. ``ids`` must
+        be distinct."""
+        ids = np.asarray(ids, dtype=np.int32)
+        if len(ids) == 0:
+            return
+        self.remove(ids)
+        s = self.num_items
+        head = self._next[s]
+        self._next[ids[:-1]] = ids[1:]
+        self._prev[ids[1:]] = ids[:-1]
+        self._prev[head] = ids[-1]
+        self._next[ids[-1]] = head
+        self._next[s] = ids[0]
+        self._prev[ids[0]] = s
+        self._present[ids] = True
+        self._stamp[ids] = np.arange(self._front_clock - len(ids), self._front_clock)
+        self._front_clock -= len(ids)
+        self.count += len(ids)
+
+    def head(self) -> int:
+        """The least recently used id, or -1 when empty."""
+        x = int(self._next[self.num_items])
+        return -1 if x == self.num_items else x
 
     def remove(self, ids: np.ndarray) -> None:
         """Take ``ids`` out of the order (ids not present are ignored)."""

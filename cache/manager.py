@@ -23,8 +23,9 @@ attention of that layer reads it). Everything below relies on that order:
 
 from __future__ import annotations
 
+import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +34,7 @@ from cache import checks
 from cache.block_pool import DevicePool
 from cache.hashing import BlockHashChain
 from cache.host_pool import HostPool
+from cache.retention import RetentionPolicy
 from cache.stats import CacheStats
 
 WRITE_POLICIES = ("write_back", "write_through")
@@ -49,12 +51,16 @@ class CacheConfig:
     num_host_blocks: int = 0  # 0 disables the host tier
     write_policy: str = "write_back"  # host copy on device eviction, or on commit
     enable_prefix_caching: bool = True
+    # Of each tier, what blocks marked for retention (`retain`) may hold before the
+    # least valuable of them are ordinary LRU blocks (cache/retention.py).
+    max_retained_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         assert self.block_size > 0, self.block_size
         assert self.num_device_blocks > 0, self.num_device_blocks
         assert self.num_host_blocks >= 0, self.num_host_blocks
         assert self.write_policy in WRITE_POLICIES, self.write_policy
+        assert 0.0 <= self.max_retained_fraction <= 1.0, self.max_retained_fraction
 
     @property
     def host_enabled(self) -> bool:
@@ -101,6 +107,7 @@ class _Seq:
     hit: PrefixHit
     num_registered: int  # leading blocks already through `commit` (hits included)
     last_commit_step: int = -1
+    retain: tuple[tuple[int, float], ...] = ()  # (prompt tokens, TTL s): marked at free
 
 
 def _as_array(blocks: array) -> np.ndarray:
@@ -116,11 +123,13 @@ class _Match:
 
 
 class KVCacheManager:
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.block_size = config.block_size
-        self.device = DevicePool(config.num_device_blocks)
-        self.host = HostPool(config.num_host_blocks if config.host_enabled else 0)
+        retention = RetentionPolicy(config.max_retained_fraction, clock)
+        self.device = DevicePool(config.num_device_blocks, retention)
+        self.host = HostPool(config.num_host_blocks if config.host_enabled else 0, retention)
         self.stats = CacheStats()
         self._seqs: dict[int, _Seq] = {}
         self._ops = CacheOps()
@@ -218,6 +227,13 @@ class KVCacheManager:
         if self.config.write_policy == "write_through" and self.config.host_enabled:
             self._write_through_next.append((blocks, lo, hi))
 
+    def retain(self, seq_id: int, spans: Sequence[tuple[int, float]]) -> None:
+        """Ask for the full blocks of each span's first ``num_tokens`` tokens to stay
+        cached, in either tier, ``ttl_s`` after their last use, before any unmarked block
+        is kept (a client's `cache_control`; cache/retention.py). Applied when the
+        sequence is freed, and refreshed by every later use of the blocks."""
+        self._seqs[seq_id].retain = tuple((int(n), float(ttl)) for n, ttl in spans)
+
     def free(self, seq_id: int, step: int) -> None:
         """Close ``seq_id`` in the scheduler's step ``step``: release its blocks *to the
         cache* (full registered blocks stay hittable in the LRU; the rest return to the
@@ -229,9 +245,13 @@ class KVCacheManager:
             f"seq {seq_id} closed in step {step}, the step that runs it; "
             "close it with the next step's plan")
         del self._seqs[seq_id]
+        blocks = _as_array(seq.blocks)
+        for num_tokens, ttl_s in seq.retain:
+            self.device.lru.mark(blocks[: min(num_tokens // self.block_size,
+                                              seq.num_registered)], ttl_s)
         # Tail first: the LRU then evicts a chain's tail before its head, so shared
         # prefixes (system prompt, earlier turns) stay cached longest.
-        self.device.unref(_as_array(seq.blocks)[::-1])
+        self.device.unref(blocks[::-1])
 
     def take_ops(self) -> CacheOps:
         """Drain this step's ops (call exactly once per step, even when empty)."""
@@ -268,13 +288,17 @@ class KVCacheManager:
         """Per tier, in blocks: used + cached + free == capacity.
 
         device: used = referenced by a sequence; cached = unreferenced but hashed.
-        host: used = pinned by this step's ops; cached = holding a hash; free."""
+        host: used = pinned by this step's ops; cached = holding a hash; free.
+        retained: of the cached (and, on the host, pinned) ones, those kept for a client's
+        retention hint (`retain`), evicted only after every other cached one."""
         d, h = self.device, self.host
         return {
             "device": {"capacity": d.num_blocks, "used": d.num_used,
-                       "cached": d.num_cached, "free": d.num_free},
+                       "cached": d.num_cached, "free": d.num_free,
+                       "retained": d.lru.num_retained},
             "host": {"capacity": h.num_slots, "used": h.num_pinned,
-                     "cached": h.num_cached, "free": h.num_free},
+                     "cached": h.num_cached, "free": h.num_free,
+                     "retained": h.lru.num_retained},
         }
 
     def check_accounting(self, live_seq_ids: set[int]) -> None:
@@ -358,6 +382,7 @@ class KVCacheManager:
         # Order matters: take the hits (and pin the host sources) before evicting for
         # fresh blocks, so the eviction cannot reclaim the prefix being hit.
         self.device.ref(dev_hits)
+        self.host.lru.touch(host_hits)  # a use: a retained slot's TTL runs from now
         self.host.pin(host_hits[::-1])  # touched tail first: the chain's head stays longest
         fresh = self._take_fresh(n_fresh)
         loaded = fresh[:len(host_hits)]
@@ -368,6 +393,7 @@ class KVCacheManager:
         if len(loaded):
             lo, hi = chain.keys(0, n_hit)
             self.device.register(loaded, lo[on_host], hi[on_host])
+            self.device.lru.copy_retention(loaded, self.host.lru, host_hits)
             self.device.mark_busy(loaded)
             self._ops.swap_in.extend(zip(host_hits.tolist(), loaded.tolist()))
             self.stats.num_swap_in_blocks += len(loaded)
@@ -386,9 +412,11 @@ class KVCacheManager:
         # safe only because workers apply its swap_out (queued below) before both.
         blocks, evicted, lo, hi = self.device.take(k)
         self.stats.num_device_evictions += len(evicted)
+        self.stats.num_device_retained_evictions = self.device.lru.early_evictions
         if (len(evicted) and self.config.write_policy == "write_back"
                 and self.config.host_enabled):
-            self._copy_to_host(evicted, lo, hi)
+            self._copy_to_host(evicted, lo, hi)  # with their retention, if any
+        self.device.lru.clear(evicted)
         return blocks
 
     def _copy_to_host(self, blocks: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
@@ -402,8 +430,10 @@ class KVCacheManager:
         blocks, lo, hi = blocks[miss], lo[miss], hi[miss]
         slots, evicted = self.host.take(len(blocks))
         self.stats.num_host_evictions += len(evicted)
+        self.stats.num_host_retained_evictions = self.host.lru.early_evictions
         n = len(slots)
         blocks, lo, hi = blocks[len(blocks) - n:], lo[len(lo) - n:], hi[len(hi) - n:]
+        self.host.lru.copy_retention(slots, self.device.lru, blocks)
         self.host.register(slots, lo, hi)
         self._ops.swap_out.extend(zip(blocks.tolist(), slots.tolist()))
         self.stats.num_swap_out_blocks += n

@@ -16,6 +16,10 @@ class CacheStats:
     num_host_evictions: int = 0  # host slots reused (their hash dropped)
     num_swap_in_blocks: int = 0
     num_swap_out_blocks: int = 0
+    # Retained blocks (a client's retention hint) evicted before their TTL: 0 while the
+    # retained ones fit under --max-retained-fraction of the tier.
+    num_device_retained_evictions: int = 0
+    num_host_retained_evictions: int = 0
 
     @property
     def hit_rate(self) -> float:

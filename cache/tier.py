@@ -8,13 +8,13 @@ import numpy as np
 
 from cache.free_list import FreeList
 from cache.hash_index import HashIndex
-from cache.lru import LruQueue
+from cache.retention import RetainingLru, RetentionPolicy
 
 
 class Tier:
-    def __init__(self, num_items: int) -> None:
+    def __init__(self, num_items: int, retention: RetentionPolicy | None = None) -> None:
         self.index = HashIndex(num_items)
-        self.lru = LruQueue(num_items)
+        self.lru = RetainingLru(num_items, retention)  # eviction order (cache/retention.py)
         self.free = FreeList(num_items)
 
     def held(self) -> np.ndarray:
@@ -35,6 +35,7 @@ class Tier:
         ids = np.flatnonzero(self.lru.present).astype(np.int32)
         ids = ids[~self.held()[ids]]
         self.lru.remove(ids)
+        self.lru.clear(ids)
         self.index.remove(ids)
         self.free.push(ids)
         return len(ids)

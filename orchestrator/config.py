@@ -75,6 +75,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "a profiling pass (overrides --kv-cache-memory)")
     p.add_argument("--host-cache-memory", type=int, default=d.host_cache_memory,
                    help="bytes per rank for the host KV tier (0 disables it)")
+    p.add_argument("--max-retained-fraction", type=float, default=d.max_retained_fraction,
+                   help="of each KV tier, what prefixes a client marked for retention "
+                        "(cache_control) may hold before the rest of them are plain LRU")
     p.add_argument("--kv-write-policy", default=d.kv_write_policy,
                    choices=["write_back", "write_through"],
                    help="when device blocks are copied to the host tier: on eviction "
@@ -125,6 +128,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
         host_cache_memory=args.host_cache_memory,
         kv_write_policy=args.kv_write_policy,
         enable_prefix_caching=not args.no_prefix_caching,
+        max_retained_fraction=args.max_retained_fraction,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

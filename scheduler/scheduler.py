@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Callable
 
 from cache.hashing import make_extra_key
 from cache.manager import CacheConfig, KVCacheManager
@@ -25,6 +26,7 @@ from wire.lifecycle import EngineLimits
 from wire.step import AppendBlocks, NewSequence, ScheduledChunk, StepPlan
 
 GRAMMAR_WAIT_S = 0.05  # an idle step waits this long for the queue head's grammar
+MAX_RETENTION_S = 24 * 3600.0  # a retention hint's longest TTL (Anthropic offers 1 h)
 
 
 class RequestRejected(ValueError):
@@ -34,7 +36,8 @@ class RequestRejected(ValueError):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, limits: EngineLimits) -> None:
+    def __init__(self, config: EngineConfig, limits: EngineLimits,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.limits = limits
         self.block_size = config.block_size
@@ -44,7 +47,8 @@ class Scheduler:
             num_host_blocks=limits.num_host_blocks,
             write_policy=config.kv_write_policy,
             enable_prefix_caching=config.enable_prefix_caching,
-        ))
+            max_retained_fraction=config.max_retained_fraction,
+        ), clock)
         self.queue = RequestQueue(config.max_queued_requests, config.max_queued_tokens)
         self.running: list[Sequence] = []
         self.step = 0
@@ -107,6 +111,11 @@ class Scheduler:
         if span is not None and span.budget is not None and not (
                 isinstance(span.budget, int) and span.budget >= 0):
             raise RequestRejected("the thinking budget must be an integer >= 0")
+        for r in req.retention:
+            if not (isinstance(r.num_tokens, int) and r.num_tokens >= 0
+                    and 0 < r.ttl_s <= MAX_RETENTION_S):
+                raise RequestRejected(f"a retention hint needs num_tokens >= 0 and a TTL in "
+                                      f"(0, {MAX_RETENTION_S:g}] s")
         if -(-n // self.block_size) > self.limits.num_device_blocks:
             # worded as for the context length: agents (Claude Code) compact on it
             raise RequestRejected(
@@ -326,6 +335,9 @@ class Scheduler:
             seq.num_host_cached = took.num_host_tokens
         seq.block_ids = blocks
         seq.status = SeqStatus.RUNNING
+        if seq.request.retention:  # again after a preemption: the blocks are new
+            self.cache.retain(seq.seq_id, [(r.num_tokens, r.ttl_s)
+                                           for r in seq.request.retention])
         return True
 
     def _grow(self, seq: Sequence, num_new: int) -> bool:

@@ -46,6 +46,15 @@ class ThinkingSpan:
 
 
 @dataclass
+class Retention:
+    """Keep the full blocks of the prompt's first ``num_tokens`` tokens cached ``ttl_s``
+    after their last use, before any unmarked block (Anthropic's `cache_control`)."""
+
+    num_tokens: int
+    ttl_s: float
+
+
+@dataclass
 class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
@@ -59,6 +68,7 @@ class GenerateRequest:
     timeout_s: float | None = None  # deadline from arrival; past it: error "timeout"
     grammar: str | None = None  # llguidance grammar the output follows (scheduler/guided.py)
     thinking: ThinkingSpan | None = None  # counted, and capped if it has a budget
+    retention: list[Retention] = field(default_factory=list)  # cache/retention.py
 
 
 @dataclass

@@ -26,6 +26,7 @@ class EngineConfig:
     host_cache_memory: int = 0  # bytes per rank for the host tier; 0 disables it
     kv_write_policy: str = "write_back"  # host copy on device eviction, or "write_through"
     enable_prefix_caching: bool = True
+    max_retained_fraction: float = 0.5  # of each tier, for retention hints (cache_control)
     max_model_len: int = 0  # 0: take the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -48,6 +49,8 @@ class EngineConfig:
             raise ValueError(f"unknown device {self.device!r}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")
+        if not 0.0 <= self.max_retained_fraction <= 1.0:
+            raise ValueError("max_retained_fraction must be between 0 and 1")
         if self.kv_write_policy not in ("write_back", "write_through"):
             raise ValueError(f"unknown KV write policy {self.kv_write_policy!r}")
         if self.world_size < 1:
