@@ -20,6 +20,7 @@ from typing import Any
 from orchestrator.shim.chat import ChatRequest, ToolChoice, session_key, tool_choice
 from orchestrator.shim.chat_template import Message, join_text, strip_billing_header
 from orchestrator.shim.generation import Delivery
+from orchestrator.shim.retention import marks as retention_marks
 from orchestrator.shim.structured_output import json_grammar
 from orchestrator.shim.validate import describe, invalid, is_int64, is_positive_int64, number
 from wire.client import SamplingParams
@@ -254,7 +255,11 @@ def parse_messages_request(body: dict[str, Any], headers: Any, *,
         if not is_positive_int64(max_tokens):
             raise invalid(f"max_tokens: must be a positive integer, got {describe(max_tokens)}",
                        "max_tokens")
-    messages = system_messages(body.get("system")) + convert_messages(body.get("messages"))
+    system = system_messages(body.get("system"))
+    messages = system + convert_messages(body.get("messages"))
+    # cache_control: how much of the prompt to keep cached (never part of the prompt)
+    marks = retention_marks(body, body["messages"], len(system),
+                            lambda upto: len(convert_messages(upto)))
     tools = convert_tools(body.get("tools"))
     choice = _tool_choice(body.get("tool_choice"), tools)
     enable_thinking, thinking_budget = _thinking(body.get("thinking"))
@@ -290,6 +295,7 @@ def parse_messages_request(body: dict[str, Any], headers: Any, *,
         grammar=None if count_only else _output_grammar(body),
         enable_thinking=enable_thinking,
         thinking_budget=thinking_budget,
+        retention_marks=marks,
     )
 
 

@@ -29,10 +29,11 @@ from orchestrator.shim.errors import ApiError
 from orchestrator.shim.generation import Delivery, Generation
 from orchestrator.shim.pipeline import Parse
 from orchestrator.shim.reasoning import Answer, Reasoning, make_splitter, opens_in
+from orchestrator.shim.retention import RetentionMark, retention
 from orchestrator.shim.state import TOKENIZE_IN_THREAD_CHARS, ServerState, tokenize
 from orchestrator.shim.structured_output import after_reasoning, tool_call_grammar
 from orchestrator.shim.tool_parsers import TextEvent, ToolCall, ToolParser, make_tool_parser
-from wire.client import GenerateRequest, SamplingParams, ThinkingSpan
+from wire.client import GenerateRequest, Retention, SamplingParams, ThinkingSpan
 
 NO_HINTS = SchedulingHints()
 ChatEvent = TextEvent | ToolCall | Reasoning  # what a chat answer is made of, in order
@@ -79,6 +80,7 @@ class ChatRequest:
     grammar: str | None = None  # the answer's format (response_format, output_format)
     enable_thinking: bool | None = None  # to the chat template; None: its default
     thinking_budget: int | None = None  # reasoning tokens before the span is ended
+    retention_marks: list[RetentionMark] = field(default_factory=list)  # cache_control
 
 
 def session_key(explicit: str | None, model: str, messages: list[Message],
@@ -100,6 +102,7 @@ class ChatPrompt:
     token_ids: list[int]
     forced: str = ""  # the start of a tool call that tool_choice requires
     grammar: str | None = None  # what the answer must follow (structured_output.py)
+    retention: list[Retention] = field(default_factory=list)  # from the cache_control marks
 
 
 @dataclass
@@ -143,6 +146,28 @@ async def prompt_token_ids(state: ServerState, session: str, text: str,
     ids = base + await tokenize(state.tokenizer, rest, add_special_tokens=False)
     state.tracker.check(session, ids, request_id=request_id)
     return ids
+
+
+async def _retention(state: ServerState, req: ChatRequest, text: str,
+                     ids: list[int]) -> list[Retention]:
+    """The request's cache_control marks in prompt tokens (orchestrator/shim/retention.py);
+    a mark before the last message renders the conversation up to it once more."""
+    if not req.retention_marks:
+        return []
+    template = state.chat_template
+    assert template is not None  # render_prompt has refused a template-less model
+
+    def upto(num_messages: int) -> str:
+        return template.render(req.messages[:num_messages], req.tools,
+                               add_generation_prompt=False, enable_thinking=req.enable_thinking)
+
+    def compute() -> list[Retention]:
+        return retention(req.retention_marks, len(req.messages), ids, text, upto,
+                         state.tokenizer)
+
+    if len(text) > TOKENIZE_IN_THREAD_CHARS:
+        return await asyncio.to_thread(compute)
+    return compute()
 
 
 def thinking_budget(requested: int | None, server_cap: int) -> int | None:
@@ -210,6 +235,7 @@ class ChatRun:
             timeout_s=hints.timeout_s,
             grammar=grammar,
             thinking=thinking,
+            retention=prompt.retention,
         )
         self.gen = Generation(state.engine, state.tokenizer, request, req.delivery, api=api)
         parse_calls = req.tools and req.tool_choice.mode != "none" and not formatted
@@ -287,5 +313,6 @@ async def prepare_chat(state: ServerState, req: ChatRequest, request_id: str, *,
     forced = forced_call(state, req)
     text = await render_prompt(state, req) + forced.opening
     ids = await prompt_token_ids(state, req.session, text, request_id)
-    prompt = ChatPrompt(text, ids, forced.opening, forced.grammar or req.grammar)
+    prompt = ChatPrompt(text, ids, forced.opening, forced.grammar or req.grammar,
+                        await _retention(state, req, text, ids))
     return ChatRun(state, req, prompt, request_id, api=api, hints=hints)

@@ -15,6 +15,8 @@ from orchestrator.shim.chat_template import Message, join_text
 from orchestrator.shim.errors import ApiError
 from orchestrator.shim.generation import Delivery
 from orchestrator.shim.json_body import loads
+from orchestrator.shim.retention import marks as retention_marks
+from orchestrator.shim.retention import ttl_of
 from orchestrator.shim.state import ServerState, tokenize
 from orchestrator.shim.structured_output import json_grammar
 from orchestrator.shim.validate import (
@@ -25,7 +27,7 @@ from orchestrator.shim.validate import (
     is_positive_int64,
     number,
 )
-from wire.client import GenerateRequest, SamplingParams
+from wire.client import GenerateRequest, Retention, SamplingParams
 
 T = TypeVar("T")
 
@@ -208,6 +210,8 @@ def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
         raise invalid("'stream_options' must be an object", "stream_options")
     messages = convert_messages(body.get("messages"))
     tools = convert_tools(body.get("tools"))
+    # cache_control on messages or their parts (OpenRouter's form), or top-level
+    marks = retention_marks(body, body["messages"], 0, lambda upto: len(upto))
     user = body.get("user") if isinstance(body.get("user"), str) else None
     explicit = headers.get("x-session-id") or headers.get("x-claude-code-session-id") or user
     return ChatRequest(
@@ -224,6 +228,7 @@ def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
         grammar=response_format_grammar(body),
         enable_thinking=_enable_thinking(body),
         thinking_budget=_thinking_budget(body),
+        retention_marks=marks,
     )
 
 
@@ -367,6 +372,9 @@ def parse_completion(
         stop_token_ids=stop_token_ids or [],
         ignore_eos=_opt(body, "ignore_eos", bool, False),
         cache_salt=_opt(body, "cache_salt", str, None),  # type: ignore[arg-type]
+        # a top-level cache_control keeps the whole prompt (orchestrator/shim/retention.py)
+        retention=[Retention(len(prompt_token_ids), ttl) for ttl in
+                   [ttl_of(body.get("cache_control"), "body")] if ttl is not None],
     )
     delivery = Delivery(
         stop=stop,
