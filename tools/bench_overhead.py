@@ -1,7 +1,7 @@
 """Engine overhead: what the engine costs per step by itself, with the null model.
 
     python -m tools.bench_overhead --model models/tiny-llama [--world-sizes 1,2,4]
-        [--batches 1,16,64,256] [--modes decode,mixed] [--steps 100] [--json OUT]
+        [--batches 1,16,64,256] [--modes decode,mixed] [--steps 200] [--json OUT]
         [--idle-forward-ms 5] [--idle-batch 64] [--idle-world-sizes 1,4]
 
 The ranks run the null model (worker/null_model.py): no weights, a forward that sleeps a
@@ -22,7 +22,7 @@ window, and the table shows them per step.
 
 Each step is split (ms per step, scheduler/engine.py StepTotals.breakdown) into planning,
 the scheduler's digest prediction, plan encoding, the ranks' decode, apply (cache ops,
-table deltas, batch inputs) and digest, transport (sockets both ways, the ranks' result
+table deltas), digest and batch inputs, transport (sockets both ways, the ranks' result
 encoding, wake-ups), waiting for the slowest rank, result handling (decode, tokens,
 outputs), checks (digests compared, cache accounting) and the rest. Engine time is the
 step less the forward. The ranks' idle time between forwards is measured on the ranks
@@ -260,7 +260,8 @@ def print_table(rows: list[dict], console: Console) -> None:
     table = Table(title="Engine overhead, null model: ms per step (rank parts: mean over "
                         "the ranks)")
     cols = ("ws", "fwd ms", "batch", "mode", "steps/s", "step", "engine", "plan", "digest",
-            "encode", "rank decode", "rank apply", "rank digest", "transport", "waiting",
+            "encode", "rank decode", "rank apply", "rank digest", "rank inputs", "transport",
+            "waiting",
             "results", "checks", "other", "rank idle", "idle %", "swap in/out", "hit dev/host")
     for col in cols:
         table.add_column(col, justify="right")
@@ -273,6 +274,7 @@ def print_table(rows: list[dict], console: Console) -> None:
             f"{r['steps_per_s']:,.0f}", f"{b['step']:.3f}", f"{b['engine']:.3f}",
             f"{b['plan']:.3f}", f"{b['digest']:.3f}", f"{b['encode']:.3f}",
             f"{b['rank_decode']:.3f}", f"{b['rank_apply']:.3f}", f"{b['rank_digest']:.3f}",
+            f"{b['rank_prepare']:.3f}",
             f"{b['transport']:.3f}", f"{b['waiting']:.3f}",
             f"{b['result_decode'] + b['results']:.3f}", f"{b['check']:.3f}",
             f"{b['other']:.3f}", f"{b['idle']:.3f}", f"{100 * r['idle_share']:.1f}%",
@@ -314,7 +316,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default="decode,mixed")
     p.add_argument("--forward-ms", type=float, default=0.0,
                    help="the null model's forward time in the main cells")
-    p.add_argument("--steps", type=int, default=100, help="measured steps per cell")
+    p.add_argument("--steps", type=int, default=200, help="measured steps per cell")
     p.add_argument("--warmup-steps", type=int, default=5)
     p.add_argument("--output-tokens", type=int, default=16,
                    help="mixed cells: each request's length (batch / this replaced a step)")

@@ -12,7 +12,8 @@ from tools.bench_overhead import main
 
 pytestmark = pytest.mark.slow
 
-PARTS = ("plan", "digest", "encode", "rank_decode", "rank_apply", "rank_digest", "forward",
+PARTS = ("plan", "digest", "encode", "rank_decode", "rank_apply", "rank_digest",
+         "rank_prepare", "forward",
          "transport", "waiting", "result_decode", "results", "check", "other")
 
 
