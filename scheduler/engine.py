@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from cache.manager import CacheAccountingError
-from scheduler.executor import Executor
+from scheduler.executor import ExchangeTiming, Executor
 from scheduler.scheduler import Scheduler
 from scheduler.telemetry import StepRecord, Telemetry, summarize
 from wire.client import EngineStats
 from wire.lifecycle import EngineLimits, WorkerReady
-from wire.step import StepResult
+from wire.step import RankTiming, StepResult
+
+_RANK_FIELDS = tuple(f.name for f in fields(RankTiming))
 
 
 class RankDivergenceError(RuntimeError):
@@ -35,7 +37,7 @@ def check_cache(scheduler: Scheduler, step: int) -> None:
 @dataclass
 class StepTotals:
     """Sums over every step since start (or since a benchmark reset them): /metrics' step
-    time and token counters, and the engine benchmark's per-step figures."""
+    time and token counters, and the engine benchmarks' per-step figures (`breakdown`)."""
 
     schedule_s: float = 0.0
     execute_s: float = 0.0
@@ -43,6 +45,12 @@ class StepTotals:
     update_s: float = 0.0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_steps: int = 0
+    step_s: float = 0.0
+    digest_s: float = 0.0
+    check_s: float = 0.0
+    exchange: ExchangeTiming = field(default_factory=ExchangeTiming)  # sums; round trip per rank
+    ranks: list[RankTiming] = field(default_factory=list)  # sums, per rank
 
     def add(self, record: StepRecord) -> None:
         self.schedule_s += record.schedule_s
@@ -51,6 +59,75 @@ class StepTotals:
         self.update_s += record.update_s
         self.num_prefill_tokens += record.summary.num_prefill_tokens
         self.num_decode_tokens += record.summary.num_decode_tokens
+        self.num_steps += 1
+        self.step_s += record.step_s
+        self.digest_s += record.digest_s
+        self.check_s += record.check_s
+        ex, tot = record.exchange, self.exchange
+        if ex is not None:
+            tot.encode_s += ex.encode_s
+            tot.send_s += ex.send_s
+            tot.decode_s += ex.decode_s
+            tot.wait_s += ex.wait_s
+            if not tot.round_trip_s:
+                tot.round_trip_s = [0.0] * len(ex.round_trip_s)
+            for r, s in enumerate(ex.round_trip_s):
+                tot.round_trip_s[r] += s
+        if not self.ranks:
+            self.ranks = [RankTiming() for _ in record.ranks]
+        for total, part in zip(self.ranks, record.ranks):
+            for name in _RANK_FIELDS:
+                setattr(total, name, getattr(total, name) + getattr(part, name))
+
+    def breakdown(self) -> dict[str, float]:
+        """Milliseconds per step, along the scheduler's path through a step; the parts from
+        `plan` to `other` sum to `step`. A rank's parts are the mean over the ranks. Over
+        ZeroMQ a rank's round trip (from handing its plan to ZeroMQ to its result in) is
+        its own work (decode, apply, digest, prepare, forward) plus `transport`: the sockets
+        both ways, the rank's result encoding, process wake-ups. `waiting` is what the
+        scheduler waits beyond the mean rank's round trip: for the slowest rank (and, with
+        several ranks, for the sends to the others). `idle` is the ranks' time
+        between forwards (RankTiming.gap_s), `idle_share` its share of gap + forward."""
+        ms = 1000 / max(1, self.num_steps)
+        ranks = self.ranks or [RankTiming()]
+
+        def mean(name: str) -> float:
+            return sum(getattr(r, name) for r in ranks) / len(ranks)
+
+        work = {name: mean(name) for name in ("decode_s", "apply_s", "digest_s", "prepare_s",
+                                              "forward_s")}
+        handle = sum(work.values())
+        ex = self.exchange
+        if ex.round_trip_s:  # over sockets
+            round_trip = sum(ex.round_trip_s) / len(ex.round_trip_s)
+            transport = round_trip - handle
+            waiting = ex.wait_s - ex.decode_s - round_trip
+            exchange_s = ex.encode_s + ex.wait_s
+        else:  # in process: the executor call is the rank's work
+            transport, waiting, exchange_s = 0.0, self.execute_s - handle, self.execute_s
+        gap, forward = mean("gap_s"), work["forward_s"]
+        parts = {
+            "plan": self.schedule_s - self.digest_s,
+            "digest": self.digest_s,
+            "encode": ex.encode_s,
+            "rank_decode": work["decode_s"],
+            "rank_apply": work["apply_s"],
+            "rank_digest": work["digest_s"],
+            "rank_prepare": work["prepare_s"],
+            "forward": forward,
+            "transport": transport,
+            "waiting": waiting,
+            "result_decode": ex.decode_s,
+            "results": self.update_s - self.check_s,
+            "check": self.check_s,
+            # the executor call's own remainder, the step's record and telemetry
+            "other": self.step_s - self.schedule_s - self.update_s - exchange_s,
+        }
+        out = {k: v * ms for k, v in parts.items()}
+        out.update(step=self.step_s * ms, engine=(self.step_s - forward) * ms,
+                   rank_wait=mean("wait_s") * ms, idle=gap * ms,
+                   idle_share=gap / (gap + forward) if gap + forward else 0.0)
+        return out
 
 
 def agree_limits(ready: list[WorkerReady]) -> EngineLimits:
@@ -87,20 +164,29 @@ class EngineCore:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         schedule_s = time.perf_counter() - t0
-        record = StepRecord(summarize(plan), schedule_s=schedule_s)
+        record = StepRecord(summarize(plan), schedule_s=schedule_s,
+                            digest_s=self.scheduler.digest_s)
         if self.telemetry is not None:
             self.telemetry.step_started(record)
         t1 = time.perf_counter()
         results = self.executor.step(plan)
         t2 = time.perf_counter()
         check_digests(plan.step, self.scheduler.digest.value, results)
+        t3 = time.perf_counter()
         record.outputs = self.scheduler.update(plan, results[0].sampled)
+        t4 = time.perf_counter()
         check_cache(self.scheduler, plan.step)
-        record.execute_s, record.update_s = t2 - t1, time.perf_counter() - t2
-        record.forward_s = results[0].forward_s
-        self.totals.add(record)
+        t5 = time.perf_counter()
+        record.execute_s, record.update_s = t2 - t1, t5 - t2
+        record.check_s = (t3 - t2) + (t5 - t4)
+        record.forward_s = results[0].timing.forward_s
+        # in-process executors have no exchange
+        record.exchange = getattr(self.executor, "last_exchange", None)
+        record.ranks = [r.timing for r in results]
         if self.telemetry is not None:
             self.telemetry.step_done(record)
+        record.step_s = time.perf_counter() - t0
+        self.totals.add(record)
         return record
 
     def stats(self) -> EngineStats:

@@ -7,6 +7,7 @@ rank). Tests and the simulator implement the same three methods in-process.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -34,6 +35,20 @@ class Executor(Protocol):
         """Run one plan on every rank; one StepResult per rank, in rank order."""
 
     def shutdown(self) -> None: ...
+
+
+@dataclass
+class ExchangeTiming:
+    """The scheduler's side of one step's exchange with the ranks, in seconds: with the
+    ranks' own `RankTiming` it splits a step into encoding, transport, the ranks' work
+    and waiting (scheduler/engine.py StepTotals). In-process executors have none."""
+
+    encode_s: float = 0.0  # the plan to msgpack, once for every rank
+    # the frame handed to ZeroMQ, once per rank (part of wait_s and of the round trips)
+    send_s: float = 0.0
+    decode_s: float = 0.0  # the ranks' results from msgpack (part of wait_s)
+    round_trip_s: list[float] = field(default_factory=list)  # per rank: its send -> result in
+    wait_s: float = 0.0  # from the first send to the last result decoded
 
 
 class WorkerFailure(RuntimeError):
@@ -71,9 +86,10 @@ class ZmqExecutor:
         secure_bind(self._sock, address)  # CURVE over tcp://, a 0600 file over ipc://
         self._identities: list[bytes] = []
         self._procs: dict[int, RankProcess] = {}
+        self.last_exchange = ExchangeTiming()  # of the last step (EngineCore reads it)
 
-    def _recv(self, deadline: float, during: str) -> tuple[bytes, object] | None:
-        """The next message, or None at the deadline. Between poll slices, a rank
+    def _recv(self, deadline: float, during: str) -> tuple[bytes, bytes] | None:
+        """The next (identity, frame), or None at the deadline. Between poll slices, a rank
         process that died raises WorkerFailure at once."""
         while True:
             remaining = deadline - time.monotonic()
@@ -81,7 +97,7 @@ class ZmqExecutor:
                 return None
             if self._sock.poll(max(1, int(min(remaining, POLL_SLICE_S) * 1000))):
                 identity, frame = self._sock.recv_multipart()
-                return identity, codec.decode(frame)
+                return identity, frame
             self.check_alive(during)
 
     def check_alive(self, during: str) -> None:
@@ -117,7 +133,7 @@ class ZmqExecutor:
                              else "while loading the model")
             if got is None:
                 raise self._start_timeout("connect" if connecting else "model load")
-            identity, msg = got
+            identity, msg = got[0], codec.decode(got[1])
             if isinstance(msg, StartFailed):
                 raise self._rank_error(msg.rank, "while loading the model", msg.error)
             if isinstance(msg, WorkerReady):
@@ -139,21 +155,37 @@ class ZmqExecutor:
                              f"({waiting_for})", cause="hung")
 
     def step(self, plan: StepPlan) -> list[StepResult]:
+        t0 = time.perf_counter()
         frame = codec.encode(plan)
+        t1 = time.perf_counter()
+        # a rank's round trip starts before its send: on a busy machine the woken rank may
+        # run (and answer) while this thread is still inside send_multipart
+        sent: list[float] = []
         for identity in self._identities:
+            sent.append(time.perf_counter())
             self._sock.send_multipart([identity, frame])
+        t2 = time.perf_counter()
         results: dict[int, StepResult] = {}
+        arrived = [0.0] * self.world_size
+        decode_s = 0.0
         deadline = time.monotonic() + self.step_timeout_s
         during = f"during step {plan.step}"
         while len(results) < self.world_size:
             got = self._recv(deadline, during)
             if got is None:
                 raise self._hung(plan.step, sorted(set(range(self.world_size)) - set(results)))
-            _, msg = got
+            t = time.perf_counter()
+            msg = codec.decode(got[1])
+            decode_s += time.perf_counter() - t
             assert isinstance(msg, StepResult), msg
             if msg.error:
                 raise self._rank_error(msg.rank, during, msg.error)
             results[msg.rank] = msg
+            arrived[msg.rank] = t
+        self.last_exchange = ExchangeTiming(
+            encode_s=t1 - t0, send_s=t2 - t1, decode_s=decode_s,
+            round_trip_s=[a - s for a, s in zip(arrived, sent)],
+            wait_s=time.perf_counter() - t1)
         return [results[r] for r in range(self.world_size)]
 
     def _hung(self, step: int, missing: list[int]) -> WorkerFailure:

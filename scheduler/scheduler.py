@@ -54,6 +54,7 @@ class Scheduler:
         self.step = 0
         # what the ranks must hold after each plan
         self.digest = StateDigest(limits.num_device_blocks, limits.num_host_blocks)
+        self.digest_s = 0.0  # seconds the last plan's digest prediction took
         self._by_request: dict[str, Sequence] = {}
         self._next_seq_id = 1
         self._to_close: list[Sequence] = []
@@ -264,7 +265,9 @@ class Scheduler:
 
         ops = self.cache.take_ops()
         plan.swap_out, plan.swap_in, plan.register = ops.swap_out, ops.swap_in, ops.registered
+        t = time.perf_counter()
         self.digest.apply(plan)
+        self.digest_s = time.perf_counter() - t  # the engine's step record splits it out
         self.step += 1
         return plan
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from scheduler.executor import ExchangeTiming
 from scheduler.request import Sequence
 from wire.client import HistogramData, RequestOutput
 from wire.control import ChunkSummary, PlanSummary, PrefixBreak, RequestRecord
-from wire.step import StepPlan
+from wire.step import RankTiming, StepPlan
 
 TRACE_STEPS = 256
 RECENT_REQUESTS = 1000
@@ -49,7 +50,9 @@ TOKENS = [0, 1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 65536]
 class StepRecord:
     """One engine step (scheduler/engine.py), for telemetry, /metrics and the benchmarks.
     Seconds per part: `execute_s` is the executor call (IPC + forward + wait), of which
-    `forward_s` is rank 0's own forward pass."""
+    `forward_s` is rank 0's own forward pass; `step_s` is the whole step, the record and
+    telemetry included. The finer parts below are for the engine-overhead breakdown
+    (StepTotals.breakdown)."""
 
     summary: PlanSummary  # the plan in brief, with its prefill and decode token counts
     outputs: list[RequestOutput] = field(default_factory=list)
@@ -57,6 +60,11 @@ class StepRecord:
     execute_s: float = 0.0
     forward_s: float = 0.0
     update_s: float = 0.0
+    step_s: float = 0.0
+    digest_s: float = 0.0  # of schedule_s: predicting the ranks' digest
+    check_s: float = 0.0  # of update_s: the digests compared, the cache accounting checked
+    exchange: ExchangeTiming | None = None  # the executor's side (ZmqExecutor only)
+    ranks: list[RankTiming] = field(default_factory=list)  # each rank's side, in rank order
 
 
 @dataclass

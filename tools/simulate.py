@@ -33,7 +33,7 @@ from wire.client import GenerateRequest
 from wire.config import EngineConfig
 from wire.digest import StateDigest
 from wire.lifecycle import EngineLimits, WorkerReady
-from wire.step import StepPlan, StepResult
+from wire.step import RankTiming, StepPlan, StepResult
 
 DEPLOYMENT = {"hit_ratio": 0.96, "read_rate_ratio": 9.0}
 
@@ -95,7 +95,8 @@ class CostModelExecutor:
         seconds += self.cost.decode_seconds(decodes)
         self.clock += seconds
         sampled = [(c.seq_id, 1000 + c.seq_id % 5000) for c in plan.chunks if c.sample]
-        return [StepResult(plan.step, 0, self.mirror.value, sampled, seconds)]
+        return [StepResult(plan.step, 0, self.mirror.value, sampled,
+                           RankTiming(forward_s=seconds))]
 
     def shutdown(self) -> None:
         pass

@@ -37,6 +37,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | flashinfer
     torch_threads: int = 0  # 0: cores / local ranks
     seed: int = 0
+    # Benchmarks and tests: the ranks run a null model (worker/null_model.py) whose forward
+    # waits this many milliseconds (0 included) and samples deterministic tokens, with no
+    # weights; the scheduler, cache, protocol, digests and sockets stay real. None: off.
+    null_model_forward_ms: float | None = None
 
     @property
     def tokenizer_dir(self) -> str:
@@ -63,3 +67,5 @@ class EngineConfig:
             raise ValueError("step_timeout_s must be > 0")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.null_model_forward_ms is not None and not self.null_model_forward_ms >= 0:
+            raise ValueError("null_model_forward_ms must be >= 0")

@@ -65,10 +65,29 @@ class StepPlan:
 
 
 @dataclass
+class RankTiming:
+    """Where one rank's time went in one step, in seconds, measured on the rank: the
+    scheduler tells its own cost from the ranks' with it (scheduler/engine.py StepTotals),
+    and `gap_s` is the rank's idle time between forwards, what a GPU would sit through.
+    Durations only, never timestamps: clocks of different processes (or nodes) are not
+    compared."""
+
+    wait_s: float = 0.0  # blocked on the socket, from the last result sent to this plan
+    decode_s: float = 0.0  # the plan from msgpack
+    apply_s: float = 0.0  # cache ops (tier copies), closes and block-table deltas
+    digest_s: float = 0.0  # StateDigest.apply
+    prepare_s: float = 0.0  # the batch's input tensors and page tables
+    forward_s: float = 0.0  # forward pass and sampling (0 in a step without chunks)
+    # from the end of this rank's previous forward to the start of this one (0 for the first
+    # forward, and in a step without one: the idle time then counts in the next forward's)
+    gap_s: float = 0.0
+
+
+@dataclass
 class StepResult:
     step: int
     rank: int
     digest: int  # StateDigest.value after the step
     sampled: list[tuple[int, int]] = field(default_factory=list)  # (seq_id, token); rank 0 only
-    forward_s: float = 0.0
+    timing: RankTiming = field(default_factory=RankTiming)
     error: str | None = None

@@ -26,7 +26,7 @@ class InProcessExecutor:
 
     def step(self, plan: StepPlan) -> list[StepResult]:
         out = self.runner.execute(plan)
-        return [StepResult(plan.step, 0, out.digest, out.sampled, out.forward_s)]
+        return [StepResult(plan.step, 0, out.digest, out.sampled, out.timing)]
 
     def shutdown(self) -> None:
         self.runner = None

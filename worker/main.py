@@ -12,6 +12,7 @@ import argparse
 import importlib.util
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -95,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
 def serve(sock: zmq.Socket, runner: ModelRunner, rank: int, log,
           control: RankControl | None = None) -> int:
     while True:
-        msg = codec.decode(sock.recv())
+        t0 = time.perf_counter()
+        frame = sock.recv()
+        t1 = time.perf_counter()
+        msg = codec.decode(frame)
+        decode_s = time.perf_counter() - t1
         if isinstance(msg, Shutdown):
             log.info("worker_shutdown", reason=msg.reason)
             return 0
@@ -103,10 +108,11 @@ def serve(sock: zmq.Socket, runner: ModelRunner, rank: int, log,
         structlog.contextvars.bind_contextvars(step=msg.step)
         try:
             out = runner.execute(msg)
+            out.timing.wait_s, out.timing.decode_s = t1 - t0, decode_s
             if control is not None:
                 control.finished(out.digest)
             sock.send(codec.encode(
-                StepResult(msg.step, rank, out.digest, out.sampled, out.forward_s)))
+                StepResult(msg.step, rank, out.digest, out.sampled, out.timing)))
         except Exception as exc:
             # A rank that failed mid-step cannot rejoin the collectives: report and exit.
             log.error("step_failed", error=traceback.format_exc())

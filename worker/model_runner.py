@@ -17,8 +17,8 @@ import torch
 from wire.client import SamplingParams
 from wire.config import EngineConfig
 from wire.digest import StateDigest
-from wire.step import StepPlan
-from worker.attention import AttentionMetadata, create_backend
+from wire.step import RankTiming, StepPlan
+from worker.attention import AttentionBackend, AttentionMetadata, create_backend
 from worker.budget import (
     check_holds_one_sequence,
     device_tier_bytes,
@@ -30,6 +30,7 @@ from worker.distributed import TensorParallelGroup
 from worker.gguf import load_config
 from worker.kv_cache import KVCache
 from worker.model import LlamaModel
+from worker.null_model import NullModel
 from worker.sampler import sample
 
 
@@ -37,7 +38,7 @@ from worker.sampler import sample
 class StepOutput:
     sampled: list[tuple[int, int]]  # (seq_id, token), rank 0 only
     digest: int
-    forward_s: float
+    timing: RankTiming  # apply, digest, prepare, forward and gap filled in here
     logits: torch.Tensor | None = None  # [num_tokens, vocab] on rank 0 when asked (tests)
 
 
@@ -52,8 +53,12 @@ class ModelRunner:
         self.vocab_size = self.model_config.vocab_size
         self.max_model_len = resolve_max_model_len(config, self.model_config)
 
-        self.model = LlamaModel(self.model_config, tp, self.dtype, device)
-        self.model.load(config.model, show_progress=tp.rank == 0)
+        self.model: LlamaModel | NullModel
+        if config.null_model_forward_ms is not None:  # benchmarks: the engine's own cost
+            self.model = NullModel(self.model_config, tp, config.null_model_forward_ms)
+        else:
+            self.model = LlamaModel(self.model_config, tp, self.dtype, device)
+            self.model.load(config.model, show_progress=tp.rank == 0)
 
         m = self.model
         block_bytes = KVCache.bytes_per_block(
@@ -63,7 +68,8 @@ class ModelRunner:
         # Ranks may have different free memory; every rank must hold the same
         # block ids, so all take the minimum.
         self.kv_bytes_per_block = block_bytes
-        if num_device_blocks is None and device.type == "cuda" and config.gpu_memory_utilization:
+        if (num_device_blocks is None and device.type == "cuda" and config.gpu_memory_utilization
+                and isinstance(m, LlamaModel)):  # the null model has nothing to profile
             num_device_blocks = self._profile_num_blocks(block_bytes)
         if num_device_blocks is None:
             budget = device_tier_bytes(config, block_bytes // config.block_size,
@@ -77,7 +83,8 @@ class ModelRunner:
             self.model_config.num_layers, self.num_device_blocks, self.num_host_blocks,
             config.block_size, m.num_kv_heads, m.head_dim, self.dtype, device,
         )
-        self.attn = create_backend(
+        # the null model attends to nothing: no backend (nor its compiled kernel) to load
+        self.attn: AttentionBackend | None = None if isinstance(m, NullModel) else create_backend(
             config.attention_backend, m.num_heads, m.num_kv_heads, m.head_dim,
             config.block_size, self.dtype, device,
         )
@@ -87,6 +94,7 @@ class ModelRunner:
         # Called once a plan's cache ops and table deltas are in, before its forward pass
         # (the rank's control thread marks the step there; test-only faults hook in too).
         self.on_applied: Callable[[StepPlan], None] | None = None
+        self._last_forward_end: float | None = None  # perf_counter; for RankTiming.gap_s
 
     def _profile_num_blocks(self, block_bytes: int) -> int:
         """CUDA: blocks that fit in `gpu_memory_utilization` of the GPU after the weights and
@@ -118,16 +126,40 @@ class ModelRunner:
     # --- one step ----------------------------------------------------------------
 
     def execute(self, plan: StepPlan, return_logits: bool = False) -> StepOutput:
+        t0 = time.perf_counter()
         self._apply_cache_ops(plan)
         self._apply_table_deltas(plan)
+        t1 = time.perf_counter()
         self.digest.apply(plan)
+        timing = RankTiming(apply_s=t1 - t0, digest_s=time.perf_counter() - t1)
         if self.on_applied is not None:
             self.on_applied(plan)
         if not plan.chunks:
-            return StepOutput([], self.digest.value, 0.0)
+            return StepOutput([], self.digest.value, timing)
 
-        t0 = time.perf_counter()
+        t2 = time.perf_counter()
+        # the null model takes none of these, but a rank builds them every step all the
+        # same (its page tables check every chunk against its block table)
         ids, positions, slots, meta, sample_rows = self._prepare_batch(plan)
+        t3 = time.perf_counter()
+        logits = None
+        if isinstance(self.model, NullModel):
+            assert not return_logits, "the null model has no logits"
+            sampled = self.model.forward(plan)
+        else:
+            sampled, logits = self._forward(plan, ids, positions, slots, meta, sample_rows,
+                                            return_logits)
+        t4 = time.perf_counter()
+        timing.prepare_s, timing.forward_s = t3 - t2, t4 - t3
+        if self._last_forward_end is not None:
+            timing.gap_s = t3 - self._last_forward_end
+        self._last_forward_end = t4
+        return StepOutput(sampled, self.digest.value, timing, logits)
+
+    def _forward(self, plan: StepPlan, ids: torch.Tensor, positions: torch.Tensor,
+                 slots: torch.Tensor, meta: AttentionMetadata, sample_rows: list[int],
+                 return_logits: bool) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
+        """The model over the batch, and rank 0's samples (and, asked, every row's logits)."""
         self.attn.plan(meta)
         hidden = self.model.forward(ids, positions, slots, self.kv, self.attn)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
@@ -137,8 +169,7 @@ class ModelRunner:
             sampled = self._sample(plan, logits[rows] if return_logits else logits, sample_rows)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return StepOutput(sampled, self.digest.value, time.perf_counter() - t0,
-                          logits if return_logits else None)
+        return sampled, logits if return_logits else None
 
     def _apply_cache_ops(self, plan: StepPlan) -> None:
         for block, slot in plan.swap_out + [(b, s) for s, b in plan.swap_in]:

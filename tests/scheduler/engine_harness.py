@@ -37,6 +37,11 @@ class RecordingExecutor:
     def shutdown(self) -> None:
         self.inner.shutdown()
 
+    @property
+    def last_exchange(self):
+        """The inner executor's timing of its last exchange (None in process)."""
+        return getattr(self.inner, "last_exchange", None)
+
 
 @contextlib.contextmanager
 def zmq_engine(model: str, world_size: int, env: dict[str, str] | None = None, **overrides):

@@ -12,7 +12,7 @@ from wire.client import RequestOutput, SamplingParams
 from wire.codec import SCHEMA_VERSION
 from wire.config import EngineConfig
 from wire.digest import StateDigest
-from wire.step import NewSequence, ScheduledChunk, StepPlan, StepResult
+from wire.step import NewSequence, RankTiming, ScheduledChunk, StepPlan, StepResult
 
 ints = st.integers(min_value=0, max_value=2**31 - 1)
 
@@ -37,7 +37,9 @@ def test_plans_round_trip(step, tables, swaps, register, temperature):
 
 def test_other_messages_round_trip():
     for msg in (EngineConfig(model="/m", world_size=4, host_cache_memory=1 << 30),
-                StepResult(3, 1, 2**64 - 1, [(1, 2)], 0.5, None),
+                EngineConfig(model="/m", null_model_forward_ms=0.0),
+                StepResult(3, 1, 2**64 - 1, [(1, 2)], RankTiming(0.1, 0.2, 0.3, 0.4, 0.5, 0.6,
+                                                                 0.7), None),
                 RequestOutput("r", [1, 2], True, "stop", 10, 4, 2)):
         assert codec.decode(codec.encode(msg)) == msg
 

@@ -1,0 +1,27 @@
+"""The command line -> EngineConfig (orchestrator/config.py), for the engine's own flags."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config import add_serve_arguments, build_config
+from wire.config import EngineConfig
+
+
+def engine_config(*argv: str) -> EngineConfig:
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    return build_config(p.parse_args(list(argv)), world_size=2)[0]
+
+
+def test_the_null_model_is_off_by_default_and_takes_zero(default_model: Path) -> None:
+    assert engine_config("--model", str(default_model)).null_model_forward_ms is None
+    config = engine_config("--model", str(default_model), "--null-model-forward-ms", "0")
+    assert config.null_model_forward_ms == 0.0 and config.world_size == 2
+    assert engine_config("--model", str(default_model), "--null-model-forward-ms",
+                         "6.4").null_model_forward_ms == 6.4
+    with pytest.raises(ValueError, match="null_model_forward_ms"):
+        engine_config("--model", str(default_model), "--null-model-forward-ms", "-1")

@@ -1,0 +1,48 @@
+"""tools/bench_overhead.py on tiny settings: one rank, two batches, both modes, an idle cell."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from rich.console import Console
+
+from tools.bench_overhead import main
+
+pytestmark = pytest.mark.slow
+
+PARTS = ("plan", "digest", "encode", "rank_decode", "rank_apply", "rank_digest",
+         "rank_prepare", "forward",
+         "transport", "waiting", "result_decode", "results", "check", "other")
+
+
+def test_bench_overhead_smoke(default_model, tmp_path):
+    out = io.StringIO()
+    path = tmp_path / "overhead.json"
+    status = main(["--model", str(default_model), "--world-sizes", "1", "--batches", "1,8",
+                   "--steps", "6", "--warmup-steps", "1", "--output-tokens", "2",
+                   "--idle-forward-ms", "2", "--idle-batch", "8", "--idle-world-sizes", "1",
+                   "--no-machine-rates", "--json", str(path)],
+                  console=Console(file=out, width=240, color_system=None))
+    printed = out.getvalue()
+    result = json.loads(path.read_text())
+    assert status == 0, result["problems"]
+    rows = result["results"]
+    assert [(r["forward_ms"], r["batch"], r["mode"]) for r in rows] == [
+        (0, 1, "decode"), (0, 1, "mixed"), (0, 8, "decode"), (0, 8, "mixed"),
+        (2, 8, "decode"), (2, 8, "mixed")]
+    for r in rows:
+        b = r["breakdown_ms"]
+        assert r["steps"] == 6 and r["steps_per_s"] > 0
+        # the parts add up to the step, and the engine's time is the step less the forward
+        assert sum(b[k] for k in PARTS) == pytest.approx(b["step"])
+        assert b["engine"] == pytest.approx(b["step"] - b["forward"])
+        assert b["transport"] > 0 and 0 < r["idle_share"] <= 1
+    decode8, mixed8, idle = rows[2], rows[3], rows[4]
+    assert decode8["chunks_per_step"] == 8 and decode8["prefill_tokens_per_step"] == 0
+    assert mixed8["prefill_tokens_per_step"] > 0
+    assert mixed8["counters"]["host_hit_tokens"] > 0 and mixed8["counters"]["swap_in_blocks"] > 0
+    assert idle["breakdown_ms"]["forward"] >= 2  # the sleep is a lower bound
+    assert "machine:" in printed and "Engine overhead" in printed
+    assert "the ranks idle" in printed and "load average" in printed

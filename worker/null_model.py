@@ -1,0 +1,92 @@
+"""The null model: a forward pass that costs a chosen fixed time and computes nothing.
+
+With `--null-model-forward-ms MS` (EngineConfig.null_model_forward_ms) every rank's
+ModelRunner holds a NullModel in place of the LlamaModel: no weights are read, and each
+forward waits MS milliseconds and samples tokens that depend on the input alone. All
+around it stays real: the scheduler, the cache and its tiers, the step protocol, the
+plans' cache ops and table deltas applied on every rank, the digests, the sockets. What
+a run costs beyond MS per step is therefore the engine's own cost, the part a GPU, whose
+steps are short, exposes.
+
+Choices, and why:
+
+- The wait is a sleep, not a busy loop. A rank on a GPU spends its forward waiting on
+  the device, its core free; a busy loop would instead take a core from the scheduler
+  and the other ranks (on a 2-core machine, from the very processes being measured).
+  A sleep overshoots by tens of microseconds; `RankTiming.forward_s` reports the time it
+  really took.
+- The token at position p is a fixed hash of (the chunk's last input token, p), never
+  an end-of-sequence id: runs are reproducible, a prompt gives the same tokens with and
+  without a prefix hit, and lengths are set by max_tokens alone. Sampling parameters
+  are ignored (every request decodes as if greedy); a guided request's mask is honoured.
+- No collectives: in the real model the all-reduces are part of the forward's time (on
+  a GPU, of the device's), so the null forward has none, and the ranks run side by side.
+- The KV pages keep the model's number of layers (tier copies issue as many per-layer
+  copies as they would) but one head of one element, so a device tier of thousands of
+  blocks costs kilobytes and a benchmark can make it small enough to swap.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+# the digest's fixed, seedless integer hash: the same in every process and every run
+from wire.digest import _mix64
+from wire.step import ScheduledChunk, StepPlan
+from worker.distributed import TensorParallelGroup
+from worker.model_config import ModelConfig
+
+# The KV page of one layer: one head of one element (see the module's docstring).
+NULL_KV_HEADS = 1
+NULL_HEAD_DIM = 1
+
+
+class NullModel:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup, forward_ms: float) -> None:
+        # The world sizes the real model would take, and no others: a benchmark of the
+        # null model stands for a configuration that can be served.
+        config.check_tensor_parallel(tp.world_size)
+        self.rank = tp.rank
+        self.forward_s = forward_ms / 1000
+        self.vocab_size = config.vocab_size
+        self.num_heads = NULL_KV_HEADS
+        self.num_kv_heads = NULL_KV_HEADS
+        self.head_dim = NULL_HEAD_DIM
+        # the tokens the null model may emit, in id order: all but the end-of-sequence ids
+        eos = set(config.eos_token_ids)
+        self._tokens = np.array([t for t in range(config.vocab_size) if t not in eos],
+                                dtype=np.int64)
+        assert len(self._tokens), "a vocabulary of end-of-sequence ids only"
+
+    def forward(self, plan: StepPlan) -> list[tuple[int, int]]:
+        """Wait the forward time; rank 0 returns (seq_id, token) for each chunk that
+        samples, as the real model's rank 0 does, the other ranks nothing."""
+        if self.forward_s > 0:
+            time.sleep(self.forward_s)
+        if self.rank != 0:
+            return []
+        return [(c.seq_id, self.token(c)) for c in plan.chunks if c.sample]
+
+    def token(self, chunk: ScheduledChunk) -> int:
+        """The token after `chunk`: a function of its last token and its position only."""
+        position = chunk.start_pos + len(chunk.token_ids)
+        index = _mix64((chunk.token_ids[-1] << 32) ^ position) % len(self._tokens)
+        if chunk.allowed is not None:
+            index = self._first_allowed(index, chunk.allowed)
+        return int(self._tokens[index])
+
+    def _first_allowed(self, index: int, allowed: bytes) -> int:
+        """The first emittable token at or after `index` (cyclically) that the mask allows
+        (bit i of the little-endian words: token i); `index` itself when the mask allows
+        none, as the real sampler then samples unmasked and the scheduler ends the request."""
+        bits = np.unpackbits(np.frombuffer(allowed, dtype=np.uint8), bitorder="little")
+        ok = np.zeros(self.vocab_size, dtype=bool)
+        n = min(len(bits), self.vocab_size)
+        ok[:n] = bits[:n].astype(bool)
+        candidates = np.flatnonzero(ok[self._tokens])  # indices into self._tokens
+        if not len(candidates):
+            return index
+        after = candidates[candidates >= index]
+        return int(after[0] if len(after) else candidates[0])
