@@ -295,10 +295,12 @@ class KVCacheManager:
         return {
             "device": {"capacity": d.num_blocks, "used": d.num_used,
                        "cached": d.num_cached, "free": d.num_free,
-                       "retained": d.lru.num_retained},
+                       "retained": d.lru.num_retained,
+                       "retained_tokens": d.lru.num_retained * self.block_size},
             "host": {"capacity": h.num_slots, "used": h.num_pinned,
                      "cached": h.num_cached, "free": h.num_free,
-                     "retained": h.lru.num_retained},
+                     "retained": h.lru.num_retained,
+                     "retained_tokens": h.lru.num_retained * self.block_size},
         }
 
     def check_accounting(self, live_seq_ids: set[int]) -> None:

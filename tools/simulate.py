@@ -3,6 +3,7 @@
     python -m tools.simulate                      # the 4x B200 deployment (100 agents, ~450K)
     python -m tools.simulate --agents 8 --context-tokens 20000 --turns 4   # small
     python -m tools.simulate --sweep              # host-tier size x write policy
+    python -m tools.simulate_retention            # cache_control retention vs plain LRU
 
 The scheduler, the prefix cache and the step protocol are the production code. Only
 the ranks are replaced, by `CostModelExecutor`: it mirrors the plans exactly as a rank
@@ -225,7 +226,8 @@ def simulate(sc: Scenario, cost: CostModel, device_tokens: int, host_tokens: int
                           max_num_batched_tokens=max_batched,
                           max_queued_requests=max(1024, sc.agents))
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    core = EngineCore(Scheduler(config, agree_limits(executor.start())), executor)
+    core = EngineCore(Scheduler(config, agree_limits(executor.start()),
+                                clock=lambda: executor.clock), executor)
     with tqdm(total=sc.agents * sc.turns, desc=desc, leave=False) as bar:
         result = run_scenario(core, sc, lambda: executor.clock, bar)
     # The deployment's "read rate": prompt tokens (cached ones count as read) per second

@@ -83,10 +83,22 @@ class EngineCollector:
         yield swapped
         blocks = GaugeMetricFamily("deepinfer_kv_blocks", "KV blocks by tier and state",
                                    labels=["tier", "state"])
+        retained = GaugeMetricFamily(
+            "deepinfer_kv_retained_tokens",
+            "Cached tokens kept for a client's retention hint (cache_control)", labels=["tier"])
         for tier, usage in s.usage.items():
-            for state in ("used", "cached", "free", "capacity"):
+            for state in ("used", "cached", "free", "capacity", "retained"):
                 blocks.add_metric([tier, state], usage.get(state, 0))
+            retained.add_metric([tier], usage.get("retained_tokens", 0))
         yield blocks
+        yield retained
+        early = CounterMetricFamily(
+            "deepinfer_kv_retained_evictions",
+            "Retained blocks evicted before their TTL (0 while they fit under the cap)",
+            labels=["tier"])
+        early.add_metric(["device"], s.cache.get("num_device_retained_evictions", 0))
+        early.add_metric(["host"], s.cache.get("num_host_retained_evictions", 0))
+        yield early
         yield _counter("deepinfer_rank_digest_mismatches",
                        "Steps where a rank's state digest differed from the scheduler's",
                        s.num_digest_mismatches)

@@ -43,7 +43,7 @@ def test_hit_shares_blocks_and_caps_at_last_token() -> None:
     m.check_invariants()
     assert m.device.refcount[a[:4]].tolist() == [1, 1, 1, 1]
     assert m.usage()["device"] == {"capacity": 16, "used": 5, "cached": 0, "free": 11,
-                                     "retained": 0}
+                                     "retained": 0, "retained_tokens": 0}
     m.free(2, 1)
     m.check_invariants()
     u = m.usage()["device"]
@@ -140,7 +140,7 @@ def test_prefix_caching_disabled() -> None:
     m.free(1, 1)
     m.free(2, 1)
     assert m.usage()["device"] == {"capacity": 16, "used": 0, "cached": 0, "free": 16,
-                                     "retained": 0}
+                                     "retained": 0, "retained_tokens": 0}
     assert not digest_state(m).device_map() and not m.take_ops()
 
 
