@@ -12,6 +12,7 @@ from orchestrator.shim.options import (
     add_shim_arguments,
     api_key_from,
 )
+from orchestrator.shim.tenants import Tenants
 from wire.config import EngineConfig
 from wire.security import (
     SECRET_FILE_ENV,
@@ -152,6 +153,8 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
         served_model_name=args.served_model_name,
         self_check_tokens=args.self_check_tokens if args.self_check else 0,
         shim=ShimOptions.from_args(args))
+    if serve.shim.cache_salt_per_api_key:  # a bad keys file stops here, before any process
+        Tenants.from_file(serve.shim.cache_salt_per_api_key)
     return config, serve
 
 

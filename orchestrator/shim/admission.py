@@ -56,18 +56,24 @@ class HeaderLimit:
         await self.app(scope, receive, send)
 
 
-def check_auth(request: Request, state: ServerState) -> None:
-    """`--api-key`: required as `Authorization: Bearer KEY` (OpenAI clients) or
-    `x-api-key: KEY` (Anthropic clients)."""
-    if state.api_key is None:
-        return
+def check_auth(request: Request, state: ServerState) -> str | None:
+    """`--api-key`, or any key of `--cache-salt-per-api-key`: required as `Authorization:
+    Bearer KEY` (OpenAI clients) or `x-api-key: KEY` (Anthropic clients). Returns the
+    key's tenant (None: the --api-key key, or no key required)."""
+    if state.api_key is None and state.tenants is None:
+        return None
     header = request.headers.get("authorization", "")
     token = header[7:] if header.lower().startswith("bearer ") else request.headers.get(
         "x-api-key", ""
     )
-    if not hmac.compare_digest(token.encode(), state.api_key.encode()):
+    tenant = state.tenants.tenant_of(token) if state.tenants is not None else None
+    if tenant is not None:
+        return tenant
+    if state.api_key is None or not hmac.compare_digest(token.encode(),
+                                                        state.api_key.encode()):
         raise ApiError("invalid or missing API key", status=401,
                        type="authentication_error", code="invalid_api_key")
+    return None
 
 
 def check_counts(body: dict[str, Any], state: ServerState) -> None:
@@ -81,19 +87,24 @@ def check_counts(body: dict[str, Any], state: ServerState) -> None:
                            param=name)
 
 
-def admit(request: Request, state: ServerState) -> None:
+def admit(request: Request, state: ServerState) -> str | None:
     """What every endpoint but /health and /metrics checks first: the API key, then
     whether the shim takes traffic now (not during the self-check but for its own
-    requests; not while the engine is gone)."""
-    check_auth(request, state)
+    requests; not while the engine is gone). Returns the key's tenant (check_auth).
+
+    The self-check's own requests are authenticated by their secret header: a random
+    token of this process, valid while the check runs, which the gate sends whether or
+    not it has a key (with only --cache-salt-per-api-key it has none of its own)."""
     secret = state.self_check_secret
     passes_gate = bool(secret) and hmac.compare_digest(
         request.headers.get(SELF_CHECK_HEADER, "").encode(), secret.encode())
+    tenant = None if passes_gate else check_auth(request, state)
     if state.unavailable is not None and not passes_gate:
         raise unavailable_error(
             f"the engine is not accepting requests yet: {state.unavailable}",
             state.retry_after_s)
     require_engine(state)
+    return tenant
 
 
 def require_engine(state: ServerState) -> None:
@@ -110,9 +121,11 @@ class SchedulingHints:
 
     priority: int = 0  # x-deepinfer-priority: admission order, lower first
     timeout_s: float | None = None  # x-request-timeout, else the server's default
+    tenant: str | None = None  # the API key's (--cache-salt-per-api-key): salts its cache
 
 
-def scheduling_hints(request: Request, state: ServerState) -> SchedulingHints:
+def scheduling_hints(request: Request, state: ServerState,
+                     tenant: str | None = None) -> SchedulingHints:
     def number(name: str, kind: type) -> Any:
         raw = request.headers.get(name)
         if raw is None:
@@ -129,7 +142,8 @@ def scheduling_hints(request: Request, state: ServerState) -> SchedulingHints:
         raise ApiError(f"header {PRIORITY_HEADER}: out of range")
     if timeout is not None and not 0 < timeout < 1e9:  # NaN fails too
         raise ApiError(f"header {TIMEOUT_HEADER}: must be a number of seconds > 0")
-    return SchedulingHints(priority or 0, timeout or (state.options.request_timeout_s or None))
+    return SchedulingHints(priority or 0, timeout or (state.options.request_timeout_s or None),
+                           tenant)
 
 
 async def read_json_object(request: Request, state: ServerState) -> dict[str, Any]:

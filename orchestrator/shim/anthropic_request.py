@@ -2,14 +2,19 @@
 
 Lenient where Claude Code needs it, strict where a mistake would be silent:
 
-- unknown fields, unknown block types and `anthropic-beta` values are ignored (any 400
-  makes Claude Code retry with features stripped, one by one);
+- unknown fields and `anthropic-beta` values are ignored (any 400 makes Claude Code
+  retry with features stripped, one by one);
+- content blocks the model cannot read are replaced before conversion
+  (placeholders.anthropic_readable): images and documents by a stable text placeholder
+  (`--on-image reject`: a 400, checked by placeholders.check_replaced), known block types
+  the engine cannot act on likewise; an unknown block type is a 400 naming it, as
+  Anthropic answers (dropping it would change the prompt without a word);
 - `role: "system"` turns inside `messages` are kept where they are;
 - `cache_control` is never rendered, and content given as a string or as a list of
   text blocks renders the same, so moving markers do not move the prefix;
 - the billing header (first system block) is dropped: it changes every session;
-- wrong types, empty `messages`, unknown roles and images (this engine serves text
-  models) are 400 `invalid_request_error`s that say which field.
+- wrong types, empty `messages` and unknown roles are 400 `invalid_request_error`s that
+  say which field.
 """
 
 from __future__ import annotations
@@ -20,13 +25,20 @@ from typing import Any
 from orchestrator.shim.chat import ChatRequest, ToolChoice, session_key, tool_choice
 from orchestrator.shim.chat_template import Message, join_text, strip_billing_header
 from orchestrator.shim.generation import Delivery
+from orchestrator.shim.placeholders import anthropic_readable
 from orchestrator.shim.retention import marks as retention_marks
 from orchestrator.shim.structured_output import json_grammar
-from orchestrator.shim.validate import describe, invalid, is_int64, is_positive_int64, number
+from orchestrator.shim.validate import (
+    cache_salt,
+    describe,
+    invalid,
+    is_int64,
+    is_positive_int64,
+    number,
+)
 from wire.client import SamplingParams
 
 ROLES = ("user", "assistant", "system")
-UNSUPPORTED_BLOCKS = ("image", "document")
 
 
 def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
@@ -37,8 +49,8 @@ def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: floa
 
 
 def _texts(content: Any, where: str) -> list[str]:
-    """The texts of a string or a list of blocks (text blocks only; images refused,
-    other block types skipped)."""
+    """The texts of a string or a list of blocks (text blocks; what the model cannot
+    read has been replaced by text already, placeholders.anthropic_readable)."""
     if isinstance(content, str):
         return [content]
     if not isinstance(content, list):
@@ -57,11 +69,7 @@ def _texts(content: Any, where: str) -> list[str]:
 def _block_type(block: Any, where: str) -> str:
     if not isinstance(block, dict) or not isinstance(block.get("type"), str):
         raise invalid(f"{where}: each content block must be an object with a 'type'")
-    kind = block["type"]
-    if kind in UNSUPPORTED_BLOCKS:
-        raise invalid(f"{where}: {kind} content is not supported: this engine serves a "
-                   "text-only model")
-    return kind
+    return block["type"]
 
 
 def system_messages(system: Any) -> list[Message]:
@@ -245,6 +253,7 @@ def _output_grammar(body: dict[str, Any]) -> str | None:
 def parse_messages_request(body: dict[str, Any], headers: Any, *,
                            count_only: bool = False) -> ChatRequest:
     """Validate a /v1/messages (or count_tokens) body."""
+    body, replaced = anthropic_readable(body)
     model = body.get("model", "")
     if not isinstance(model, str):
         raise invalid(f"model: Input should be a string, got {describe(model)}", "model")
@@ -296,6 +305,9 @@ def parse_messages_request(body: dict[str, Any], headers: Any, *,
         enable_thinking=enable_thinking,
         thinking_budget=thinking_budget,
         retention_marks=marks,
+        cache_salt=cache_salt(body, "cache_salt: Input should be a non-empty string of at most "
+                                    "{limit} characters, got {value}"),
+        replaced=replaced,
     )
 
 

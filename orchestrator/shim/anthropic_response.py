@@ -51,6 +51,7 @@ from orchestrator.shim.chat import (
 )
 from orchestrator.shim.errors import ApiError
 from orchestrator.shim.pipeline import Reply, serve
+from orchestrator.shim.placeholders import check_replaced
 from orchestrator.shim.reasoning import Reasoning
 from orchestrator.shim.state import ServerState, shim_state, tokenize
 from orchestrator.shim.tool_parsers import ToolCall
@@ -246,6 +247,7 @@ async def count_tokens(request: Request) -> Response:
     body = await read_json_object(request, state)
     check_counts(body, state)
     req = parse_messages_request(body, request.headers, count_only=True)
+    check_replaced(state, req.replaced, req.session)  # the same prompt as /v1/messages
     text = await render_prompt(state, req)
     ids = await tokenize(state.tokenizer, text, add_special_tokens=False)
     return JSONResponse({"input_tokens": len(ids)})

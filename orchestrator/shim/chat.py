@@ -20,7 +20,7 @@ import functools
 import hashlib
 import json
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from orchestrator.shim.admission import SchedulingHints, check_counts
@@ -28,10 +28,12 @@ from orchestrator.shim.chat_template import Message
 from orchestrator.shim.errors import ApiError
 from orchestrator.shim.generation import Delivery, Generation
 from orchestrator.shim.pipeline import Parse
+from orchestrator.shim.placeholders import Replaced, check_replaced
 from orchestrator.shim.reasoning import Answer, Reasoning, make_splitter, opens_in
 from orchestrator.shim.retention import RetentionMark, retention
 from orchestrator.shim.state import TOKENIZE_IN_THREAD_CHARS, ServerState, tokenize
 from orchestrator.shim.structured_output import after_reasoning, tool_call_grammar
+from orchestrator.shim.tenants import salted, tenant_session
 from orchestrator.shim.tool_parsers import TextEvent, ToolCall, ToolParser, make_tool_parser
 from wire.client import GenerateRequest, Retention, SamplingParams, ThinkingSpan
 
@@ -76,6 +78,8 @@ class ChatRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     delivery: Delivery = field(default_factory=Delivery)  # stop strings, stream, usage
     session: str = ""
+    cache_salt: str | None = None  # the request's own; its key's tenant is added (tenants.py)
+    replaced: list[Replaced] = field(default_factory=list)  # blocks now placeholders
     model: str = ""  # as the client named it
     grammar: str | None = None  # the answer's format (response_format, output_format)
     enable_thinking: bool | None = None  # to the chat template; None: its default
@@ -236,8 +240,11 @@ class ChatRun:
             grammar=grammar,
             thinking=thinking,
             retention=prompt.retention,
+            cache_salt=salted(state.tenants, hints.tenant, req.cache_salt),
         )
         self.gen = Generation(state.engine, state.tokenizer, request, req.delivery, api=api)
+        if hints.tenant is not None:
+            self.gen.log_fields["tenant"] = hints.tenant
         parse_calls = req.tools and req.tool_choice.mode != "none" and not formatted
         self.parser: ToolParser = make_tool_parser(
             state.options.tool_call_parser if parse_calls else "none",
@@ -297,11 +304,14 @@ class ChatRun:
 
 def parse_chat(parse: Callable[[dict[str, Any], Any], ChatRequest]) -> Parse[ChatRequest]:
     """A chat API's `parse(body, headers)` as the pipeline's parse step: --max-messages
-    and --max-tools are checked first, before any work is spent on the lists."""
+    and --max-tools are checked first, before any work is spent on the lists; then
+    --on-image (placeholders.check_replaced)."""
 
     async def parse_body(state: ServerState, body: dict[str, Any], headers: Any) -> ChatRequest:
         check_counts(body, state)
-        return parse(body, headers)
+        req = parse(body, headers)
+        check_replaced(state, req.replaced, req.session)
+        return req
 
     return parse_body
 
@@ -310,6 +320,7 @@ async def prepare_chat(state: ServerState, req: ChatRequest, request_id: str, *,
                        api: str, hints: SchedulingHints = NO_HINTS) -> ChatRun:
     """Render and tokenize the conversation for the engine (the tool call tool_choice
     requires, if any, opens the answer)."""
+    req = replace(req, session=tenant_session(hints.tenant, req.session))
     forced = forced_call(state, req)
     text = await render_prompt(state, req) + forced.opening
     ids = await prompt_token_ids(state, req.session, text, request_id)

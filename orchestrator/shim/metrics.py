@@ -5,7 +5,7 @@ come from the scheduler as one `EngineStats` snapshot per scrape; they are expor
 through a custom collector so the scheduler stays the only owner of its counters.
 Latencies a client sees (time to first token, inter-token latency) are observed here,
 where outputs arrive (`RequestTimer`, driven by the engine client), and so are the
-prefix breaks the shim detects.
+prefix breaks the shim detects and the content blocks it replaced by placeholders.
 """
 
 from __future__ import annotations
@@ -158,6 +158,11 @@ class Metrics:
             "deepinfer_guided_requests", "Chat requests whose answer a grammar held, by what "
             "asked for it (response_format / output_config, or a tool_choice that requires a "
             "call)", ["by"], registry=r)
+        self.unsupported_blocks = Counter(
+            "deepinfer_unsupported_blocks", "Content blocks the model cannot read (images, "
+            "documents, server tool results, ...) replaced by a text placeholder, by type; "
+            "a block resent in each turn of a conversation counts each time",
+            ["type"], registry=r)
         self.prefix_breaks = Counter(
             "deepinfer_prefix_breaks", "Prompts that did not extend their session's previous "
             "prompt plus output (see the prefix_break log lines)", registry=r)

@@ -15,11 +15,13 @@ from orchestrator.shim.chat_template import Message, join_text
 from orchestrator.shim.errors import ApiError
 from orchestrator.shim.generation import Delivery
 from orchestrator.shim.json_body import loads
+from orchestrator.shim.placeholders import openai_readable
 from orchestrator.shim.retention import marks as retention_marks
 from orchestrator.shim.retention import ttl_of
 from orchestrator.shim.state import ServerState, tokenize
 from orchestrator.shim.structured_output import json_grammar
 from orchestrator.shim.validate import (
+    cache_salt,
     describe,
     invalid,
     is_finite_number,
@@ -34,6 +36,7 @@ T = TypeVar("T")
 # --- /v1/chat/completions -------------------------------------------------------------
 
 
+CACHE_SALT_ERROR = "'cache_salt' must be a non-empty string of at most {limit} characters"
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
 
@@ -50,11 +53,10 @@ def _content(content: Any, where: str) -> str:
     if not isinstance(content, list):
         raise invalid(f"'{where}.content' must be a string or a list of parts", "messages")
     texts = []
-    for part in content:
+    for part in content:  # text parts only: placeholders.openai_readable replaced the rest
         if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
-            kind = part.get("type") if isinstance(part, dict) else describe(part)
-            raise invalid(f"'{where}.content': {kind} parts are not supported: this engine "
-                       "serves a text-only model", "messages")
+            raise invalid(f"'{where}.content': each part must be an object with a 'type', "
+                       f"got {describe(part)}", "messages")
         if not isinstance(part.get("text"), str):
             raise invalid(f"'{where}.content': a text part needs a string 'text'", "messages")
         texts.append(part["text"])
@@ -208,7 +210,8 @@ def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise invalid("'stream_options' must be an object", "stream_options")
-    messages = convert_messages(body.get("messages"))
+    readable, replaced = openai_readable(body.get("messages"))
+    messages = convert_messages(readable)
     tools = convert_tools(body.get("tools"))
     # cache_control on messages or their parts (OpenRouter's form), or top-level
     marks = retention_marks(body, body["messages"], 0, lambda upto: len(upto))
@@ -224,6 +227,8 @@ def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
         delivery=Delivery(stop=[s for s in stop if s], stream=stream,
                           include_usage=options.get("include_usage") is True),
         session=session_key(explicit, model, messages, tools),
+        cache_salt=cache_salt(body, CACHE_SALT_ERROR),
+        replaced=replaced,
         model=model,
         grammar=response_format_grammar(body),
         enable_thinking=_enable_thinking(body),
@@ -371,7 +376,7 @@ def parse_completion(
         ),
         stop_token_ids=stop_token_ids or [],
         ignore_eos=_opt(body, "ignore_eos", bool, False),
-        cache_salt=_opt(body, "cache_salt", str, None),  # type: ignore[arg-type]
+        cache_salt=cache_salt(body, CACHE_SALT_ERROR),
         # a top-level cache_control keeps the whole prompt (orchestrator/shim/retention.py)
         retention=[Retention(len(prompt_token_ids), ttl) for ttl in
                    [ttl_of(body.get("cache_control"), "body")] if ttl is not None],

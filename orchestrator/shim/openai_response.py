@@ -24,6 +24,7 @@ from orchestrator.shim.openai_request import parse_chat_request, parse_completio
 from orchestrator.shim.pipeline import Reply, serve
 from orchestrator.shim.reasoning import Reasoning
 from orchestrator.shim.state import ServerState
+from orchestrator.shim.tenants import salted
 from orchestrator.shim.tool_parsers import ToolCall
 from wire.client import GenerateRequest
 
@@ -213,6 +214,9 @@ async def start_completion(state: ServerState, parsed: tuple[GenerateRequest, De
                            hints: SchedulingHints) -> CompletionReply:
     request, delivery = parsed
     request = replace(request, request_id=f"cmpl-{uuid.uuid4().hex}",
-                      priority=hints.priority, timeout_s=hints.timeout_s)
+                      priority=hints.priority, timeout_s=hints.timeout_s,
+                      cache_salt=salted(state.tenants, hints.tenant, request.cache_salt))
     gen = Generation(state.engine, state.tokenizer, request, delivery)
+    if hints.tenant is not None:
+        gen.log_fields["tenant"] = hints.tenant
     return CompletionReply(gen, state.model_name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import Field, dataclass, field, fields
+from pathlib import Path
 
 from orchestrator.shim.reasoning import REASONING_PARSERS
 from orchestrator.shim.tool_parsers import TOOL_CALL_PARSERS
@@ -16,6 +17,7 @@ DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024  # Anthropic's own limit for /v1/me
 DEFAULT_MAX_TOOLS = 512
 DEFAULT_MAX_MESSAGES = 100_000  # agent sessions run to thousands of turns
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024
+ON_IMAGE = ("placeholder", "reject")  # what an image, document, audio or file part becomes
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class ShimOptions:
     max_tools: int = DEFAULT_MAX_TOOLS
     max_messages: int = DEFAULT_MAX_MESSAGES
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    on_image: str = "placeholder"
+    cache_salt_per_api_key: str = ""  # the tenants' keys file (tenants.py); "": none
 
     def __post_init__(self) -> None:
         for f in fields(self):  # counts, sizes and seconds: 0 at least (0: no cap, none)
@@ -44,6 +48,9 @@ class ShimOptions:
             raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}")
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"unknown --reasoning-parser {self.reasoning_parser!r}")
+        if self.on_image not in ON_IMAGE:
+            raise ValueError(f"--on-image must be one of {', '.join(ON_IMAGE)}, got "
+                             f"{self.on_image!r}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ShimOptions:
@@ -106,6 +113,22 @@ def add_shim_arguments(p: argparse.ArgumentParser) -> None:
                    help="chat requests with more messages get a 400")
     p.add_argument("--max-header-bytes", type=int, default=ShimOptions.max_header_bytes,
                    help="requests whose headers are larger are refused by the HTTP server")
+    p.add_argument("--on-image", default=ShimOptions.on_image, choices=ON_IMAGE,
+                   help="an image, document, audio or file in a chat request: 'placeholder' "
+                        "replaces it with a short stable text naming its type, media type, "
+                        "size and digest (a session with a screenshot in its history keeps "
+                        "working, and hitting the cache); 'reject' answers 400")
+    p.add_argument("--cache-salt-per-api-key", metavar="KEYS_FILE", type=_absolute,
+                   default=ShimOptions.cache_salt_per_api_key,
+                   help="accept the keys of this file (mode 0600; one 'TENANT KEY' a line, # "
+                        "comments) and salt each request's cache with its key's tenant, so "
+                        "tenants never share cached blocks (nor learn from their latency "
+                        "what another has sent); --api-key, if given, stays valid too")
+
+
+def _absolute(path: str) -> str:
+    """A path as the shim reads it: the launcher starts it in another directory."""
+    return str(Path(path).resolve()) if path else ""
 
 
 def api_key_from(args: argparse.Namespace) -> str | None:

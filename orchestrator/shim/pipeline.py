@@ -56,10 +56,10 @@ Start = Callable[[ServerState, P, SchedulingHints], Awaitable[Reply]]
 async def serve(request: Request, parse: Parse[P], start: Start[P]) -> Response:
     """The pipeline of the module docstring; `parse` and `start` are the API's."""
     state = shim_state(request)
-    admit(request, state)
+    tenant = admit(request, state)
     body = await read_json_object(request, state)
     parsed = await parse(state, body, request.headers)
-    hints = scheduling_hints(request, state)
+    hints = scheduling_hints(request, state, tenant)
     require_engine(state)  # again: it may have gone while the body was read
     reply = await start(state, parsed, hints)
     if not reply.delivery.stream:

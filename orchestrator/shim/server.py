@@ -8,7 +8,8 @@
 
 The API key: --api-key-file, --api-key, or $DEEPINFER_API_KEY (how `deepinfer-run`
 passes it: a command line is visible to every local user in `ps`). Every endpoint but
-/health requires it.
+/health requires it. --cache-salt-per-api-key KEYS_FILE adds tenants' keys, each request
+salted with its key's tenant (`tenants`).
 
 Endpoints: POST /v1/messages and /v1/messages/count_tokens (Anthropic,
 `anthropic_request` and `anthropic_response`), POST /v1/chat/completions and
@@ -57,6 +58,7 @@ from orchestrator.shim.errors import ApiError
 from orchestrator.shim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from orchestrator.shim.options import API_KEY_ENV, ShimOptions, add_shim_arguments, api_key_from
 from orchestrator.shim.state import Engine, ServerState
+from orchestrator.shim.tenants import Tenants
 from wire.log import configure_logging
 
 log = structlog.get_logger()
@@ -135,13 +137,18 @@ def build_app(
     chat_template: ChatTemplate | None = None,
     options: ShimOptions | None = None,
     ping_interval_s: float = 5.0,
+    tenants: Tenants | None = None,
 ) -> Starlette:
     """The ASGI app. `engine` is started by the app's lifespan; `max_model_len` > 0
     lowers the engine's context limit for requests (it cannot raise it). Without a
-    `chat_template` the chat endpoints answer 400."""
+    `chat_template` the chat endpoints answer 400. `tenants`: the keys of
+    --cache-salt-per-api-key (read from options.cache_salt_per_api_key when not given)."""
     options = options or ShimOptions()
-    state = ServerState(engine, tokenizer, model_name, api_key, chat_template=chat_template,
-                        options=options, ping_interval_s=ping_interval_s)
+    if tenants is None and options.cache_salt_per_api_key:
+        tenants = Tenants.from_file(options.cache_salt_per_api_key)
+    state = ServerState(engine, tokenizer, model_name, api_key, tenants=tenants,
+                        chat_template=chat_template, options=options,
+                        ping_interval_s=ping_interval_s)
     if hasattr(engine, "attach_metrics"):  # TTFT/ITL are observed where outputs arrive
         engine.attach_metrics(state.metrics)
 
@@ -162,7 +169,8 @@ def build_app(
                 log.warning("max_model_len_above_engine", requested=max_model_len,
                             engine=limits.max_model_len)
             state.max_model_len = min(max_model_len, limits.max_model_len)
-        log.info("shim_ready", model=model_name, max_model_len=state.max_model_len)
+        log.info("shim_ready", model=model_name, max_model_len=state.max_model_len,
+                 tenants=state.tenants.names if state.tenants is not None else None)
         try:
             yield
         finally:

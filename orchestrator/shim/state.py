@@ -17,6 +17,7 @@ from orchestrator.shim.metrics import Metrics
 from orchestrator.shim.options import ShimOptions
 from orchestrator.shim.prefix_tracker import PrefixTracker
 from orchestrator.shim.reasoning import think_tag_ids
+from orchestrator.shim.tenants import Tenants
 from wire.client import EngineStats, GenerateRequest, RequestOutput
 from wire.lifecycle import EngineInfo
 
@@ -46,6 +47,8 @@ class ServerState:
     tokenizer: Tokenizer
     model_name: str
     api_key: str | None = field(repr=False)  # never logged
+    # --cache-salt-per-api-key: more keys, each salting its tenant's cache (tenants.py)
+    tenants: Tenants | None = field(default=None, repr=False)
     metrics: Metrics = field(default_factory=Metrics)
     max_model_len: int = 0  # the limit requests are checked against; set at start-up
     vocab_size: int = 0

@@ -52,3 +52,20 @@ def number(body: dict[str, Any], name: str, default: float, message: str) -> flo
     if not is_finite_number(v):
         raise invalid(message.format(name=name, value=describe(v)), name)
     return v
+
+
+MAX_CACHE_SALT_CHARS = 256  # a tenant id or a digest fits; a salt is not a place for data
+
+
+def cache_salt(body: dict[str, Any], message: str) -> str | None:
+    """body["cache_salt"] (vLLM's field; an extension of Anthropic's body): a non-empty
+    string of at most MAX_CACHE_SALT_CHARS characters, None if absent or null; else a 400
+    with `message`, whose {limit} and {value} are filled in. Requests with different
+    salts never share a cached block (it enters the hash of block 0)."""
+    v = body.get("cache_salt")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not 0 < len(v) <= MAX_CACHE_SALT_CHARS:
+        raise invalid(message.format(limit=MAX_CACHE_SALT_CHARS, value=describe(v)),
+                      "cache_salt")
+    return v

@@ -9,7 +9,10 @@ holding the session, `max_tokens: 128000`, `thinking`, `context_management`,
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
+import zlib
 from typing import Any
 
 TOOL_NAMES = ["Agent", "Bash", "Edit", "Glob", "Grep", "NotebookEdit", "Read", "TaskCreate",
@@ -48,6 +51,47 @@ def first_user_turn(prompt: str) -> dict[str, Any]:
                                  "</system-reminder>\n\n"},
         {"type": "text", "text": prompt, "cache_control": {"type": "ephemeral"}},
     ]}
+
+
+def png(width: int, height: int, seed: int = 0) -> bytes:
+    """A valid RGB PNG of `width` x `height` pixels (a stand-in for a screenshot)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    rows = b"".join(b"\x00" + bytes((x * 7 + y * 13 + seed) % 256 for x in range(3 * width))
+                    for y in range(height))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows))
+            + chunk(b"IEND", b""))
+
+
+def image_block(data: bytes) -> dict[str, Any]:
+    """An image as Claude Code sends one: pasted into the prompt, or read by its Read tool
+    (then inside the tool_result's content)."""
+    return {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                        "data": base64.b64encode(data).decode()}}
+
+
+def screenshot_history(screenshot: bytes) -> list[dict[str, Any]]:
+    """A session whose history holds images: a pasted screenshot, then one the Read tool
+    returned, then the user's next question."""
+    return [
+        {"role": "user", "content": [
+            {"type": "text", "text": "<system-reminder>\nToday's date is 2026-11-29.\n"
+                                     "</system-reminder>\n\n"},
+            image_block(screenshot),
+            {"type": "text", "text": "The build page looks broken, see the screenshot."}]},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "Let me look at the saved screenshot too."},
+            {"type": "tool_use", "id": "toolu_01Read", "name": "Read",
+             "input": {"path": "/tmp/build.png"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_01Read",
+             "content": [image_block(png(24, 16, seed=5))]},
+            {"type": "text", "text": "What do you see?",
+             "cache_control": {"type": "ephemeral"}}]},
+    ]
 
 
 def claude_code_request(session: str, messages: list[dict[str, Any]] | None = None, *,

@@ -210,7 +210,11 @@ ODD_BLOCKS = st.sampled_from([
     {"type": "thinking", "thinking": "hmm", "signature": "s"},
     {"type": "redacted_thinking", "data": "x"},
     {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}},
-    {"type": "document", "source": {}}, {"type": "server_tool_use"}, {"type": 7}, {}])
+    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
+    {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}},
+    {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "d"}},
+    {"type": "document", "source": {}}, {"type": "server_tool_use"}, {"type": 7}, {},
+    {"type": "tool_reference", "tool_name": "Bash"}, {"type": "fallback"}, {"type": "nope"}])
 ANTHROPIC_BLOCKS = st.lists(mostly(st.one_of(TEXT_BLOCK, TEXT_BLOCK, TOOL_USE, TOOL_RESULT),
                                    st.one_of(ODD_BLOCKS, json_values)), max_size=3)
 ANTHROPIC_MESSAGE = st.fixed_dictionaries({
@@ -231,6 +235,7 @@ ANTHROPIC_OPTIONAL = {
     "stop_sequences": st.lists(texts, max_size=2),
     "temperature": temperatures, "top_p": top_ps, "top_k": ints,
     "stream": st.booleans(), "metadata": st.fixed_dictionaries({"user_id": small_texts}),
+    "cache_salt": small_texts,
     "thinking": st.one_of(st.just({"type": "enabled", "budget_tokens": 1024}),
                           st.fixed_dictionaries({"type": st.sampled_from(["enabled", "adaptive",
                                                                           "disabled"]),
@@ -258,7 +263,11 @@ TOOL_CALL = st.fixed_dictionaries({"id": tool_ids, "type": st.just("function"),
                                        {"name": tool_names, "arguments": ARGUMENTS})})
 CHAT_PARTS = st.lists(mostly(
     st.fixed_dictionaries({"type": st.sampled_from(["text", "input_text"]), "text": texts}),
-    st.one_of(st.just({"type": "image_url", "image_url": {"url": "data:,"}}), json_values)),
+    st.one_of(st.sampled_from([
+        {"type": "image_url", "image_url": {"url": "data:,"}},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+        {"type": "file", "file": {"file_id": "file-1"}}, {"type": "nope"}]), json_values)),
     max_size=3)
 CHAT_MESSAGE = st.fixed_dictionaries(
     {"role": mostly(st.sampled_from(["system", "developer", "user", "assistant", "tool"]),
@@ -285,6 +294,7 @@ CHAT_OPTIONAL = {
                                st.fixed_dictionaries({"name": small_texts, "schema": schemas()})})),
     "parallel_tool_calls": st.booleans(),
     "thinking_token_budget": mostly(st.integers(1, 3), ints),
+    "cache_salt": small_texts,
 }
 CHAT_REQUIRED = {"model": "gpt-fuzz",
                  "messages": st.lists(mostly(CHAT_MESSAGE, json_values), min_size=1, max_size=4)}

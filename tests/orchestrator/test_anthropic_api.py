@@ -326,9 +326,13 @@ def test_models(sdk) -> None:
     ({"messages": HELLO, "tools": TOOLS,
       "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}},
      "disable_parallel_tool_use"),
+    ({"messages": [{"role": "user", "content": [{"type": "nope"}]}]},
+     'messages.0.content.0.type: unknown content block type "nope"'),
     ({"messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                     "data": "iVBO"}}]}]}, "image content is not supported"),
+                                     "data": "not base64!"}}]}]}, "not valid base64"),
+    ({"messages": HELLO, "cache_salt": 7}, "cache_salt: Input should be a non-empty string"),
+    ({"messages": HELLO, "cache_salt": "s" * 257}, "at most 256 characters"),
 ])
 def test_bad_requests_are_400(client, engine, body, fragment) -> None:
     for stream in (False, True):
@@ -337,13 +341,16 @@ def test_bad_requests_are_400(client, engine, body, fragment) -> None:
     assert engine.requests == []
 
 
-def test_unknown_fields_and_blocks_are_ignored(client, engine) -> None:
+def test_unknown_fields_are_ignored_and_known_blocks_kept(client, engine) -> None:
     engine.script("ok")
     r = post(client, {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "hi", "citations": None, "future_field": 1},
         {"type": "search_result", "source": "x"}]}],
         "brand_new_option": {"a": 1}, "container": None, "service_tier": "auto"})
     assert r.status_code == 200, r.text
+    prompt = engine.tokenizer.decode(engine.requests[0].prompt_token_ids,
+                                     skip_special_tokens=False)
+    assert "hi\n[search_result; not available on this server]" in prompt
 
 
 def test_thinking_blocks_with_signatures_are_accepted(client, engine) -> None:

@@ -94,6 +94,9 @@ def test_stream_tool_calls(sdk, engine) -> None:
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:"}}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "nope"}]}]}, "messages"),
+    ({"messages": HELLO, "cache_salt": ["a"]}, "cache_salt"),
+    ({"messages": HELLO, "cache_salt": ""}, "cache_salt"),
     ({"messages": HELLO, "n": 2}, "n"),
     ({"messages": HELLO, "max_tokens": "9"}, "max_tokens"),
     ({"messages": HELLO, "temperature": 3}, "temperature"),
