@@ -25,10 +25,11 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from orchestrator.launcher import free_port, spawn, stop_all
+from orchestrator.launcher import stop_all
 from scheduler.engine import EngineCore, agree_limits
 from scheduler.executor import ZmqExecutor
 from scheduler.scheduler import Scheduler
+from tools.local_ranks import spawn_local_ranks
 from wire.client import GenerateRequest
 from wire.config import EngineConfig
 
@@ -109,12 +110,7 @@ def start_engine(args: argparse.Namespace, run_dir: str, caching: bool):
                           max_num_batched_tokens=args.max_num_batched_tokens)
     address = f"ipc://{run_dir}/workers-{int(caching)}.sock"
     executor = ZmqExecutor(address, config)
-    port = str(free_port())
-    ranks = [spawn(f"rank {r}", ["worker.main", "--scheduler", address], {
-        "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(args.world_size),
-        "LOCAL_WORLD_SIZE": str(args.world_size), "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": port, "DEEPINFER_LOG_LEVEL": "WARNING"})
-        for r in range(args.world_size)]
+    ranks = spawn_local_ranks(address, args.world_size)
     core = EngineCore(Scheduler(config, agree_limits(executor.start())), executor)
     return core, executor, ranks
 

@@ -22,11 +22,12 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from orchestrator.launcher import free_port, spawn, stop_all
+from orchestrator.launcher import stop_all
 from orchestrator.shim.structured_output import json_grammar
 from scheduler.engine import EngineCore, StepTotals, agree_limits
 from scheduler.executor import ZmqExecutor
 from scheduler.scheduler import Scheduler
+from tools.local_ranks import spawn_local_ranks
 from wire import codec
 from wire.client import GenerateRequest
 from wire.config import EngineConfig
@@ -46,11 +47,7 @@ def run_one(model: str, world_size: int, args: argparse.Namespace,
     with tempfile.TemporaryDirectory(prefix="deepinfer-bench-") as run_dir:
         address = f"ipc://{run_dir}/workers.sock"
         executor = ZmqExecutor(address, config)
-        port = str(free_port())
-        ranks = [spawn(f"rank {r}", ["worker.main", "--scheduler", address], {
-            "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port, "DEEPINFER_LOG_LEVEL": "WARNING"}) for r in range(world_size)]
+        ranks = spawn_local_ranks(address, world_size)
         try:
             core = EngineCore(Scheduler(config, agree_limits(executor.start())), executor)
             rng = random.Random(0)

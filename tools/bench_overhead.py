@@ -48,10 +48,11 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from orchestrator.launcher import free_port, spawn, stop_all
+from orchestrator.launcher import stop_all
 from scheduler.engine import EngineCore, StepTotals, agree_limits
 from scheduler.executor import ZmqExecutor
 from scheduler.scheduler import Scheduler
+from tools.local_ranks import spawn_local_ranks
 from wire.client import GenerateRequest
 from wire.config import EngineConfig
 from worker.null_model import NULL_HEAD_DIM, NULL_KV_HEADS
@@ -122,12 +123,7 @@ def engine(model: str, spec: EngineSpec, args: argparse.Namespace,
     with tempfile.TemporaryDirectory(prefix="deepinfer-overhead-") as run_dir:
         address = f"ipc://{run_dir}/workers.sock"
         executor = ZmqExecutor(address, config, start_timeout_s=300)
-        port = str(free_port())
-        ranks = [spawn(f"rank {r}", ["worker.main", "--scheduler", address], {
-            "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(spec.world_size),
-            "LOCAL_WORLD_SIZE": str(spec.world_size), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port, "DEEPINFER_LOG_LEVEL": "WARNING"})
-            for r in range(spec.world_size)]
+        ranks = spawn_local_ranks(address, spec.world_size)
         try:
             yield EngineCore(Scheduler(config, agree_limits(executor.start())), executor)
         finally:
