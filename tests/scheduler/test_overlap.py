@@ -149,7 +149,7 @@ def test_overlap_gives_the_same_tokens_over_ranks(default_model):
 @pytest.mark.slow
 def test_overlap_gives_the_same_tokens_with_the_real_model():
     def make(overlap):
-        return inprocess_engine(SMOLLM2, kv_cache_memory=4 << 20, max_model_len=256,
+        return inprocess_engine(SMOLLM2, kv_cache_memory=24 << 20, max_model_len=256,
                                 max_num_batched_tokens=128, async_scheduling=overlap)
 
     reqs = workload(3, n=4, vocab=49000)
