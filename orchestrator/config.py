@@ -109,6 +109,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "weights loaded, each forward sleeps MS milliseconds (0 allowed) and "
                         "emits deterministic tokens (never EOS), while the scheduler, cache, "
                         "protocol, digests and sockets stay real (off by default)")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="plan each step only after the ranks finished the one before (by "
+                        "default step k+1 is planned and sent while the ranks run step k)")
 
 
 def model_name(model: str) -> str:
@@ -147,6 +150,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
         torch_threads=args.torch_threads,
         seed=args.seed,
         null_model_forward_ms=args.null_model_forward_ms,
+        async_scheduling=not args.no_async_scheduling,
     )
     serve = ServeOptions(
         host=args.host, port=args.port, api_key=api_key_from(args),

@@ -1,8 +1,29 @@
-"""One engine step: plan, run on every rank, check the ranks agree, collect outputs."""
+"""One engine step: plan, run on every rank, check the ranks agree, collect outputs.
+
+Overlap scheduling (EngineConfig.async_scheduling, on by default): the engine plans and
+submits step k+1 before it collects step k, so each rank finds its next plan waiting when
+it ends a step, and the scheduler's work (planning, encoding, results) hides behind the
+ranks'. Step k+1 is planned without step k's samples: a sequence that decodes in both
+names its step-k token PENDING_TOKEN, and every rank resolves it (rank 0 shares its
+samples after each forward, worker/model_runner.py). What this changes, and what it does
+not (scheduler/scheduler.py):
+
+- a sequence learns that its token was final one step late, so it may run one token past
+  its end: that step's sample is never emitted, its KV never committed to the prefix
+  index (a block is committed only once its tokens are known), and the close comes in the
+  plan after the last step that ran it, as the close-timing rule wants;
+- an end known ahead (max_tokens, a full context) is never planned past: the plan after
+  the step that samples the last token closes the sequence, and that token is emitted
+  when its result comes (`Scheduler._close_ahead`);
+- a step whose plan needs the previous token (a guided or thinking-budget sample's mask)
+  is planned after the results come: no overlap for it (`Scheduler.needs_tokens`);
+- the digest each rank must return is kept per plan in flight.
+"""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field, fields
 
 from cache.manager import CacheAccountingError
@@ -11,7 +32,7 @@ from scheduler.scheduler import Scheduler
 from scheduler.telemetry import StepRecord, Telemetry, summarize
 from wire.client import EngineStats
 from wire.lifecycle import EngineLimits, WorkerReady
-from wire.step import RankTiming, StepResult
+from wire.step import RankTiming, StepPlan, StepResult
 
 _RANK_FIELDS = tuple(f.name for f in fields(RankTiming))
 
@@ -95,7 +116,7 @@ class StepTotals:
             return sum(getattr(r, name) for r in ranks) / len(ranks)
 
         work = {name: mean(name) for name in ("decode_s", "apply_s", "digest_s", "prepare_s",
-                                              "forward_s")}
+                                              "forward_s", "share_s")}
         handle = sum(work.values())
         ex = self.exchange
         if ex.round_trip_s:  # over sockets
@@ -115,6 +136,7 @@ class StepTotals:
             "rank_digest": work["digest_s"],
             "rank_prepare": work["prepare_s"],
             "forward": forward,
+            "rank_share": work["share_s"],
             "transport": transport,
             "waiting": waiting,
             "result_decode": ex.decode_s,
@@ -150,6 +172,16 @@ def check_digests(step: int, expected: int, results: list[StepResult]) -> None:
             f"{detail}; agreeing ranks: {good or 'none'}")
 
 
+@dataclass
+class _InFlight:
+    """A plan submitted to the ranks whose results are not collected yet."""
+
+    plan: StepPlan
+    digest: int  # what every rank must hold after it (the scheduler's, when it was made)
+    record: StepRecord
+    submit_s: float
+
+
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: Executor,
                  telemetry: Telemetry | None = None) -> None:
@@ -157,10 +189,32 @@ class EngineCore:
         self.executor = executor
         self.telemetry = telemetry
         self.totals = StepTotals()
+        self.overlap = scheduler.config.async_scheduling
+        self._in_flight: deque[_InFlight] = deque()  # at most 2: running, and queued next
+
+    def has_work(self) -> bool:
+        """Requests to serve, or a step in flight to collect."""
+        return bool(self._in_flight) or self.scheduler.has_work()
 
     def step(self) -> StepRecord:
-        """Plan, run on every rank, check them, apply rank 0's tokens. The record's
-        summary is made between the plan and the run, outside every timed part."""
+        """Complete one step: plan it (if not planned yet), and with overlap plan and submit
+        the next before collecting it; check the ranks, apply rank 0's tokens. The record
+        is the collected step's; its `step_s` is this call's."""
+        t0 = time.perf_counter()
+        if not self._in_flight:
+            self._submit()
+        sched = self.scheduler
+        if self.overlap and len(self._in_flight) == 1 and sched.has_work() \
+                and not sched.needs_tokens():
+            self._submit()  # step k+1, planned and sent while the ranks run step k
+        record = self._complete(self._in_flight.popleft())
+        record.step_s = time.perf_counter() - t0
+        self.totals.add(record)
+        return record
+
+    def _submit(self) -> None:
+        """Plan and send. The record's summary is made between the plan and the send,
+        outside every timed part."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         schedule_s = time.perf_counter() - t0
@@ -169,15 +223,22 @@ class EngineCore:
         if self.telemetry is not None:
             self.telemetry.step_started(record)
         t1 = time.perf_counter()
-        results = self.executor.step(plan)
+        self.executor.submit(plan)
+        self._in_flight.append(_InFlight(plan, self.scheduler.digest.value, record,
+                                         time.perf_counter() - t1))
+
+    def _complete(self, f: _InFlight) -> StepRecord:
+        plan, record = f.plan, f.record
+        t1 = time.perf_counter()
+        results = self.executor.collect()
         t2 = time.perf_counter()
-        check_digests(plan.step, self.scheduler.digest.value, results)
+        check_digests(plan.step, f.digest, results)
         t3 = time.perf_counter()
         record.outputs = self.scheduler.update(plan, results[0].sampled)
         t4 = time.perf_counter()
         check_cache(self.scheduler, plan.step)
         t5 = time.perf_counter()
-        record.execute_s, record.update_s = t2 - t1, t5 - t2
+        record.execute_s, record.update_s = f.submit_s + t2 - t1, t5 - t2
         record.check_s = (t3 - t2) + (t5 - t4)
         record.forward_s = results[0].timing.forward_s
         # in-process executors have no exchange
@@ -185,8 +246,6 @@ class EngineCore:
         record.ranks = [r.timing for r in results]
         if self.telemetry is not None:
             self.telemetry.step_done(record)
-        record.step_s = time.perf_counter() - t0
-        self.totals.add(record)
         return record
 
     def stats(self) -> EngineStats:

@@ -1,12 +1,17 @@
 """How the scheduler reaches its ranks: one small interface, two implementations.
 
 `ZmqExecutor` talks to worker processes over ZeroMQ (ROUTER here, one DEALER per
-rank). Tests and the simulator implement the same three methods in-process.
+rank). Tests and the simulator implement the same methods in-process.
+
+A plan is `submit`ted, and its results `collect`ed later, in submission order: with
+overlap scheduling (scheduler/engine.py) the engine submits step k+1 before it collects
+step k, so each rank finds its next plan queued on its socket when it finishes a step.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -31,8 +36,14 @@ class Executor(Protocol):
     def start(self) -> list[WorkerReady]:
         """Bring the ranks up; one WorkerReady per rank, in rank order."""
 
+    def submit(self, plan: StepPlan) -> None:
+        """Send one plan to every rank; it runs after every plan submitted before it."""
+
+    def collect(self) -> list[StepResult]:
+        """The oldest submitted plan's results: one StepResult per rank, in rank order."""
+
     def step(self, plan: StepPlan) -> list[StepResult]:
-        """Run one plan on every rank; one StepResult per rank, in rank order."""
+        """Run one plan on every rank (submit, then collect)."""
 
     def shutdown(self) -> None: ...
 
@@ -48,7 +59,15 @@ class ExchangeTiming:
     send_s: float = 0.0
     decode_s: float = 0.0  # the ranks' results from msgpack (part of wait_s)
     round_trip_s: list[float] = field(default_factory=list)  # per rank: its send -> result in
-    wait_s: float = 0.0  # from the first send to the last result decoded
+    wait_s: float = 0.0  # the sends, and from collecting to the last result decoded
+
+
+@dataclass
+class _Submitted:
+    step: int
+    encode_s: float
+    send_s: float
+    sent: list[float]  # per rank, perf_counter before its send
 
 
 class WorkerFailure(RuntimeError):
@@ -87,6 +106,10 @@ class ZmqExecutor:
         self._identities: list[bytes] = []
         self._procs: dict[int, RankProcess] = {}
         self.last_exchange = ExchangeTiming()  # of the last step (EngineCore reads it)
+        self._submitted: deque[_Submitted] = deque()
+        # results of a later step that came in while an earlier one was collected:
+        # step -> rank -> (result, perf_counter at arrival)
+        self._early: dict[int, dict[int, tuple[StepResult, float]]] = {}
 
     def _recv(self, deadline: float, during: str) -> tuple[bytes, bytes] | None:
         """The next (identity, frame), or None at the deadline. Between poll slices, a rank
@@ -154,7 +177,7 @@ class ZmqExecutor:
         return WorkerFailure(f"no answer from the ranks within {self.start_timeout_s:.0f}s "
                              f"({waiting_for})", cause="hung")
 
-    def step(self, plan: StepPlan) -> list[StepResult]:
+    def submit(self, plan: StepPlan) -> None:
         t0 = time.perf_counter()
         frame = codec.encode(plan)
         t1 = time.perf_counter()
@@ -164,29 +187,41 @@ class ZmqExecutor:
         for identity in self._identities:
             sent.append(time.perf_counter())
             self._sock.send_multipart([identity, frame])
-        t2 = time.perf_counter()
-        results: dict[int, StepResult] = {}
-        arrived = [0.0] * self.world_size
+        self._submitted.append(_Submitted(plan.step, t1 - t0, time.perf_counter() - t1, sent))
+
+    def collect(self) -> list[StepResult]:
+        """Under overlap a rank may answer the next step before another rank answers this
+        one: such results wait in `_early` for their own collect."""
+        sub = self._submitted.popleft()
+        t0 = time.perf_counter()
+        results = self._early.pop(sub.step, {})
         decode_s = 0.0
         deadline = time.monotonic() + self.step_timeout_s
-        during = f"during step {plan.step}"
+        during = f"during step {sub.step}"
         while len(results) < self.world_size:
             got = self._recv(deadline, during)
             if got is None:
-                raise self._hung(plan.step, sorted(set(range(self.world_size)) - set(results)))
+                raise self._hung(sub.step, sorted(set(range(self.world_size)) - set(results)))
             t = time.perf_counter()
             msg = codec.decode(got[1])
             decode_s += time.perf_counter() - t
             assert isinstance(msg, StepResult), msg
             if msg.error:
-                raise self._rank_error(msg.rank, during, msg.error)
-            results[msg.rank] = msg
-            arrived[msg.rank] = t
+                raise self._rank_error(msg.rank, f"during step {msg.step}", msg.error)
+            if msg.step == sub.step:
+                results[msg.rank] = (msg, t)
+            else:
+                assert msg.step > sub.step, f"rank {msg.rank} answered step {msg.step} twice"
+                self._early.setdefault(msg.step, {})[msg.rank] = (msg, t)
         self.last_exchange = ExchangeTiming(
-            encode_s=t1 - t0, send_s=t2 - t1, decode_s=decode_s,
-            round_trip_s=[a - s for a, s in zip(arrived, sent)],
-            wait_s=time.perf_counter() - t1)
-        return [results[r] for r in range(self.world_size)]
+            encode_s=sub.encode_s, send_s=sub.send_s, decode_s=decode_s,
+            round_trip_s=[results[r][1] - s for r, s in enumerate(sub.sent)],
+            wait_s=sub.send_s + time.perf_counter() - t0)
+        return [results[r][0] for r in range(self.world_size)]
+
+    def step(self, plan: StepPlan) -> list[StepResult]:
+        self.submit(plan)
+        return self.collect()
 
     def _hung(self, step: int, missing: list[int]) -> WorkerFailure:
         procs = [self._procs.get(r, RankProcess(r, 0, "")) for r in missing]

@@ -56,10 +56,9 @@ class SchedulerServer:
         self._stopping = True
 
     def run(self) -> None:
-        sched = self.core.scheduler
         while not self._stopping:
-            self._drain_clients(block=not sched.has_work())
-            if sched.has_work():
+            self._drain_clients(block=not self.core.has_work())
+            if self.core.has_work():
                 self._send(self.core.step().outputs)
 
     def _drain_clients(self, block: bool) -> None:

@@ -36,6 +36,9 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # tokens whose KV is written (or being written this step)
+    # tokens sampled by steps whose results have not come back yet (0 or 1 when a plan is
+    # made; overlap scheduling): the next decode runs one as PENDING_TOKEN
+    num_pending: int = 0
     block_ids: list[int] = field(default_factory=list)  # the table as the scheduler has it
     opened: bool = False  # the ranks hold its block table
     num_sent_blocks: int = 0  # leading `block_ids` the ranks hold (sent in plans)

@@ -23,7 +23,7 @@ from wire.client import GenerateRequest, RequestOutput
 from wire.config import EngineConfig
 from wire.digest import StateDigest
 from wire.lifecycle import EngineLimits
-from wire.step import AppendBlocks, NewSequence, ScheduledChunk, StepPlan
+from wire.step import PENDING_TOKEN, AppendBlocks, NewSequence, ScheduledChunk, StepPlan
 
 GRAMMAR_WAIT_S = 0.05  # an idle step waits this long for the queue head's grammar
 MAX_RETENTION_S = 24 * 3600.0  # a retention hint's longest TTL (Anthropic offers 1 h)
@@ -58,6 +58,8 @@ class Scheduler:
         self._by_request: dict[str, Sequence] = {}
         self._next_seq_id = 1
         self._to_close: list[Sequence] = []
+        # closed ahead of their last token, which a step in flight samples (`_close_ahead`)
+        self._awaiting: dict[int, Sequence] = {}
         self._pending_outputs: list[RequestOutput] = []  # decided while planning
         self._model_key = config.model
         self._sessions = SessionChains(config.block_size)
@@ -137,8 +139,9 @@ class Scheduler:
             del self._by_request[request_id]
             seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
             return self._output(seq)
-        self.running.remove(seq)
-        self._finish(seq, reason)
+        if self._awaiting.pop(seq.seq_id, None) is None:
+            self.running.remove(seq)
+        self._finish(seq, reason)  # an awaiting one is closed already: its token is dropped
         return self._output(seq)
 
     def _expire(self, now: float) -> None:
@@ -169,7 +172,15 @@ class Scheduler:
         return self._by_request.get(request_id)
 
     def has_work(self) -> bool:
-        return bool(self.running or len(self.queue) or self._to_close)
+        return bool(self.running or len(self.queue) or self._to_close or self._awaiting)
+
+    def needs_tokens(self) -> bool:
+        """Whether the next plan needs the tokens of the step in flight: a sequence
+        whose next sample is masked (a grammar, a thinking budget) by a state that
+        depends on its pending token. The engine then plans after the results (no
+        overlap for that step)."""
+        return any(s.num_pending and (s.guide is not None or s.thinking is not None)
+                   for s in self.running)
 
     # --- ends and closes ----------------------------------------------------------
 
@@ -217,6 +228,7 @@ class Scheduler:
         to_close, self._to_close = self._to_close, []
         for seq in to_close:
             self._close(seq, plan)
+        self._close_ahead(plan)
         budget = self.config.max_num_batched_tokens
 
         # Running sequences first (decodes and unfinished prefills), oldest first.
@@ -226,7 +238,7 @@ class Scheduler:
         num_running_before = len(self.running)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            num_new = min(seq.num_tokens + seq.num_pending - seq.num_computed, budget)
             grown = self._grow(seq, num_new)
             while not grown and self.running[-1] is not seq:
                 self._preempt(self.running[-1], plan)
@@ -235,6 +247,8 @@ class Scheduler:
                 self._schedule(plan, seq, num_new)
                 budget -= num_new
                 i += 1
+            elif len(self.running) == 1 and seq.num_pending:
+                i += 1  # decide once its pending token is known (it may end the sequence)
             elif len(self.running) == 1:  # alone and still out of room: it can never fit
                 self.running.pop(i)
                 self._finish(seq, "length")
@@ -279,7 +293,10 @@ class Scheduler:
         this one, e.g. a second agent sent the same fresh context -- may hit them."""
         start = seq.num_computed
         end = start + num_new
-        self.cache.commit(seq.seq_id, seq.tokens, end, plan.step)
+        known = seq.num_tokens
+        # A block whose last token is pending is registered by the sequence's next plan,
+        # once the token is known; never if that token ends it (`_close_ahead`, `update`).
+        self.cache.commit(seq.seq_id, seq.tokens, min(end, known), plan.step)
         if not seq.opened:
             plan.new_seqs.append(NewSequence(seq.seq_id, list(seq.block_ids),
                                              seq.request.sampling))
@@ -288,12 +305,37 @@ class Scheduler:
         elif len(seq.block_ids) > seq.num_sent_blocks:
             plan.append.append(AppendBlocks(seq.seq_id, seq.block_ids[seq.num_sent_blocks:]))
             seq.num_sent_blocks = len(seq.block_ids)
-        sample = end == seq.num_tokens
+        sample = end == known + seq.num_pending
+        assert not (seq.num_pending and sample and self._masked(seq)), (
+            "a masked sample planned before its sequence's pending token is known")
         allowed = self._allowed(seq) if sample else None
-        plan.chunks.append(ScheduledChunk(seq.seq_id, seq.tokens[start:end], start,
+        token_ids = seq.tokens[start:end]
+        if end > known:  # the token sampled by the step in flight, resolved by the ranks
+            token_ids.extend([PENDING_TOKEN] * (end - known))
+        plan.chunks.append(ScheduledChunk(seq.seq_id, token_ids, start,
                                           sample=sample, allowed=allowed))
         seq.num_computed = end
+        seq.num_pending += sample
         seq.last_step = plan.step
+
+    def _close_ahead(self, plan: StepPlan) -> None:
+        """Overlap scheduling: a sequence whose pending token is certain to be its last
+        (max_tokens, or the context is full) is never planned past it, and is closed by
+        this plan, the one after the step that samples that token -- exactly when the
+        close-timing rule wants it. It waits in `_awaiting` for its token, which `update`
+        emits as the end."""
+        for seq in [s for s in self.running if s.num_pending and self._ends_with_pending(s)]:
+            self.running.remove(seq)
+            self._close(seq, plan)
+            self._awaiting[seq.seq_id] = seq
+
+    def _ends_with_pending(self, seq: Sequence) -> bool:
+        return (len(seq.output) + seq.num_pending >= seq.request.max_tokens
+                or seq.num_tokens + seq.num_pending >= self.limits.max_model_len)
+
+    @staticmethod
+    def _masked(seq: Sequence) -> bool:
+        return seq.guide is not None or seq.thinking is not None
 
     def _settle_grammar(self, seq: Sequence, *, wait: bool) -> bool:
         """Whether the queue's head is settled: it has no grammar, or its grammar has
@@ -357,6 +399,9 @@ class Scheduler:
         self._close(seq, plan)
         seq.status = SeqStatus.WAITING
         seq.num_computed = 0
+        # a token sampled by the step in flight is dropped: the recompute samples it again
+        # (the same token at temperature 0 or with a seed), after its tokens are all known
+        seq.num_pending = 0
         seq.num_preemptions += 1
         self.queue.push_front(seq)
 
@@ -376,8 +421,13 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         for seq_id, token in sampled:
             seq = by_id.get(seq_id)
-            if seq is None:  # aborted while the step ran; its close is already pending
+            if seq is None:
+                ended = self._awaiting.pop(seq_id, None)
+                if ended is not None:
+                    outputs.append(self._last_token(ended, token, now))
+                # else aborted or preempted while the step ran; its close is already made
                 continue
+            seq.num_pending -= 1
             seq.append_output(token)
             seq.first_token_time = seq.first_token_time or now
             reason = self._stop_reason(seq, token)
@@ -386,6 +436,16 @@ class Scheduler:
                 self._finish(seq, reason)
             outputs.append(self._output(seq))
         return outputs
+
+    def _last_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+        """The token of a sequence closed ahead of it (`_close_ahead`): certain to end it."""
+        seq.num_pending -= 1
+        seq.append_output(token)
+        seq.first_token_time = seq.first_token_time or now
+        reason = self._stop_reason(seq, token)
+        assert reason is not None, f"seq {seq.seq_id} was closed ahead of a token not its last"
+        self._finish(seq, reason)  # closed already: it only leaves
+        return self._output(seq)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         if token in seq.stop_token_ids:  # the end, inside a span or not: not reasoning

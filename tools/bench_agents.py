@@ -59,7 +59,7 @@ def run_workload(core: EngineCore, args: argparse.Namespace, progress: tqdm) -> 
     ttfts: list[float] = []
     prompt_tokens = device_hits = host_hits = 0
     start = time.perf_counter()
-    while any(a.turn < args.turns for a in agents) or core.scheduler.has_work():
+    while any(a.turn < args.turns for a in agents) or core.has_work():
         # an agent's pause does not count in its TTFT: it is measured from submission
         now = time.perf_counter()
         for a in agents:
@@ -68,7 +68,7 @@ def run_workload(core: EngineCore, args: argparse.Namespace, progress: tqdm) -> 
                 a.submitted_at = time.perf_counter()
                 core.scheduler.add_request(GenerateRequest(
                     f"{a.name}-{a.turn}", list(a.history), args.output_tokens, ignore_eos=True))
-        if not core.scheduler.has_work():
+        if not core.has_work():
             time.sleep(0.01)  # every agent is thinking
             continue
         by_id = {f"{a.name}-{a.turn}": a for a in agents}

@@ -90,7 +90,7 @@ def _drive(core: EngineCore, requests: list[GenerateRequest]) -> tuple[int, int]
     for r in requests:
         core.scheduler.add_request(r)
     steps = tokens = 0
-    while core.scheduler.has_work():
+    while core.has_work():
         tokens += sum(len(out.token_ids) for out in core.step().outputs)
         steps += 1
     return steps, tokens

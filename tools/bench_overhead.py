@@ -119,7 +119,8 @@ def engine(model: str, spec: EngineSpec, args: argparse.Namespace,
         null_model_forward_ms=spec.forward_ms, max_model_len=MAX_MODEL_LEN,
         kv_cache_memory=device_blocks(args, spec.batches) * block_bytes,
         host_cache_memory=args.host_blocks * block_bytes,
-        max_num_seqs=max(spec.batches), max_num_batched_tokens=args.max_num_batched_tokens)
+        max_num_seqs=max(spec.batches), max_num_batched_tokens=args.max_num_batched_tokens,
+        async_scheduling=not args.no_async_scheduling)
     with tempfile.TemporaryDirectory(prefix="deepinfer-overhead-") as run_dir:
         address = f"ipc://{run_dir}/workers.sock"
         executor = ZmqExecutor(address, config, start_timeout_s=300)
@@ -160,7 +161,7 @@ class Driver:
         for request_id in list(self.live):
             self.core.scheduler.abort_request(request_id)
         self.live.clear()
-        while self.core.scheduler.has_work():
+        while self.core.has_work():
             self.core.step()
 
 
@@ -168,7 +169,7 @@ def warm_pool(driver: Driver) -> None:
     """Every conversation once (one output token), so that the measured cells hit them."""
     sched = driver.core.scheduler
     remaining = len(driver.work.conversations)
-    while remaining or sched.has_work():
+    while remaining or driver.core.has_work():
         while remaining and len(driver.live) < sched.config.max_num_seqs:  # the queue is bounded
             driver.submit(1)
             remaining -= 1
@@ -322,6 +323,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the forward time of the idle-time cells (0: none)")
     p.add_argument("--idle-batch", type=int, default=64)
     p.add_argument("--idle-world-sizes", type=ints, default=(1, 4))
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="no overlap: each step is planned after the ranks finished the last")
     p.add_argument("--no-machine-rates", action="store_true",
                    help="skip measuring the matmul and copy rates (tests)")
     p.add_argument("--json", type=Path, default=None,
@@ -368,7 +371,8 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> int:
     for r in rows:
         if r["forward_ms"] == args.idle_forward_ms and args.idle_forward_ms > 0:
             console.print(f"forward {r['forward_ms']:g} ms, world size {r['world_size']}, "
-                          f"batch {r['batch']}, {r['mode']}: the ranks idle "
+                          f"batch {r['batch']}, {r['mode']}, overlap "
+                          f"{'off' if args.no_async_scheduling else 'on'}: the ranks idle "
                           f"{r['breakdown_ms']['idle']:.2f} ms between forwards, "
                           f"{100 * r['idle_share']:.1f}% of their time")
     problems = check_counters(rows)

@@ -21,6 +21,7 @@ import json
 import random
 import resource
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -74,12 +75,19 @@ class CostModelExecutor:
             vocab_size=vocab_size, max_model_len=max_model_len, eos_token_ids=(),
             num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks))
         self.mirror = StateDigest(num_device_blocks, num_host_blocks)
+        self._submitted: deque[StepPlan] = deque()  # run in order, each at its collect
         self.clock = 0.0  # virtual seconds
         self.prompt_seconds: dict[int, float] = {}  # seq id -> time computing its prompt
         self.swap_seconds = 0.0
 
     def start(self) -> list[WorkerReady]:
         return [self.ready]
+
+    def submit(self, plan: StepPlan) -> None:
+        self._submitted.append(plan)
+
+    def collect(self) -> list[StepResult]:
+        return self.step(self._submitted.popleft())
 
     def step(self, plan: StepPlan) -> list[StepResult]:
         self.mirror.apply(plan)  # exactly what a rank applies
@@ -164,7 +172,7 @@ def run_scenario(core: EngineCore, sc: Scenario, clock, progress: tqdm | None = 
                 sched.add_request(GenerateRequest(
                     a.request, list(a.sessions[a.current]), sc.output_tokens, ignore_eos=True,
                     session_id=f"agent{i}-s{a.current}"))
-        if not sched.has_work():  # everyone is thinking: jump to the next arrival
+        if not core.has_work():  # everyone is thinking: jump to the next arrival
             _advance(core, min(a.ready_at for a in agents if a.turn < sc.turns))
             continue
         t0 = time.process_time()
@@ -224,7 +232,10 @@ def simulate(sc: Scenario, cost: CostModel, device_tokens: int, host_tokens: int
     config = EngineConfig(model="simulated", block_size=block, kv_write_policy=policy,
                           enable_prefix_caching=caching, max_num_seqs=max(256, sc.agents),
                           max_num_batched_tokens=max_batched,
-                          max_queued_requests=max(1024, sc.agents))
+                          max_queued_requests=max(1024, sc.agents),
+                          # a serial cost model: nothing to overlap, and a finished request
+                          # stays readable (`sequence`) until its close
+                          async_scheduling=False)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     core = EngineCore(Scheduler(config, agree_limits(executor.start()),
                                 clock=lambda: executor.clock), executor)

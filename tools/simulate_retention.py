@@ -53,7 +53,7 @@ class RetentionScenario:
 def _drain(core: EngineCore, bar: tqdm | None = None) -> dict[str, tuple[int, int]]:
     """Step until every request is done; (prompt tokens, cached tokens) per request."""
     done: dict[str, tuple[int, int]] = {}
-    while core.scheduler.has_work():
+    while core.has_work():
         for out in core.step().outputs:
             if out.finished:
                 done[out.request_id] = (out.num_prompt_tokens, out.num_device_cached_tokens

@@ -41,6 +41,10 @@ class EngineConfig:
     # waits this many milliseconds (0 included) and samples deterministic tokens, with no
     # weights; the scheduler, cache, protocol, digests and sockets stay real. None: off.
     null_model_forward_ms: float | None = None
+    # Overlap scheduling: plan and send step k+1 while the ranks run step k; a decode names
+    # the token sampled at step k as PENDING_TOKEN and the ranks resolve it (scheduler/
+    # engine.py). False: every step waits for the one before (--no-async-scheduling).
+    async_scheduling: bool = True
 
     @property
     def tokenizer_dir(self) -> str:

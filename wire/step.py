@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 
 from wire.client import SamplingParams
 
+# In a chunk's token_ids: the token this sequence sampled in the step before, which the
+# scheduler plans with before it knows it (overlap scheduling, scheduler/engine.py). Every
+# rank resolves it from the samples rank 0 shared after that step (worker/model_runner.py).
+PENDING_TOKEN = -1
+
 
 @dataclass
 class NewSequence:
@@ -78,6 +83,8 @@ class RankTiming:
     digest_s: float = 0.0  # StateDigest.apply
     prepare_s: float = 0.0  # the batch's input tensors and page tables
     forward_s: float = 0.0  # forward pass and sampling (0 in a step without chunks)
+    # rank 0's sampled ids broadcast to every rank (overlap scheduling, world size > 1)
+    share_s: float = 0.0
     # from the end of this rank's previous forward to the start of this one (0 for the first
     # forward, and in a step without one: the idle time then counts in the next forward's)
     gap_s: float = 0.0

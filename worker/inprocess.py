@@ -1,10 +1,13 @@
 """A world-size-1 executor that runs the ModelRunner in the calling process.
 
-It implements the scheduler's executor interface (start, step, shutdown), so tests
+It implements the scheduler's executor interface (start, submit, collect, step, shutdown;
+a submitted plan runs at its collect, in order), so tests
 and benchmarks drive the real scheduler against the real model without ZeroMQ.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from wire.config import EngineConfig
 from wire.lifecycle import EngineLimits, WorkerReady
@@ -18,11 +21,19 @@ class InProcessExecutor:
         assert config.world_size == 1, "in-process execution is world size 1"
         self.config = config
         self.runner: ModelRunner | None = None
+        self._submitted: deque[StepPlan] = deque()
 
     def start(self) -> list[WorkerReady]:
         device = resolve_device(self.config.device, 0)
         self.runner = ModelRunner(self.config, TensorParallelGroup(0, 1), device)
         return [ready_message(self.runner, 0)]
+
+    def submit(self, plan: StepPlan) -> None:
+        """Queue a plan: it runs at its `collect`, after every plan submitted before it."""
+        self._submitted.append(plan)
+
+    def collect(self) -> list[StepResult]:
+        return self.step(self._submitted.popleft())
 
     def step(self, plan: StepPlan) -> list[StepResult]:
         out = self.runner.execute(plan)

@@ -17,7 +17,7 @@ import torch
 from wire.client import SamplingParams
 from wire.config import EngineConfig
 from wire.digest import StateDigest
-from wire.step import RankTiming, StepPlan
+from wire.step import PENDING_TOKEN, RankTiming, StepPlan
 from worker.attention import AttentionBackend, AttentionMetadata, create_backend
 from worker.budget import (
     check_holds_one_sequence,
@@ -95,6 +95,11 @@ class ModelRunner:
         # (the rank's control thread marks the step there; test-only faults hook in too).
         self.on_applied: Callable[[StepPlan], None] | None = None
         self._last_forward_end: float | None = None  # perf_counter; for RankTiming.gap_s
+        # seq id -> the token it sampled last (every rank, with overlap scheduling): what a
+        # PENDING_TOKEN in the next plan stands for
+        self.last_token: dict[int, int] = {}
+        # the other ranks need rank 0's samples only to resolve PENDING_TOKEN
+        self._share_samples = config.async_scheduling and tp.world_size > 1
 
     def _profile_num_blocks(self, block_bytes: int) -> int:
         """CUDA: blocks that fit in `gpu_memory_utilization` of the GPU after the weights and
@@ -138,6 +143,7 @@ class ModelRunner:
             return StepOutput([], self.digest.value, timing)
 
         t2 = time.perf_counter()
+        self._resolve_pending(plan)
         # the null model takes none of these, but a rank builds them every step all the
         # same (its page tables check every chunk against its block table)
         ids, positions, slots, meta, sample_rows = self._prepare_batch(plan)
@@ -150,11 +156,32 @@ class ModelRunner:
             sampled, logits = self._forward(plan, ids, positions, slots, meta, sample_rows,
                                             return_logits)
         t4 = time.perf_counter()
-        timing.prepare_s, timing.forward_s = t3 - t2, t4 - t3
+        if self._share_samples:
+            sampled = self._share(plan, sampled)
+        for seq_id, token in sampled:
+            self.last_token[seq_id] = token
+        if self.tp.rank != 0:
+            sampled = []  # rank 0 answers for the batch
+        t5 = time.perf_counter()
+        timing.prepare_s, timing.forward_s, timing.share_s = t3 - t2, t4 - t3, t5 - t4
         if self._last_forward_end is not None:
             timing.gap_s = t3 - self._last_forward_end
-        self._last_forward_end = t4
+        self._last_forward_end = t5
         return StepOutput(sampled, self.digest.value, timing, logits)
+
+    def _resolve_pending(self, plan: StepPlan) -> None:
+        """Replace each chunk's PENDING_TOKEN (only ever a decode's last token) by the token
+        its sequence sampled in the step before, which this rank has by now."""
+        for chunk in plan.chunks:
+            if chunk.token_ids[-1] == PENDING_TOKEN:
+                chunk.token_ids[-1] = self.last_token[chunk.seq_id]
+
+    def _share(self, plan: StepPlan, sampled: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Rank 0's samples on every rank, one small broadcast (the plan says how many)."""
+        seq_ids = [c.seq_id for c in plan.chunks if c.sample]
+        tokens = self.tp.broadcast_ints([t for _, t in sampled] if self.tp.rank == 0 else None,
+                                        len(seq_ids))
+        return list(zip(seq_ids, tokens))
 
     def _forward(self, plan: StepPlan, ids: torch.Tensor, positions: torch.Tensor,
                  slots: torch.Tensor, meta: AttentionMetadata, sample_rows: list[int],
@@ -183,6 +210,7 @@ class ModelRunner:
             assert seq_id not in running, f"step {plan.step}: seq {seq_id} closed while running"
             del self.block_tables[seq_id]
             del self.sampling[seq_id]
+            self.last_token.pop(seq_id, None)
 
     def _apply_table_deltas(self, plan: StepPlan) -> None:
         for seq in plan.new_seqs:

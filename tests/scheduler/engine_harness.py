@@ -14,7 +14,7 @@ from scheduler.scheduler import Scheduler
 from tests.conftest import REPO, fitting_max_model_len, free_port, subprocess_env
 from wire.client import GenerateRequest
 from wire.config import EngineConfig
-from wire.step import StepPlan, StepResult
+from wire.step import PENDING_TOKEN, StepPlan, StepResult
 
 
 @dataclass
@@ -24,15 +24,26 @@ class RecordingExecutor:
     inner: Executor
     plans: list[StepPlan] = field(default_factory=list)
     results: list[list[StepResult]] = field(default_factory=list)
+    # per plan, its chunks naming a PENDING_TOKEN when submitted (an in-process rank
+    # resolves them in place)
+    num_pending: list[int] = field(default_factory=list)
 
     def start(self):
         return self.inner.start()
 
-    def step(self, plan: StepPlan) -> list[StepResult]:
+    def submit(self, plan: StepPlan) -> None:
         self.plans.append(plan)
-        out = self.inner.step(plan)
+        self.num_pending.append(sum(c.token_ids[-1] == PENDING_TOKEN for c in plan.chunks))
+        self.inner.submit(plan)
+
+    def collect(self) -> list[StepResult]:
+        out = self.inner.collect()
         self.results.append(out)
         return out
+
+    def step(self, plan: StepPlan) -> list[StepResult]:
+        self.submit(plan)
+        return self.collect()
 
     def shutdown(self) -> None:
         self.inner.shutdown()
@@ -88,7 +99,7 @@ def run_until_done(core: EngineCore, requests: list[GenerateRequest],
         core.scheduler.add_request(req)
     results: dict[str, dict] = {r.request_id: {"tokens": []} for r in requests}
     for _ in range(max_steps):
-        if not core.scheduler.has_work():
+        if not core.has_work():
             return results
         step = core.scheduler.step
         for out in core.step().outputs:

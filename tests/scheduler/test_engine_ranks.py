@@ -44,8 +44,9 @@ def test_batching_and_chunking_change_nothing_at_world_size_4(default_model):
         assert len(together[f"t{i}"]["tokens"]) == 12
 
 
-def test_close_comes_in_the_plan_after_the_final_token(default_model):
-    with zmq_engine(default_model, 4) as core:
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_close_comes_in_the_plan_after_the_final_token(default_model, overlap):
+    with zmq_engine(default_model, 4, async_scheduling=overlap) as core:
         reqs = requests("c", max_tokens=5)[:4]
         for r in reqs:
             core.scheduler.add_request(r)

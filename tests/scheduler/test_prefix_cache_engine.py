@@ -20,10 +20,11 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_multi_turn_conversation_hits_at_world_size_4(default_model):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_multi_turn_conversation_hits_at_world_size_4(default_model, overlap):
     """The silent-miss regression: each turn resends the last prompt plus its output."""
     rng = random.Random(1)
-    with zmq_engine(default_model, 4) as core:
+    with zmq_engine(default_model, 4, async_scheduling=overlap) as core:
         prompt = tokens(rng, 300) + tokens(rng, 40)  # system prompt + first user turn
         ratios = []
         for turn in range(5):
@@ -92,7 +93,7 @@ def test_workload_larger_than_the_device_budget(default_model):
     first = {}
     for req in reqs:
         core.scheduler.add_request(req)
-    while core.scheduler.has_work():
+    while core.has_work():
         for out in core.step().outputs:
             first.setdefault(out.request_id, []).extend(out.token_ids)
         usage = cache.usage()
@@ -124,13 +125,17 @@ class EarlyCloseScheduler(Scheduler):
 
 
 def test_closing_at_the_final_token_is_caught(default_model):
+    # Without overlap: with it, an end by max_tokens is closed ahead (scheduler/engine.py)
+    # and never waits in `_to_close`, where this bug strikes.
     # Caught twice over: by the accounting check that runs after every step (the cache
     # let go of a sequence the ranks still hold open)...
-    core = inprocess_engine(default_model, scheduler_cls=EarlyCloseScheduler)
+    core = inprocess_engine(default_model, scheduler_cls=EarlyCloseScheduler,
+                            async_scheduling=False)
     with pytest.raises(CacheAccountingError, match=r"open \[1\] holding none"):
         run_until_done(core, [GenerateRequest("early", list(range(20, 60)), 3)])
     # ...and, were that check off, by the close-timing rule when the next plan closes it.
-    core = inprocess_engine(default_model, scheduler_cls=EarlyCloseScheduler)
+    core = inprocess_engine(default_model, scheduler_cls=EarlyCloseScheduler,
+                            async_scheduling=False)
     core.scheduler.check_accounting = lambda: None
     with pytest.raises(AssertionError, match="close-timing violated"):
         run_until_done(core, [GenerateRequest("early", list(range(20, 60)), 3)])

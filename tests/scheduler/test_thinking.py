@@ -77,7 +77,7 @@ def test_the_engine_ends_a_span_at_its_budget(default_model) -> None:
     outputs: dict[str, list] = {}
     for req in requests:
         core.scheduler.add_request(req)
-    while core.scheduler.has_work():
+    while core.has_work():
         for out in core.step().outputs:
             outputs.setdefault(out.request_id, []).append(out)
     tokens = {rid: [t for out in outs for t in out.token_ids] for rid, outs in outputs.items()}
