@@ -36,6 +36,10 @@ from wire.control import (
 from wire.control_server import ControlServer, stack_dump
 
 MAX_TIER_SLICE = 1 << 20
+# A snapshot holds overlap scheduling off this long: with a plan always in flight the
+# scheduler is a step ahead of the ranks, and `deepinfer-inspect check` could never find
+# an aligned round (scheduler/engine.py `EngineCore.step`).
+OVERLAP_HOLD_S = 2.0
 TOP_SESSIONS = 10
 
 
@@ -72,6 +76,7 @@ class SchedulerControl:
     def snapshot(self, detail: bool = False) -> SchedulerSnapshot:
         sched, tel, cfg = self.scheduler, self.telemetry, self.scheduler.config
         now = time.monotonic()
+        sched.overlap_hold_until = now + OVERLAP_HOLD_S
         # Read the step before the state it describes: if a plan lands in between, the
         # state is newer than `step`, which `check` sees as a moving engine and retries.
         step = sched.step - 1

@@ -205,7 +205,7 @@ class EngineCore:
             self._submit()
         sched = self.scheduler
         if self.overlap and len(self._in_flight) == 1 and sched.has_work() \
-                and not sched.needs_tokens():
+                and not sched.needs_tokens() and time.monotonic() >= sched.overlap_hold_until:
             self._submit()  # step k+1, planned and sent while the ranks run step k
         record = self._complete(self._in_flight.popleft())
         record.step_s = time.perf_counter() - t0

@@ -58,6 +58,9 @@ class Scheduler:
         self._by_request: dict[str, Sequence] = {}
         self._next_seq_id = 1
         self._to_close: list[Sequence] = []
+        # Until then (time.monotonic), the engine plans only after each step's results:
+        # an inspection is comparing the ranks with the scheduler (scheduler/control.py).
+        self.overlap_hold_until = 0.0
         # closed ahead of their last token, which a step in flight samples (`_close_ahead`)
         self._awaiting: dict[int, Sequence] = {}
         self._pending_outputs: list[RequestOutput] = []  # decided while planning

@@ -6,6 +6,9 @@ a step in between and every rank has applied that step's table deltas (a rank in
 forward pass of step k holds the same tables as one that finished it). Only aligned
 rounds compare block tables and tier contents, and a difference counts only when the
 next aligned round shows it again (a round may still catch a process mid-update).
+Under overlap scheduling the scheduler is always a plan ahead of the ranks, so each
+scheduler snapshot holds overlap off for a moment (scheduler/control.py OVERLAP_HOLD_S)
+and the rounds after the first can align.
 """
 
 from __future__ import annotations

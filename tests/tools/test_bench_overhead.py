@@ -13,7 +13,7 @@ from tools.bench_overhead import main
 pytestmark = pytest.mark.slow
 
 PARTS = ("plan", "digest", "encode", "rank_decode", "rank_apply", "rank_digest",
-         "rank_prepare", "forward",
+         "rank_prepare", "forward", "rank_share",
          "transport", "waiting", "result_decode", "results", "check", "other")
 
 
