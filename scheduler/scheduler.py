@@ -19,6 +19,7 @@ from scheduler.queue import QueueFullError, RequestQueue
 from scheduler.request import SeqStatus, Sequence
 from scheduler.session_chains import SessionChains
 from scheduler.thinking import ThinkingBudget
+from scheduler.validation import RequestRejected, validate_request
 from wire.client import GenerateRequest, RequestOutput
 from wire.config import EngineConfig
 from wire.digest import StateDigest
@@ -26,13 +27,6 @@ from wire.lifecycle import EngineLimits
 from wire.step import PENDING_TOKEN, AppendBlocks, NewSequence, ScheduledChunk, StepPlan
 
 GRAMMAR_WAIT_S = 0.05  # an idle step waits this long for the queue head's grammar
-MAX_RETENTION_S = 24 * 3600.0  # a retention hint's longest TTL (Anthropic offers 1 h)
-
-
-class RequestRejected(ValueError):
-    def __init__(self, message: str, error_type: str = "invalid_request") -> None:
-        super().__init__(message)
-        self.error_type = error_type
 
 
 class Scheduler:
@@ -74,7 +68,9 @@ class Scheduler:
 
     def add_request(self, req: GenerateRequest) -> None:
         """Queue a request, or raise RequestRejected with a message for the client."""
-        self._validate(req)
+        if req.request_id in self._by_request:
+            raise RequestRejected(f"request id {req.request_id!r} is already in use")
+        validate_request(req, self.limits, self.block_size)
         extra_key = make_extra_key(self._model_key, req.cache_salt)
         eos = frozenset() if req.ignore_eos else frozenset(self.limits.eos_token_ids)
         seq = Sequence(
@@ -93,41 +89,6 @@ class Scheduler:
         if req.timeout_s is not None:
             deadline = seq.arrival + req.timeout_s
             heapq.heappush(self._deadlines, (deadline, seq.seq_id, req.request_id))
-
-    def _validate(self, req: GenerateRequest) -> None:
-        n, limit = len(req.prompt_token_ids), self.limits.max_model_len
-        if req.request_id in self._by_request:
-            raise RequestRejected(f"request id {req.request_id!r} is already in use")
-        if n == 0:
-            raise RequestRejected("the prompt is empty")
-        if n >= limit:
-            raise RequestRejected(f"prompt is too long: {n} tokens > {limit - 1} maximum")
-        ids, vocab = req.prompt_token_ids, self.limits.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:  # C-speed scan; find the culprit only if needed
-            bad = next(t for t in ids if not 0 <= t < vocab)
-            raise RequestRejected(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        if req.max_tokens < 1:
-            raise RequestRejected("max_tokens must be at least 1")
-        if req.timeout_s is not None and not req.timeout_s > 0:
-            raise RequestRejected("timeout_s must be > 0")
-        span = req.thinking
-        if span is not None and not (0 <= span.start_token_id < vocab
-                                     and 0 <= span.end_token_id < vocab):
-            raise RequestRejected("the thinking span's tag ids are outside the vocabulary")
-        if span is not None and span.budget is not None and not (
-                isinstance(span.budget, int) and span.budget >= 0):
-            raise RequestRejected("the thinking budget must be an integer >= 0")
-        for r in req.retention:
-            if not (isinstance(r.num_tokens, int) and r.num_tokens >= 0
-                    and 0 < r.ttl_s <= MAX_RETENTION_S):
-                raise RequestRejected(f"a retention hint needs num_tokens >= 0 and a TTL in "
-                                      f"(0, {MAX_RETENTION_S:g}] s")
-        if -(-n // self.block_size) > self.limits.num_device_blocks:
-            # worded as for the context length: agents (Claude Code) compact on it
-            raise RequestRejected(
-                f"prompt is too long: {n} tokens > "
-                f"{self.limits.num_device_blocks * self.block_size} maximum "
-                "(the device KV cache can never hold it)")
 
     def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         """Stop a request now. A queued one just leaves; a running one ends like a finished
