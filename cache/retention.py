@@ -180,13 +180,6 @@ class RetainingLru:
         self.plain.push_front(ids)
         return len(ids)
 
-    def order(self) -> np.ndarray:
-        """Present ids in eviction order if nothing expired (for tests and inspection)."""
-        rest = [q.order() for q in self.retained.values()]
-        tail = np.concatenate(rest) if rest else np.zeros(0, np.int32)
-        return np.concatenate([self.plain.order(), tail[np.argsort(self.until[tail],
-                                                                   kind="stable")]])
-
     def check(self) -> None:
         self.plain.check()
         members = self.plain.present.copy()
