@@ -233,39 +233,30 @@ class ModelRunner:
 
     def _prepare_batch(self, plan: StepPlan):
         """The batch's inputs: token ids, positions, KV slots, page tables, sample rows.
-        One Python pass over the chunks for what is per chunk; what is per token or per
-        page is numpy over the whole batch (block_table.py says why)."""
+        Only what is per chunk is Python (comprehensions over the chunks); what is per
+        token or per page is numpy over the whole batch (block_table.py says why)."""
         bs = self.config.block_size
-        ids: list[int] = []
-        pages: list[np.ndarray] = []
-        num_tokens, starts, num_pages, sample_at = [], [], [], []
-        for i, chunk in enumerate(plan.chunks):
-            table = self.block_tables[chunk.seq_id]
-            n = len(chunk.token_ids)
-            ctx = chunk.start_pos + n
-            p = -(-ctx // bs)
-            assert n > 0 and ctx <= self.max_model_len, f"seq {chunk.seq_id}: bad chunk"
-            # An exact page table: a spare page would read stale KV.
-            assert p <= len(table), (
-                f"seq {chunk.seq_id}: {ctx} tokens need {p} blocks, table has {len(table)}")
-            ids.extend(chunk.token_ids)
-            pages.append(table.pages(p))
-            num_tokens.append(n)
-            starts.append(chunk.start_pos)
-            num_pages.append(p)
-            if chunk.sample:
-                sample_at.append(i)
-        n_tok, start = np.array(num_tokens), np.array(starts)
+        chunks = plan.chunks
+        tables = [self.block_tables[c.seq_id] for c in chunks]
+        n_tok = np.array([len(c.token_ids) for c in chunks])
+        start = np.array([c.start_pos for c in chunks])
+        ctx = start + n_tok
+        num_pages = -(-ctx // bs)
+        table_len = np.array([len(t) for t in tables])
+        if not ((n_tok > 0).all() and (ctx <= self.max_model_len).all()
+                and (num_pages <= table_len).all()):
+            self._refuse_chunks(chunks, ctx, num_pages, table_len)
+        pages = [t.pages(p) for t, p in zip(tables, num_pages.tolist())]
         qo_indptr = np.concatenate(([0], np.cumsum(n_tok)))
         kv_indptr = np.concatenate(([0], np.cumsum(num_pages)))
         kv_indices = np.concatenate(pages)
         # token t of chunk c sits at start[c] + (t - qo_indptr[c]), on page
         # kv_indptr[c] + position // bs of the batch's page list
-        positions = np.arange(len(ids)) + np.repeat(start - qo_indptr[:-1], n_tok)
+        positions = np.arange(qo_indptr[-1]) + np.repeat(start - qo_indptr[:-1], n_tok)
         page = np.repeat(kv_indptr[:-1], n_tok) + positions // bs
         slots = kv_indices[page].astype(np.int64) * bs + positions % bs
-        last_page_len = start + n_tok - (np.array(num_pages) - 1) * bs
-        token_ids = np.array(ids, dtype=np.int64)
+        last_page_len = ctx - (num_pages - 1) * bs
+        token_ids = np.array([t for c in chunks for t in c.token_ids], dtype=np.int64)
         # The embedding must never see an id outside the vocabulary (the
         # scheduler rejects them first; this is the worker's own guard).
         assert 0 <= token_ids.min() and token_ids.max() < self.vocab_size, (
@@ -274,13 +265,25 @@ class ModelRunner:
         meta = AttentionMetadata(i32(qo_indptr), i32(kv_indptr), i32(kv_indices),
                                  i32(last_page_len), bs)
         dev = self.device
+        ends = qo_indptr[1:].tolist()
+        sample_rows = [end - 1 for end, c in zip(ends, chunks) if c.sample]
         return (
             torch.from_numpy(token_ids).to(dev),
             torch.from_numpy(positions.astype(np.int64)).to(dev),
             torch.from_numpy(slots).to(dev),
             meta,
-            (qo_indptr[1:][sample_at] - 1).tolist(),
+            sample_rows,
         )
+
+    def _refuse_chunks(self, chunks, ctx: np.ndarray, num_pages: np.ndarray,
+                       table_len: np.ndarray) -> None:
+        """Name the first chunk the rank cannot run (the scheduler never plans one)."""
+        for c, n_ctx, p, n_table in zip(chunks, ctx.tolist(), num_pages.tolist(),
+                                        table_len.tolist()):
+            assert c.token_ids and n_ctx <= self.max_model_len, f"seq {c.seq_id}: bad chunk"
+            # An exact page table: a spare page would read stale KV.
+            assert p <= n_table, (
+                f"seq {c.seq_id}: {n_ctx} tokens need {p} blocks, table has {n_table}")
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor,
                 rows: list[int]) -> list[tuple[int, int]]:
