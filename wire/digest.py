@@ -58,6 +58,15 @@ def _entries_sum(kind: int, ids: np.ndarray, hashes: np.ndarray) -> int:
         return int(e.sum(dtype=np.uint64))
 
 
+def samples_digest(sampled: list[tuple[int, int]]) -> int:
+    """A rank's sampled (seq id, token) pairs as one number (StepResult.sampled_digest);
+    never 0, so 0 can mean "did not sample"."""
+    s = 0
+    for seq_id, token in sampled:
+        s = _mix64(s ^ _mix64((seq_id << 32) ^ (token & 0xFFFFFFFF)))
+    return s or 1
+
+
 def table_digest(seq_id: int, block_ids: list[int] | np.ndarray, start: int = 0) -> int:
     """What `StateDigest.add_blocks` adds for these table entries (positions start,
     start+1, ...), vectorised: new 28K-block tables cost microseconds, not a Python loop.

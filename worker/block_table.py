@@ -37,10 +37,17 @@ class BlockTable:
     def __len__(self) -> int:
         return self._len
 
-    def __getitem__(self, i: int) -> int:
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            return self._ids[:self._len][i].tolist()
         if not -self._len <= i < self._len:
             raise IndexError(i)
         return int(self._ids[i % self._len])
+
+    def __delitem__(self, i: slice) -> None:
+        """Only a tail: `del table[n:]` (blocks appended for tokens that were dropped)."""
+        assert isinstance(i, slice) and i.stop is None and i.step is None, "only a tail"
+        self._len = min(self._len, range(self._len)[i].start if i.start is not None else 0)
 
     def __setitem__(self, i: int, block: int) -> None:  # tests inject faults through it
         if not -self._len <= i < self._len:

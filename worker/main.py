@@ -113,8 +113,8 @@ def serve(sock: zmq.Socket, runner: ModelRunner, rank: int, log,
             out.timing.wait_s, out.timing.decode_s = t1 - t0, decode_s
             if control is not None:
                 control.finished(out.digest)
-            sock.send(codec.encode(
-                StepResult(msg.step, rank, out.digest, out.sampled, out.timing)))
+            sock.send(codec.encode(StepResult(msg.step, rank, out.digest, out.sampled,
+                                              out.timing, sampled_digest=out.sampled_digest)))
         except Exception as exc:
             # A rank that failed mid-step cannot rejoin the collectives: report and exit.
             log.error("step_failed", error=traceback.format_exc())

@@ -17,7 +17,7 @@ import torch
 
 from wire.client import SamplingParams
 from wire.config import EngineConfig
-from wire.digest import StateDigest
+from wire.digest import StateDigest, samples_digest
 from wire.step import PENDING_TOKEN, RankTiming, StepPlan
 from worker.attention import AttentionBackend, AttentionMetadata, create_backend
 from worker.block_table import BlockTable
@@ -42,6 +42,7 @@ class StepOutput:
     digest: int
     timing: RankTiming  # apply, digest, prepare, forward and gap filled in here
     logits: torch.Tensor | None = None  # [num_tokens, vocab] on rank 0 when asked (tests)
+    sampled_digest: int = 0  # wire/step.py StepResult.sampled_digest
 
 
 class ModelRunner:
@@ -55,11 +56,21 @@ class ModelRunner:
         self.vocab_size = self.model_config.vocab_size
         self.max_model_len = resolve_max_model_len(config, self.model_config)
 
+        # Under overlap scheduling the next plan names each decode's last token as
+        # PENDING_TOKEN (wire/step.py), so every rank needs the tokens just sampled. Each
+        # rank samples them itself from the same all-gathered logits (vLLM V1's way): a
+        # broadcast from rank 0 after every forward was a sync point that cost more than
+        # the step's own work at world size 4. The sampler is deterministic (greedy, or
+        # seeded by position), and each rank reports what it sampled, which the scheduler
+        # checks against rank 0's (StepResult.sampled_digest).
+        self.every_rank_samples = config.async_scheduling and tp.world_size > 1
         self.model: LlamaModel | NullModel
         if config.null_model_forward_ms is not None:  # benchmarks: the engine's own cost
-            self.model = NullModel(self.model_config, tp, config.null_model_forward_ms)
+            self.model = NullModel(self.model_config, tp, config.null_model_forward_ms,
+                                   self.every_rank_samples)
         else:
-            self.model = LlamaModel(self.model_config, tp, self.dtype, device)
+            self.model = LlamaModel(self.model_config, tp, self.dtype, device,
+                                    logits_everywhere=self.every_rank_samples)
             self.model.load(config.model, show_progress=tp.rank == 0)
 
         m = self.model
@@ -100,8 +111,6 @@ class ModelRunner:
         # seq id -> the token it sampled last (every rank, with overlap scheduling): what a
         # PENDING_TOKEN in the next plan stands for
         self.last_token: dict[int, int] = {}
-        # the other ranks need rank 0's samples only to resolve PENDING_TOKEN
-        self._share_samples = config.async_scheduling and tp.world_size > 1
 
     def _profile_num_blocks(self, block_bytes: int) -> int:
         """CUDA: blocks that fit in `gpu_memory_utilization` of the GPU after the weights and
@@ -158,18 +167,16 @@ class ModelRunner:
             sampled, logits = self._forward(plan, ids, positions, slots, meta, sample_rows,
                                             return_logits)
         t4 = time.perf_counter()
-        if self._share_samples:
-            sampled = self._share(plan, sampled)
         for seq_id, token in sampled:
             self.last_token[seq_id] = token
+        sampled_digest = samples_digest(sampled) if self.every_rank_samples else 0
         if self.tp.rank != 0:
             sampled = []  # rank 0 answers for the batch
-        t5 = time.perf_counter()
-        timing.prepare_s, timing.forward_s, timing.share_s = t3 - t2, t4 - t3, t5 - t4
+        timing.prepare_s, timing.forward_s = t3 - t2, t4 - t3
         if self._last_forward_end is not None:
             timing.gap_s = t3 - self._last_forward_end
-        self._last_forward_end = t5
-        return StepOutput(sampled, self.digest.value, timing, logits)
+        self._last_forward_end = t4
+        return StepOutput(sampled, self.digest.value, timing, logits, sampled_digest)
 
     def _resolve_pending(self, plan: StepPlan) -> None:
         """Replace each chunk's PENDING_TOKEN (only ever a decode's last token) by the token
@@ -177,13 +184,6 @@ class ModelRunner:
         for chunk in plan.chunks:
             if chunk.token_ids[-1] == PENDING_TOKEN:
                 chunk.token_ids[-1] = self.last_token[chunk.seq_id]
-
-    def _share(self, plan: StepPlan, sampled: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Rank 0's samples on every rank, one small broadcast (the plan says how many)."""
-        seq_ids = [c.seq_id for c in plan.chunks if c.sample]
-        tokens = self.tp.broadcast_ints([t for _, t in sampled] if self.tp.rank == 0 else None,
-                                        len(seq_ids))
-        return list(zip(seq_ids, tokens))
 
     def _forward(self, plan: StepPlan, ids: torch.Tensor, positions: torch.Tensor,
                  slots: torch.Tensor, meta: AttentionMetadata, sample_rows: list[int],
