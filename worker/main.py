@@ -36,7 +36,7 @@ from worker.distributed import (
     shutdown_tensor_parallel,
 )
 from worker.inprocess import ready_message
-from worker.model_runner import ModelRunner
+from worker.model_runner import ModelRunner, PreparedStep
 
 # Tests inject faults into a rank through this hook: a Python file whose
 # `install(runner, rank, control_dir, log)` runs once before the first step
@@ -97,32 +97,80 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(sock: zmq.Socket, runner: ModelRunner, rank: int, log,
           control: RankControl | None = None) -> int:
+    """Apply plans until Shutdown. Under overlap scheduling the next plan is often there
+    while a forward runs: it is prepared then, so the device goes from one forward to
+    the next with only this step's samples read and the next launched between
+    (worker/model_runner.py)."""
+    ahead: PreparedStep | None = None  # the next plan, prepared during the last forward
     while True:
-        t0 = time.perf_counter()
-        frame = sock.recv()
-        t1 = time.perf_counter()
-        msg = codec.decode(frame)
-        decode_s = time.perf_counter() - t1
-        if isinstance(msg, Shutdown):
-            log.info("worker_shutdown", reason=msg.reason)
-            return 0
-        assert isinstance(msg, StepPlan), f"unexpected message {type(msg).__name__}"
-        structlog.contextvars.bind_contextvars(step=msg.step)
+        if ahead is None:
+            t0 = time.perf_counter()
+            frame = sock.recv()
+            t1 = time.perf_counter()
+            msg = codec.decode(frame)
+            decode_s = time.perf_counter() - t1
+            if isinstance(msg, Shutdown):
+                log.info("worker_shutdown", reason=msg.reason)
+                return 0
+            assert isinstance(msg, StepPlan), f"unexpected message {type(msg).__name__}"
+            try:
+                step = runner.prepare(msg)
+            except Exception as exc:
+                return _fail(sock, rank, log, control, msg.step, exc)
+            step.timing.wait_s, step.timing.decode_s = t1 - t0, decode_s
+        else:
+            step, ahead = ahead, None
+        structlog.contextvars.bind_contextvars(step=step.plan.step)
+        then: StepPlan | Shutdown | None = None
+        failed_ahead: Exception | None = None
         try:
-            out = runner.execute(msg)
-            out.timing.wait_s, out.timing.decode_s = t1 - t0, decode_s
+            runner.launch(step)
+            then, decode_s = _next_message(sock, runner)
+            if isinstance(then, StepPlan):
+                try:
+                    ahead = runner.prepare(then)
+                    ahead.timing.decode_s = decode_s  # wait_s 0: the plan was there first
+                except Exception as exc:  # noqa: BLE001 -- reported after this step's result
+                    failed_ahead = exc
+            out = runner.finish(step)
             if control is not None:
                 control.finished(out.digest)
-            sock.send(codec.encode(StepResult(msg.step, rank, out.digest, out.sampled,
+            sock.send(codec.encode(StepResult(step.plan.step, rank, out.digest, out.sampled,
                                               out.timing, sampled_digest=out.sampled_digest)))
         except Exception as exc:
-            # A rank that failed mid-step cannot rejoin the collectives: report and exit.
-            log.error("step_failed", error=traceback.format_exc())
-            if control is not None:
-                control.failed(f"step {msg.step}: {type(exc).__name__}: {exc}")
-            sock.send(codec.encode(
-                StepResult(msg.step, rank, 0, error=f"{type(exc).__name__}: {exc}")))
-            return 1
+            return _fail(sock, rank, log, control, step.plan.step, exc)
+        if failed_ahead is not None:
+            return _fail(sock, rank, log, control, then.step, failed_ahead)
+        if isinstance(then, Shutdown):
+            log.info("worker_shutdown", reason=then.reason)
+            return 0
+
+
+def _next_message(sock: zmq.Socket, runner: ModelRunner) -> tuple[object, float]:
+    """The next message and its decode time, if it comes before the forward in flight
+    ends; (None, 0) otherwise. Only under overlap scheduling does the scheduler send a
+    plan before it has this step's result, so without it nothing is waited for; nor
+    when the forward ran on this core (CPU): the result would only be later."""
+    if not (runner.config.async_scheduling and runner.forward_in_flight()):
+        return None, 0.0
+    if not sock.poll(int(runner.busy_s() * 1000)):
+        return None, 0.0
+    frame = sock.recv()
+    t0 = time.perf_counter()
+    msg = codec.decode(frame)
+    decode_s = time.perf_counter() - t0
+    assert isinstance(msg, StepPlan | Shutdown), f"unexpected message {type(msg).__name__}"
+    return msg, decode_s
+
+
+def _fail(sock: zmq.Socket, rank: int, log, control: RankControl | None, step: int,
+          exc: BaseException) -> int:
+    """A rank that failed mid-step cannot rejoin the collectives: report and exit."""
+    log.error("step_failed", error="".join(traceback.format_exception(exc)))
+    if control is not None:
+        control.failed(f"step {step}: {type(exc).__name__}: {exc}")
+    sock.send(codec.encode(StepResult(step, rank, 0, error=f"{type(exc).__name__}: {exc}")))
+    return 1
 
 
 def _install_rank_hook(path: str, runner: ModelRunner, rank: int, control_dir: Path | None,

@@ -18,7 +18,7 @@ import torch
 from wire.client import SamplingParams
 from wire.config import EngineConfig
 from wire.digest import StateDigest, samples_digest
-from wire.step import PENDING_TOKEN, RankTiming, StepPlan
+from wire.step import PENDING_TOKEN, RankTiming, ScheduledChunk, StepPlan
 from worker.attention import AttentionBackend, AttentionMetadata, create_backend
 from worker.block_table import BlockTable
 from worker.budget import (
@@ -33,7 +33,7 @@ from worker.gguf import load_config
 from worker.kv_cache import KVCache
 from worker.model import LlamaModel
 from worker.null_model import NullModel
-from worker.sampler import sample
+from worker.sampler import sample_tensor
 
 
 @dataclass
@@ -43,6 +43,31 @@ class StepOutput:
     timing: RankTiming  # apply, digest, prepare, forward and gap filled in here
     logits: torch.Tensor | None = None  # [num_tokens, vocab] on rank 0 when asked (tests)
     sampled_digest: int = 0  # wire/step.py StepResult.sampled_digest
+
+
+@dataclass
+class BatchInputs:
+    """A step's inputs, built while the step before may still run (`ModelRunner.prepare`)."""
+
+    token_ids: np.ndarray  # on the host: PENDING_TOKEN rows are filled in at the launch
+    positions: torch.Tensor
+    slots: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: list[int]
+    pending: list[tuple[int, ScheduledChunk]]  # (row of token_ids, its chunk)
+
+
+@dataclass
+class PreparedStep:
+    """A plan applied to this rank's state, its batch built: ready to launch."""
+
+    plan: StepPlan
+    digest: int  # this rank's state digest after the plan: what its result reports
+    timing: RankTiming
+    batch: BatchInputs | None = None  # None: the plan runs no chunk
+    launched_at: float = 0.0  # perf_counter
+    sampled: torch.Tensor | None = None  # the real model's tokens, maybe still on the device
+    logits: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -140,8 +165,22 @@ class ModelRunner:
         return max(0, int(total * cfg.gpu_memory_utilization - peak) // block_bytes)
 
     # --- one step ----------------------------------------------------------------
+    #
+    # A step is prepared (cache ops, table deltas, digest, batch inputs), launched (the
+    # forward pass and sampling issued) and finished (the samples read). `execute` runs the
+    # three in a row; a rank's serve loop (worker/main.py) prepares step k+1 between the
+    # launch and the finish of step k when its plan has come (overlap scheduling), so the
+    # device goes from one forward to the next with only the finish and the launch between.
+    # This is safe because the plan order is kept where it matters: step k+1's tier copies
+    # wait for step k's kernels (worker/kv_cache.py), and what step k still needs of a
+    # sequence that plan k+1 closes (its sampling parameters) is dropped at k+1's launch.
 
     def execute(self, plan: StepPlan, return_logits: bool = False) -> StepOutput:
+        step = self.prepare(plan)
+        self.launch(step, return_logits)
+        return self.finish(step)
+
+    def prepare(self, plan: StepPlan) -> PreparedStep:
         t0 = time.perf_counter()
         self._apply_cache_ops(plan)
         self._apply_table_deltas(plan)
@@ -150,54 +189,87 @@ class ModelRunner:
         timing = RankTiming(apply_s=t1 - t0, digest_s=time.perf_counter() - t1)
         if self.on_applied is not None:
             self.on_applied(plan)
-        if not plan.chunks:
-            return StepOutput([], self.digest.value, timing)
+        step = PreparedStep(plan, self.digest.value, timing)
+        if plan.chunks:
+            t2 = time.perf_counter()
+            # the null model takes none of these, but a rank builds them every step all
+            # the same (its page tables check every chunk against its block table)
+            step.batch = self._prepare_batch(plan)
+            timing.prepare_s = time.perf_counter() - t2
+        return step
 
-        t2 = time.perf_counter()
-        self._resolve_pending(plan)
-        # the null model takes none of these, but a rank builds them every step all the
-        # same (its page tables check every chunk against its block table)
-        ids, positions, slots, meta, sample_rows = self._prepare_batch(plan)
+    def launch(self, step: PreparedStep, return_logits: bool = False) -> None:
+        for seq_id in step.plan.close:  # kept until the step before was finished
+            del self.sampling[seq_id]
+            self.last_token.pop(seq_id, None)
+        if step.batch is None:
+            return
         t3 = time.perf_counter()
-        logits = None
+        if self._last_forward_end is not None:
+            step.timing.gap_s = t3 - self._last_forward_end
+        step.launched_at = t3
+        ids = self._resolve_pending(step)
         if isinstance(self.model, NullModel):
             assert not return_logits, "the null model has no logits"
-            sampled = self.model.forward(plan)
+            self.model.launch(step.plan)
         else:
-            sampled, logits = self._forward(plan, ids, positions, slots, meta, sample_rows,
-                                            return_logits)
+            step.sampled, step.logits = self._forward(step, ids, return_logits)
+
+    def forward_in_flight(self) -> bool:
+        """Whether the forward just launched runs beside this core (a GPU's, or the null
+        model's with a forward time), so preparing the next step now costs it nothing."""
+        if isinstance(self.model, NullModel):
+            return self.model.busy_s() > 0
+        return self.device.type == "cuda"
+
+    def busy_s(self) -> float:
+        """How long that forward still runs, where known (the null model); else 0."""
+        return self.model.busy_s() if isinstance(self.model, NullModel) else 0.0
+
+    def finish(self, step: PreparedStep) -> StepOutput:
+        if step.batch is None:
+            return StepOutput([], step.digest, step.timing)
+        if isinstance(self.model, NullModel):
+            sampled = self.model.finish()
+        else:  # reading the tokens waits for the device
+            rows = [c.seq_id for c in step.plan.chunks if c.sample]
+            sampled = list(zip(rows, step.sampled.tolist())) if step.sampled is not None else []
         t4 = time.perf_counter()
+        step.timing.forward_s = t4 - step.launched_at
+        self._last_forward_end = t4
         for seq_id, token in sampled:
             self.last_token[seq_id] = token
         sampled_digest = samples_digest(sampled) if self.every_rank_samples else 0
         if self.tp.rank != 0:
             sampled = []  # rank 0 answers for the batch
-        timing.prepare_s, timing.forward_s = t3 - t2, t4 - t3
-        if self._last_forward_end is not None:
-            timing.gap_s = t3 - self._last_forward_end
-        self._last_forward_end = t4
-        return StepOutput(sampled, self.digest.value, timing, logits, sampled_digest)
+        return StepOutput(sampled, step.digest, step.timing, step.logits, sampled_digest)
 
-    def _resolve_pending(self, plan: StepPlan) -> None:
-        """Replace each chunk's PENDING_TOKEN (only ever a decode's last token) by the token
-        its sequence sampled in the step before, which this rank has by now."""
-        for chunk in plan.chunks:
-            if chunk.token_ids[-1] == PENDING_TOKEN:
-                chunk.token_ids[-1] = self.last_token[chunk.seq_id]
+    def _resolve_pending(self, step: PreparedStep) -> torch.Tensor:
+        """The batch's token ids on the device, each PENDING_TOKEN (only ever a decode's
+        last token) replaced by the token its sequence sampled in the step before, which
+        this rank has by now (it sampled it itself)."""
+        token_ids = step.batch.token_ids
+        for row, chunk in step.batch.pending:
+            chunk.token_ids[-1] = token_ids[row] = self.last_token[chunk.seq_id]
+        # The embedding must never see an id outside the vocabulary (the
+        # scheduler rejects them first; this is the worker's own guard).
+        assert 0 <= token_ids.min() and token_ids.max() < self.vocab_size, (
+            "token id outside the vocabulary")
+        return torch.from_numpy(token_ids).to(self.device)
 
-    def _forward(self, plan: StepPlan, ids: torch.Tensor, positions: torch.Tensor,
-                 slots: torch.Tensor, meta: AttentionMetadata, sample_rows: list[int],
-                 return_logits: bool) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
-        """The model over the batch, and rank 0's samples (and, asked, every row's logits)."""
-        self.attn.plan(meta)
-        hidden = self.model.forward(ids, positions, slots, self.kv, self.attn)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+    def _forward(self, step: PreparedStep, ids: torch.Tensor, return_logits: bool
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Issue the model over the batch and the samples (this rank's, if it samples; and,
+        asked, every row's logits). On a GPU nothing here waits for the device."""
+        b, plan = step.batch, step.plan
+        self.attn.plan(b.meta)
+        hidden = self.model.forward(ids, b.positions, b.slots, self.kv, self.attn)
+        rows = torch.tensor(b.sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.logits(hidden if return_logits else hidden[rows])
-        sampled: list[tuple[int, int]] = []
-        if logits is not None and sample_rows:
-            sampled = self._sample(plan, logits[rows] if return_logits else logits, sample_rows)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        sampled = None
+        if logits is not None and b.sample_rows:
+            sampled = self._sample(plan, logits[rows] if return_logits else logits,
+                                   b.sample_rows)
         return sampled, logits if return_logits else None
 
     def _apply_cache_ops(self, plan: StepPlan) -> None:
@@ -210,9 +282,7 @@ class ModelRunner:
             # The close-timing rule (scheduler/scheduler.py `Scheduler._close`), checked
             # again across the process boundary: never closed by a plan that runs it.
             assert seq_id not in running, f"step {plan.step}: seq {seq_id} closed while running"
-            del self.block_tables[seq_id]
-            del self.sampling[seq_id]
-            self.last_token.pop(seq_id, None)
+            del self.block_tables[seq_id]  # its sampling parameters: at this step's launch
 
     def _apply_table_deltas(self, plan: StepPlan) -> None:
         for seq in plan.new_seqs:
@@ -231,7 +301,7 @@ class ModelRunner:
     def _check_block(self, block: int) -> None:
         assert 0 <= block < self.num_device_blocks, f"device block {block} out of range"
 
-    def _prepare_batch(self, plan: StepPlan):
+    def _prepare_batch(self, plan: StepPlan) -> BatchInputs:
         """The batch's inputs: token ids, positions, KV slots, page tables, sample rows.
         Only what is per chunk is Python (comprehensions over the chunks); what is per
         token or per page is numpy over the whole batch (block_table.py says why)."""
@@ -257,22 +327,19 @@ class ModelRunner:
         slots = kv_indices[page].astype(np.int64) * bs + positions % bs
         last_page_len = ctx - (num_pages - 1) * bs
         token_ids = np.array([t for c in chunks for t in c.token_ids], dtype=np.int64)
-        # The embedding must never see an id outside the vocabulary (the
-        # scheduler rejects them first; this is the worker's own guard).
-        assert 0 <= token_ids.min() and token_ids.max() < self.vocab_size, (
-            "token id outside the vocabulary")
         i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
         meta = AttentionMetadata(i32(qo_indptr), i32(kv_indptr), i32(kv_indices),
                                  i32(last_page_len), bs)
         dev = self.device
         ends = qo_indptr[1:].tolist()
-        sample_rows = [end - 1 for end, c in zip(ends, chunks) if c.sample]
-        return (
-            torch.from_numpy(token_ids).to(dev),
-            torch.from_numpy(positions.astype(np.int64)).to(dev),
-            torch.from_numpy(slots).to(dev),
-            meta,
-            sample_rows,
+        return BatchInputs(
+            token_ids=token_ids,
+            positions=torch.from_numpy(positions.astype(np.int64)).to(dev),
+            slots=torch.from_numpy(slots).to(dev),
+            meta=meta,
+            sample_rows=[end - 1 for end, c in zip(ends, chunks) if c.sample],
+            pending=[(end - 1, c) for end, c in zip(ends, chunks)
+                     if c.token_ids[-1] == PENDING_TOKEN],
         )
 
     def _refuse_chunks(self, chunks, ctx: np.ndarray, num_pages: np.ndarray,
@@ -285,11 +352,10 @@ class ModelRunner:
             assert p <= n_table, (
                 f"seq {c.seq_id}: {n_ctx} tokens need {p} blocks, table has {n_table}")
 
-    def _sample(self, plan: StepPlan, logits: torch.Tensor,
-                rows: list[int]) -> list[tuple[int, int]]:
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """The tokens of the plan's sampling chunks, in order, on the logits' device."""
         chunks = [c for c in plan.chunks if c.sample]
         params = [self.sampling[c.seq_id][0] for c in chunks]
         seeds = [self.sampling[c.seq_id][1] for c in chunks]
         positions = [c.start_pos + len(c.token_ids) for c in chunks]
-        tokens = sample(logits, params, seeds, positions, [c.allowed for c in chunks])
-        return [(c.seq_id, t) for c, t in zip(chunks, tokens)]
+        return sample_tensor(logits, params, seeds, positions, [c.allowed for c in chunks])

@@ -14,7 +14,9 @@ Choices, and why:
   the device, its core free; a busy loop would instead take a core from the scheduler
   and the other ranks (on a 2-core machine, from the very processes being measured).
   A sleep overshoots by tens of microseconds; `RankTiming.forward_s` reports the time it
-  really took.
+  really took. Like a GPU's, the forward runs beside the rank: `launch` starts it,
+  `finish` waits for its end, and in between the rank may prepare its next step
+  (worker/main.py), as it does over a real GPU forward.
 - The token at position p is a fixed hash of (the chunk's last input token, p), never
   an end-of-sequence id: runs are reproducible, a prompt gives the same tokens with and
   without a prefix hit, and lengths are set by max_tokens alone. Sampling parameters
@@ -62,16 +64,32 @@ class NullModel:
         self._tokens = np.array([t for t in range(config.vocab_size) if t not in eos],
                                 dtype=np.int64)
         assert len(self._tokens), "a vocabulary of end-of-sequence ids only"
+        self._busy_until = 0.0  # perf_counter: the end of the forward in flight
+        self._sampled: list[tuple[int, int]] = []
 
     def forward(self, plan: StepPlan) -> list[tuple[int, int]]:
-        """Wait the forward time; a rank that samples (rank 0, or every rank under overlap
-        scheduling, as with the real model) returns (seq_id, token) for each chunk that
-        samples, the others nothing."""
-        if self.forward_s > 0:
-            time.sleep(self.forward_s)
-        if not self.samples:
-            return []
-        return [(c.seq_id, self.token(c)) for c in plan.chunks if c.sample]
+        """`launch`, then `finish`."""
+        self.launch(plan)
+        return self.finish()
+
+    def launch(self, plan: StepPlan) -> None:
+        """Start the forward: from now the "device" is busy for the forward time, and the
+        rank's core is free (it may prepare its next step meanwhile, as on a GPU)."""
+        self._busy_until = time.perf_counter() + self.forward_s
+        # a rank that samples (rank 0, or every rank under overlap scheduling, as with the
+        # real model) has a (seq_id, token) for each chunk that samples, the others none
+        self._sampled = ([(c.seq_id, self.token(c)) for c in plan.chunks if c.sample]
+                         if self.samples else [])
+
+    def busy_s(self) -> float:
+        """How long the forward in flight still runs."""
+        return max(0.0, self._busy_until - time.perf_counter())
+
+    def finish(self) -> list[tuple[int, int]]:
+        """Wait for the forward in flight; its samples."""
+        if (wait := self.busy_s()) > 0:
+            time.sleep(wait)
+        return self._sampled
 
     def token(self, chunk: ScheduledChunk) -> int:
         """The token after `chunk`: a function of its last token and its position only."""

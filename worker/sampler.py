@@ -20,16 +20,26 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
            positions: list[int], allowed: list[bytes | None] | None = None) -> list[int]:
     """logits: [B, vocab] float32, masked in place where `allowed` has a bitmask.
     Returns one token id per row."""
+    return sample_tensor(logits, params, seeds, positions, allowed).tolist()
+
+
+def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                  positions: list[int], allowed: list[bytes | None] | None = None
+                  ) -> torch.Tensor:
+    """`sample`, the tokens left on the logits' device: on a GPU nothing here waits for
+    the forward pass, so the rank prepares its next step while the device still runs
+    (worker/model_runner.py); reading the tokens is the one wait."""
     if allowed:
         _mask_disallowed(logits, allowed)
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens = logits.argmax(dim=-1)
     for row, p in enumerate(params):
         if p.temperature >= MIN_TEMPERATURE:  # below it: greedy, whoever sent it
             tokens[row] = _sample_row(logits[row], p, seeds[row], positions[row])
     return tokens
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, seed: int, position: int) -> int:
+def _sample_row(logits: torch.Tensor, p: SamplingParams, seed: int,
+                position: int) -> torch.Tensor:
     logits = logits / p.temperature
     if p.top_k and p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
@@ -44,7 +54,7 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, seed: int, position: in
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     gen = torch.Generator(device=logits.device)
     gen.manual_seed((seed * _SEED_MIX + position) % (1 << 63))
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    return torch.multinomial(probs, 1, generator=gen)[0]
 
 
 def _mask_disallowed(logits: torch.Tensor, allowed: list[bytes | None]) -> None:

@@ -71,11 +71,10 @@ def install(runner, rank: int, control_dir: Path | None, log) -> None:
         sample = runner._sample
 
         def sample_wrong(plan, logits, rows):
-            out = sample(plan, logits, rows)
-            if plan.step == int(wrong_sample[0]) and out:
-                seq_id, token = out[0]
-                out[0] = (seq_id, (token + 1) % runner.vocab_size)
-                log.warning("fault_wrong_sample", seq_id=seq_id, token=out[0][1])
+            out = sample(plan, logits, rows)  # a tensor of tokens, one per sampling chunk
+            if plan.step == int(wrong_sample[0]) and len(out):
+                out[0] = (out[0] + 1) % runner.vocab_size
+                log.warning("fault_wrong_sample", token=int(out[0]))
             return out
 
         runner._sample = sample_wrong
