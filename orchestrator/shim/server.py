@@ -166,6 +166,8 @@ def build_app(
         limits = info.limits
         state.vocab_size = limits.vocab_size
         state.block_size = info.block_size
+        state.metrics.engine.model_name = names[0]
+        state.metrics.engine.block_size = info.block_size
         state.created = int(time.time())
         state.max_model_len = limits.max_model_len
         if max_model_len > 0:
