@@ -14,7 +14,8 @@ salted with its key's tenant (`tenants`).
 Endpoints: POST /v1/messages and /v1/messages/count_tokens (Anthropic,
 `anthropic_request` and `anthropic_response`), POST /v1/chat/completions and
 POST /v1/completions (OpenAI, `openai_request` and `openai_response`), each through one
-pipeline (`pipeline.serve`); GET /v1/models, /health, /metrics here.
+pipeline (`pipeline.serve`); their prompts' token ids at .../render (`render`, for a
+router); GET /v1/models, /health, /metrics here.
 
 It renders chat templates (`chat_template`), tokenizes (MODEL_DIR/tokenizer.json),
 validates, sends token ids to the scheduler (ipc://DIR/requests.sock, or the "requests"
@@ -45,7 +46,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tokenizers import Tokenizer
 
-from orchestrator.shim import anthropic_response, openai_response
+from orchestrator.shim import anthropic_response, openai_response, render
 from orchestrator.shim.admission import (
     HeaderLimit,
     admit,
@@ -214,6 +215,9 @@ def build_app(
             Route("/v1/messages", anthropic_response.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic_response.count_tokens,
                   methods=["POST"]),
+            Route("/v1/chat/completions/render", render.chat_completions, methods=["POST"]),
+            Route("/v1/completions/render", render.completions, methods=["POST"]),
+            Route("/v1/messages/render", render.messages, methods=["POST"]),
         ],
         middleware=[Middleware(HeaderLimit, limit=options.max_header_bytes)],
         exception_handlers={
