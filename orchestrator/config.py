@@ -86,9 +86,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "(write_back) or as soon as they are registered (write_through)")
     p.add_argument("--kv-events-endpoint", default=d.kv_events_endpoint, metavar="ADDR",
                    help="publish the prefix cache's changes as vLLM KV events (ZeroMQ PUB) "
-                        "for a cache-aware router: tcp://HOST:PORT, or a PORT on loopback. "
-                        "They carry prompt token ids: bind where only the router connects "
-                        "(off by default)")
+                        "for a cache-aware router: bind tcp://HOST:PORT, or a PORT on "
+                        "loopback; connect:tcp://HOST:PORT connects to a subscriber that "
+                        "binds. They carry prompt token ids: bind where only the router "
+                        "connects (off by default)")
     p.add_argument("--kv-events-replay-endpoint", default=d.kv_events_replay_endpoint,
                    metavar="ADDR",
                    help="a ROUTER socket where a reconnecting subscriber asks for the recent "

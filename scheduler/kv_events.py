@@ -36,6 +36,9 @@ from wire.kv_events import (
 log = structlog.get_logger()
 
 
+CONNECT = "connect:"
+
+
 def normalize_endpoint(endpoint: str) -> str:
     """``PORT`` -> ``tcp://127.0.0.1:PORT``; a full ZeroMQ address is kept."""
     return f"tcp://127.0.0.1:{endpoint}" if endpoint.isdigit() else endpoint
@@ -51,8 +54,13 @@ class KVEventPublisher:
         self._pub = ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(normalize_endpoint(endpoint))
-        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        if endpoint.startswith(CONNECT):
+            # the subscriber binds (llm-d's indexer with a static zmqEndpoint): connect to it
+            self.endpoint = endpoint.removeprefix(CONNECT)
+            self._pub.connect(self.endpoint)
+        else:
+            self._pub.bind(normalize_endpoint(endpoint))
+            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._replay: zmq.Socket | None = None
         self.replay_endpoint = ""
         if replay_endpoint:

@@ -204,3 +204,22 @@ def test_live_frames_are_topic_seq_payload():
     assert topic == b"kv@h@m"
     assert len(seq) == 8 and int.from_bytes(seq, "big") < 200
     assert decode_batch(payload).events == [BlockRemoved([1], "GPU")]
+
+
+def test_connect_mode_reaches_a_subscriber_that_binds():
+    """llm-d's indexer with a static zmqEndpoint binds, and the engines connect to it."""
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.bind("tcp://127.0.0.1:*")
+    pub = KVEventPublisher("connect:" + sub.getsockopt_string(zmq.LAST_ENDPOINT), "m")
+    try:
+        for _ in range(200):
+            pub.publish([AllBlocksCleared()])
+            if sub.poll(20):
+                break
+        _, _, payload = sub.recv_multipart()
+    finally:
+        sub.close(linger=0)
+        pub.close()
+    assert decode_batch(payload).events == [AllBlocksCleared()]
