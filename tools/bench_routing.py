@@ -57,6 +57,7 @@ class AgentLoad:
     seed: int = 0
     model: str = "tiny-llama"
     turns: list[Turn] = field(default_factory=list)
+    first_bodies: dict[int, dict] = field(default_factory=dict)  # agent -> its first request
 
     def run(self, url: str, concurrent: bool = True) -> float:
         """Every agent's turns, in order per agent; returns the wall time in seconds."""
@@ -72,9 +73,10 @@ class AgentLoad:
         def agent(a: int) -> None:
             with httpx.Client(timeout=600) as http:
                 for t in range(self.num_turns):
-                    r = http.post(f"{url}/v1/chat/completions", json={
-                        "model": self.model, "messages": histories[a],
-                        "max_tokens": self.max_tokens, "temperature": 0})
+                    body = {"model": self.model, "messages": list(histories[a]),
+                            "max_tokens": self.max_tokens, "temperature": 0}
+                    self.first_bodies.setdefault(a, body)
+                    r = http.post(f"{url}/v1/chat/completions", json=body)
                     r.raise_for_status()
                     body = r.json()
                     usage = body["usage"]

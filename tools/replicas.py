@@ -93,7 +93,8 @@ class Replicas:
                                            stderr=subprocess.STDOUT))
 
     def _wait_router(self, model: str, timeout_s: float) -> None:
-        """Until SMG lists the model: it has found the workers and their model."""
+        """Until SMG lists the model and has every worker ready: it lists the model as soon
+        as one worker is, and would route everything there until the others are."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.procs[-1].poll() is not None:
@@ -101,9 +102,12 @@ class Replicas:
                                    f"{self.log_dir / 'smg.log'}")
             try:
                 models = httpx.get(f"{self.url}/v1/models", timeout=2).json()
-                if any(m.get("id") == model for m in models.get("data", [])):
+                workers = httpx.get(f"{self.url}/workers", timeout=2).json()["workers"]
+                ready = [w for w in workers if w.get("is_healthy") and w.get("status") == "ready"]
+                if (any(m.get("id") == model for m in models.get("data", []))
+                        and len(ready) == len(self.replica_urls)):
                     return
-            except (httpx.TransportError, ValueError):
+            except (httpx.TransportError, ValueError, KeyError):
                 pass
             time.sleep(0.3)
         raise TimeoutError(f"smg at {self.url} did not list {model!r} in {timeout_s:g}s")

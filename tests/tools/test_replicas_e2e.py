@@ -7,7 +7,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from orchestrator.launcher import free_port
 from tests.orchestrator.claude_code_body import claude_code_request
+from tests.scheduler.kv_event_subscriber import Subscriber
 from tools.bench_routing import AgentLoad
 from tools.replicas import Replicas, smg_binary
 
@@ -23,10 +25,22 @@ def requests_served(url: str) -> float:
     return total
 
 
+def holds_chain(sub: Subscriber, ids: list[int], block_size: int = 16) -> bool:
+    """The events said this replica caches every full block of ``ids``, chained."""
+    by_content = {(sub.parent[h], tuple(toks)): h for (medium, h), toks in
+                  sub.stored_tokens.items() if h in sub.held[medium]}
+    parent = None
+    for i in range(len(ids) // block_size):
+        parent = by_content.get((parent, tuple(ids[i * block_size:(i + 1) * block_size])))
+        if parent is None:
+            return False
+    return True
+
+
 def test_agents_land_on_the_replica_holding_their_prefix(default_model, tmp_path) -> None:
     with Replicas(2, served_names=("tiny-llama", "claude-sonnet-4-5"),
                   extra_args=["--dtype", "float32", "--torch-threads", "1"],
-                  log_dir=tmp_path) as r:
+                  kv_events_base_port=free_port(), log_dir=tmp_path) as r:
         # distinct agents (a short shared system prompt): a turn routed to the other
         # replica would find almost nothing of its history there
         load = AgentLoad(num_agents=4, num_turns=3, system_words=10, first_words=120,
@@ -40,6 +54,24 @@ def test_agents_land_on_the_replica_holding_their_prefix(default_model, tmp_path
                 # all but the last, partial block of the previous prompt is a hit
                 assert cur.cached_tokens >= prev.prompt_tokens - 16, (prev, cur)
         assert all(requests_served(u) > 0 for u in r.replica_urls), "one replica took all"
+
+        # Each replica's KV events (read from seq 0 by the replay) name the blocks of
+        # the agents it served: their first prompts, as the render endpoint gives them
+        port = int(r.kv_event_endpoints[0].rsplit(":", 1)[1])
+        subs = [Subscriber(ep, f"tcp://127.0.0.1:{port + 2 * i + 1}")
+                for i, ep in enumerate(r.kv_event_endpoints)]
+        try:
+            for sub in subs:
+                sub.replay(0)
+                assert sub.num_events["AllBlocksCleared"] == 1 and sub.held["GPU"]
+            for a, body in load.first_bodies.items():
+                ids = httpx.post(f"{r.replica_urls[0]}/v1/chat/completions/render",
+                                 json=body, timeout=60).json()["token_ids"]
+                holders = [holds_chain(sub, ids) for sub in subs]
+                assert sum(holders) == 1, (a, holders)
+        finally:
+            for sub in subs:
+                sub.close()
 
         # what Claude Code sends by default reaches a replica (an SMG alias of ours)
         body, headers = claude_code_request("3f2a9c1e-0000-4000-8000-000000000001",
