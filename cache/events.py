@@ -33,7 +33,7 @@ _NO_PARENT = np.uint64(0)
 class KVEventRecorder:
     def __init__(self, num_device_blocks: int, block_size: int) -> None:
         self.block_size = block_size
-        self._tokens = np.zeros((num_device_blocks, block_size), dtype=np.int64)
+        self._tokens = np.zeros((num_device_blocks, block_size), dtype=np.int32)
         self._parent = np.zeros(num_device_blocks, dtype=np.uint64)
         self._has_parent = np.zeros(num_device_blocks, dtype=bool)
         # A fresh manager knows nothing: a router must forget what this replica's last

@@ -84,6 +84,9 @@ class KVEventPublisher:
         """Send what is queued (for up to ``timeout_s``), then close the sockets."""
         self._queue.put(None)
         self._thread.join(timeout_s)
+        if self._thread.is_alive():  # still sending: its sockets go with the process
+            log.warning("kv_events_unsent", seconds=timeout_s)
+            return
         self._pub.close()
         if self._replay is not None:
             self._replay.close()
