@@ -72,6 +72,7 @@ class StepTotals:
     check_s: float = 0.0
     exchange: ExchangeTiming = field(default_factory=ExchangeTiming)  # sums; round trip per rank
     ranks: list[RankTiming] = field(default_factory=list)  # sums, per rank
+    overlap: bool = False  # steps overlapped (EngineConfig.async_scheduling): see breakdown
 
     def add(self, record: StepRecord) -> None:
         self.schedule_s += record.schedule_s
@@ -108,7 +109,11 @@ class StepTotals:
         both ways, the rank's result encoding, process wake-ups. `waiting` is what the
         scheduler waits beyond the mean rank's round trip: for the slowest rank (and, with
         several ranks, for the sends to the others). `idle` is the ranks' time
-        between forwards (RankTiming.gap_s), `idle_share` its share of gap + forward."""
+        between forwards (RankTiming.gap_s), `idle_share` its share of gap + forward.
+
+        With overlap a plan waits at the ranks while they finish the step before, so a
+        round trip holds another step's work: `transport` cannot be told apart (NaN), and
+        `waiting` is the time the scheduler blocked for results, its idle time."""
         ms = 1000 / max(1, self.num_steps)
         ranks = self.ranks or [RankTiming()]
 
@@ -119,7 +124,11 @@ class StepTotals:
                                               "forward_s", "share_s")}
         handle = sum(work.values())
         ex = self.exchange
-        if ex.round_trip_s:  # over sockets
+        if ex.round_trip_s and self.overlap:
+            transport = float("nan")
+            waiting = ex.wait_s - ex.decode_s - ex.send_s
+            exchange_s = ex.encode_s + ex.wait_s
+        elif ex.round_trip_s:  # over sockets
             round_trip = sum(ex.round_trip_s) / len(ex.round_trip_s)
             transport = round_trip - handle
             waiting = ex.wait_s - ex.decode_s - round_trip
@@ -188,8 +197,8 @@ class EngineCore:
         self.scheduler = scheduler
         self.executor = executor
         self.telemetry = telemetry
-        self.totals = StepTotals()
         self.overlap = scheduler.config.async_scheduling
+        self.totals = StepTotals(overlap=self.overlap)
         self._in_flight: deque[_InFlight] = deque()  # at most 2: running, and queued next
 
     def has_work(self) -> bool:

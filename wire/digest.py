@@ -83,6 +83,10 @@ class StateDigest:
         self._seq_lens: dict[int, int] = {}
         self._block_hash = np.zeros(num_device_blocks, dtype=np.uint64)  # 0: none
         self._slot_hash = np.zeros(num_host_blocks, dtype=np.uint64)
+        # plain-int views of the same memory: a decode step registers a few blocks, and
+        # numpy's fixed cost per call is then most of the digest's (`_set`)
+        self._block_view = memoryview(self._block_hash)
+        self._slot_view = memoryview(self._slot_hash)
 
     def add_blocks(self, seq_id: int, block_ids: list[int]) -> None:
         n = self._seq_lens.get(seq_id, 0)
@@ -101,23 +105,42 @@ class StateDigest:
         del self._seq_lens[seq_id]
         self.value = (self.value - s) & _MASK64
 
-    def _set(self, kind: int, table: np.ndarray, ids: list[int], hashes: np.ndarray) -> None:
+    def _set(self, kind: int, table: np.ndarray, view: memoryview, ids: list[int],
+             hashes: np.ndarray | list[int]) -> None:
+        if len(ids) <= 8:
+            self._set_few(kind, view, ids, hashes)
+            return
         idx = np.asarray(ids, dtype=np.int64)
         assert len(np.unique(idx)) == len(idx), "an op list names a block or slot twice"
+        hashes = np.asarray(hashes, dtype=np.uint64)
         old = _entries_sum(kind, idx, table[idx])
         table[idx] = hashes
         new = _entries_sum(kind, idx, hashes)
         self.value = (self.value - old + new) & _MASK64
 
+    def _set_few(self, kind: int, table: memoryview, ids: list[int],
+                 hashes: np.ndarray | list[int]) -> None:
+        """`_set` in plain ints: the same sum, entry by entry."""
+        assert len(set(ids)) == len(ids), "an op list names a block or slot twice"
+        delta = 0
+        for i, h in zip(ids, hashes.tolist() if isinstance(hashes, np.ndarray) else hashes):
+            old = table[i]
+            if old:
+                delta -= _entry(kind, i, old)
+            if h:
+                delta += _entry(kind, i, h)
+            table[i] = h
+        self.value = (self.value + delta) & _MASK64
+
     def apply(self, plan: StepPlan) -> None:
         """Advance the digest by a plan, in the order ranks apply it."""
         if plan.swap_out:
             blocks, slots = zip(*plan.swap_out)
-            self._set(self.HOST_HASH, self._slot_hash, list(slots),
+            self._set(self.HOST_HASH, self._slot_hash, self._slot_view, list(slots),
                       self._block_hash[np.asarray(blocks, dtype=np.int64)])
         if plan.swap_in:
             slots, blocks = zip(*plan.swap_in)
-            self._set(self.DEVICE_HASH, self._block_hash, list(blocks),
+            self._set(self.DEVICE_HASH, self._block_hash, self._block_view, list(blocks),
                       self._slot_hash[np.asarray(slots, dtype=np.int64)])
         for seq_id in plan.close:
             self.close(seq_id)
@@ -127,8 +150,8 @@ class StateDigest:
             self.add_blocks(app.seq_id, app.block_ids)
         if plan.register:
             blocks, hashes = zip(*plan.register)
-            self._set(self.DEVICE_HASH, self._block_hash, list(blocks),
-                      np.asarray(hashes, dtype=np.uint64))
+            self._set(self.DEVICE_HASH, self._block_hash, self._block_view, list(blocks),
+                      list(hashes))
 
     @property
     def live_seqs(self) -> list[int]:
