@@ -12,7 +12,7 @@ INSTALLED := $(VENV)/.deepinfer-installed
 TORCH_CPU := torch==2.13.0+cpu
 PYTEST_ARGS ?=
 
-.PHONY: install cpu-kernels test lint serve bench bench-worker bench-engine bench-agents bench-index \
+.PHONY: install cpu-kernels test lint serve serve-replicas bench-routing bench bench-worker bench-engine bench-agents bench-index \
 	simulate clean e2e-claude-code soak fuzz gpu-check gpu-wheels bench-vs-vllm bench-overhead
 
 install: $(INSTALLED) $(TINY)/deepinfer_tiny.json $(SMOLLM2) cpu-kernels
@@ -62,6 +62,17 @@ test: install lint
 
 serve: install
 	$(VENV)/bin/deepinfer-run serve --model $(MODEL)
+
+# N engines on this machine (ports 8100 + i, KV events on 5557 + 2i) behind SMG's
+# cache-aware router on port 8200 (tools/replicas.py); Ctrl-C stops them all.
+N ?= 2
+REPLICA_MODEL ?= $(TINY)
+serve-replicas: install
+	$(PY) -m tools.replicas --replicas $(N) --model $(REPLICA_MODEL)
+
+# The coding-agent load through SMG over 2 replicas, cache-aware vs round-robin.
+bench-routing: install
+	mkdir -p bench-results && $(PY) -m tools.bench_routing --replicas 2 --json bench-results/routing.json
 
 # The coding-agent benchmark over HTTP, prefix cache on then off (results in bench-results/).
 bench: install

@@ -54,18 +54,19 @@ class HostPool(Tier):
         self._pinned = []
         self.num_pinned = 0
 
-    def take(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def take(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Up to ``k`` slots to write: free ones, then the least recently used unpinned
         ones, whose hashes leave the index. Fewer when the rest are pinned or retained: a
         copy to the host is optional, so it never costs a retained slot its TTL.
 
-        Returns (slots, evicted)."""
+        Returns (slots, evicted, the low hash words of the evicted)."""
         got = self.free.pop(k)
         evicted = self.lru.pop(k - len(got), skip=self.pinned if self.num_pinned else None,
                                retained=False)
         self.lru.clear(evicted)
+        evicted_lo = self.index.keys_of(evicted)[0]
         self.index.remove(evicted)
-        return np.concatenate([got, evicted]), evicted
+        return np.concatenate([got, evicted]), evicted, evicted_lo
 
     def register(self, slots: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
         """Index slots about to receive a swap_out this step (and pin them)."""

@@ -32,6 +32,7 @@ import numpy as np
 
 from cache import checks
 from cache.block_pool import DevicePool
+from cache.events import KVEventRecorder
 from cache.hashing import BlockHashChain
 from cache.host_pool import HostPool
 from cache.retention import RetentionPolicy
@@ -54,6 +55,9 @@ class CacheConfig:
     # Of each tier, what blocks marked for retention (`retain`) may hold before the
     # least valuable of them are ordinary LRU blocks (cache/retention.py).
     max_retained_fraction: float = 0.5
+    # Record every change of the prefix index as a KV event (cache/events.py), for a
+    # cache-aware router; `take_events` drains them. Off: no recorder, no cost.
+    record_events: bool = False
 
     def __post_init__(self) -> None:
         assert self.block_size > 0, self.block_size
@@ -136,6 +140,8 @@ class KVCacheManager:
         # Blocks committed this step under write_through: their KV is written by this
         # step's forward pass, so their copy to the host goes into the *next* step's ops.
         self._write_through_next: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.events = (KVEventRecorder(config.num_device_blocks, config.block_size)
+                       if config.record_events and config.enable_prefix_caching else None)
 
     # --- queries --------------------------------------------------------------------
 
@@ -220,6 +226,11 @@ class KVCacheManager:
         lo, hi = seq.chain.keys(start, n_full)
         blocks = _as_array(seq.blocks[start:n_full])
         new = self.device.index.find(lo, hi) < 0
+        if self.events is not None and new.any():
+            parent_lo = seq.chain.keys(start - 1, start)[0] if start else lo[:0]
+            self.events.device_stored(blocks[new], start + np.flatnonzero(new),
+                                      np.concatenate([parent_lo, lo]), start - len(parent_lo),
+                                      token_ids)
         blocks, lo, hi = blocks[new], lo[new], hi[new]
         self.device.register(blocks, lo, hi)
         self._ops.registered.extend(zip(blocks.tolist(), lo.tolist()))
@@ -253,6 +264,10 @@ class KVCacheManager:
         # prefixes (system prompt, earlier turns) stay cached longest.
         self.device.unref(blocks[::-1])
 
+    def take_events(self) -> list:
+        """Drain the KV events recorded since the last call (none when not recording)."""
+        return self.events.take() if self.events is not None else []
+
     def take_ops(self) -> CacheOps:
         """Drain this step's ops (call exactly once per step, even when empty)."""
         ops, self._ops = self._ops, CacheOps()
@@ -273,7 +288,11 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> int:
         """Forget every unreferenced cached block and host slot. Returns how many."""
-        return self.device.drop_cached() + self.host.drop_cached()
+        dropped_device, dropped_host = self.device.drop_cached(), self.host.drop_cached()
+        if self.events is not None:
+            self.events.device_removed(dropped_device)
+            self.events.host_removed(dropped_host)
+        return len(dropped_device) + len(dropped_host)
 
     def preload(self, tier: str, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Mark free blocks/slots of ``tier`` ("device" or "host") as cached under these
@@ -395,6 +414,8 @@ class KVCacheManager:
         if len(loaded):
             lo, hi = chain.keys(0, n_hit)
             self.device.register(loaded, lo[on_host], hi[on_host])
+            if self.events is not None:
+                self.events.device_stored(loaded, np.flatnonzero(on_host), lo, 0, token_ids)
             self.device.lru.copy_retention(loaded, self.host.lru, host_hits)
             self.device.mark_busy(loaded)
             self._ops.swap_in.extend(zip(host_hits.tolist(), loaded.tolist()))
@@ -413,6 +434,8 @@ class KVCacheManager:
         # An evicted block may become, this very step, a swap_in target or get new KV:
         # safe only because workers apply its swap_out (queued below) before both.
         blocks, evicted, lo, hi = self.device.take(k)
+        if self.events is not None:
+            self.events.device_removed(lo)
         self.stats.num_device_evictions += len(evicted)
         self.stats.num_device_retained_evictions = self.device.lru.early_evictions
         if (len(evicted) and self.config.write_policy == "write_back"
@@ -430,12 +453,16 @@ class KVCacheManager:
         assert not self.device.busy[blocks].any(), "copying a block whose KV is not loaded"
         miss = self.host.find(lo, hi) < 0
         blocks, lo, hi = blocks[miss], lo[miss], hi[miss]
-        slots, evicted = self.host.take(len(blocks))
+        slots, evicted, evicted_lo = self.host.take(len(blocks))
+        if self.events is not None:
+            self.events.host_removed(evicted_lo)
         self.stats.num_host_evictions += len(evicted)
         self.stats.num_host_retained_evictions = self.host.lru.early_evictions
         n = len(slots)
         blocks, lo, hi = blocks[len(blocks) - n:], lo[len(lo) - n:], hi[len(hi) - n:]
         self.host.lru.copy_retention(slots, self.device.lru, blocks)
         self.host.register(slots, lo, hi)
+        if self.events is not None:
+            self.events.host_stored(blocks, lo)
         self._ops.swap_out.extend(zip(blocks.tolist(), slots.tolist()))
         self.stats.num_swap_out_blocks += n

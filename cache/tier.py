@@ -29,16 +29,17 @@ class Tier:
     def num_free(self) -> int:
         return self.free.count
 
-    def drop_cached(self) -> int:
+    def drop_cached(self) -> np.ndarray:
         """Forget every cached entry except those held this step; they become free.
-        Returns how many."""
+        Returns the low hash words of those forgotten."""
         ids = np.flatnonzero(self.lru.present).astype(np.int32)
         ids = ids[~self.held()[ids]]
         self.lru.remove(ids)
         self.lru.clear(ids)
+        lo = self.index.keys_of(ids)[0]
         self.index.remove(ids)
         self.free.push(ids)
-        return len(ids)
+        return lo
 
     def preload(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Mark free entries as cached under these hashes (absent, distinct): for tools and

@@ -45,7 +45,7 @@ class ServeOptions:
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8000
     api_key: str | None = field(default=None, repr=False)  # never logged
-    served_model_name: str | None = None
+    served_model_name: tuple[str, ...] = ()  # () : the model's directory or file name
     self_check_tokens: int = 0  # > 0: run the prefix-cache gate at start-up, this long
     shim: ShimOptions = field(default_factory=ShimOptions)
 
@@ -53,8 +53,9 @@ class ServeOptions:
         """These options as the shim's command line takes them (the key excepted: it
         travels in the shim's environment, see API_KEY_ENV)."""
         args = ["--host", self.host, "--port", str(self.port), *self.shim.args()]
-        if self.served_model_name or default_model_name:
-            args += ["--served-model-name", self.served_model_name or default_model_name]
+        names = self.served_model_name or ((default_model_name,) if default_model_name else ())
+        if names:
+            args += ["--served-model-name", *names]
         if self.self_check_tokens:
             args += ["--self-check", "--self-check-tokens", str(self.self_check_tokens)]
         return args
@@ -83,6 +84,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["write_back", "write_through"],
                    help="when device blocks are copied to the host tier: on eviction "
                         "(write_back) or as soon as they are registered (write_through)")
+    p.add_argument("--kv-events-endpoint", default=d.kv_events_endpoint, metavar="ADDR",
+                   help="publish the prefix cache's changes as vLLM KV events (ZeroMQ PUB) "
+                        "for a cache-aware router: bind tcp://HOST:PORT, or a PORT on "
+                        "loopback; connect:tcp://HOST:PORT connects to a subscriber that "
+                        "binds. They carry prompt token ids: bind where only the router "
+                        "connects (off by default)")
+    p.add_argument("--kv-events-replay-endpoint", default=d.kv_events_replay_endpoint,
+                   metavar="ADDR",
+                   help="a ROUTER socket where a reconnecting subscriber asks for the recent "
+                        "event batches it missed (vLLM's replay protocol)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="disable prefix caching (for comparisons)")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
@@ -151,10 +162,13 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
         seed=args.seed,
         null_model_forward_ms=args.null_model_forward_ms,
         async_scheduling=not args.no_async_scheduling,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        served_model_name=(args.served_model_name or [model_name(str(model))])[0],
     )
     serve = ServeOptions(
         host=args.host, port=args.port, api_key=api_key_from(args),
-        served_model_name=args.served_model_name,
+        served_model_name=tuple(args.served_model_name or ()),
         self_check_tokens=args.self_check_tokens if args.self_check else 0,
         shim=ShimOptions.from_args(args))
     if serve.shim.cache_salt_per_api_key:  # a bad keys file stops here, before any process

@@ -20,6 +20,7 @@ from cache.manager import CacheAccountingError
 from scheduler.control import SchedulerControl
 from scheduler.engine import EngineCore, RankDivergenceError, agree_limits
 from scheduler.executor import WorkerFailure, ZmqExecutor
+from scheduler.kv_events import KVEventPublisher
 from scheduler.scheduler import RequestRejected, Scheduler
 from scheduler.telemetry import Telemetry
 from wire import codec
@@ -37,8 +38,10 @@ IDLE_POLL_MS = 50
 
 class SchedulerServer:
     def __init__(self, core: EngineCore, info: EngineInfo, requests_addr: str, log,
-                 telemetry: Telemetry | None = None) -> None:
+                 telemetry: Telemetry | None = None,
+                 kv_events: KVEventPublisher | None = None) -> None:
         self.core = core
+        self.kv_events = kv_events
         self.info = info
         self.log = log
         self.telemetry = telemetry or Telemetry(log)
@@ -61,6 +64,8 @@ class SchedulerServer:
             self._drain_clients(block=not self.core.has_work())
             if self.core.has_work():
                 self._send(self.core.step().outputs)
+                if self.kv_events is not None:  # what the step's plans did to the index
+                    self.kv_events.publish(self.core.scheduler.cache.take_events())
 
     def _drain_clients(self, block: bool) -> None:
         timeout = IDLE_POLL_MS if block else 0
@@ -169,7 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     telemetry = Telemetry(log)
     core = EngineCore(Scheduler(config, limits), executor, telemetry)
     info = EngineInfo(config.model, config.block_size, config.world_size, limits)
-    server = SchedulerServer(core, info, addresses["requests"], log, telemetry)
+    kv_events = None
+    if config.kv_events_endpoint:
+        kv_events = KVEventPublisher(config.kv_events_endpoint, config.served_model_name,
+                                     config.kv_events_replay_endpoint)
+        kv_events.publish(core.scheduler.cache.take_events())  # AllBlocksCleared: a new life
+        log.info("kv_events_publishing", endpoint=kv_events.endpoint,
+                 replay=kv_events.replay_endpoint, topic=kv_events.topic.decode())
+    server = SchedulerServer(core, info, addresses["requests"], log, telemetry, kv_events)
     control = SchedulerControl(core.scheduler, telemetry,
                                control_address(args.run_dir, "scheduler"), log)
     signal.signal(signal.SIGTERM, server.stop)
@@ -191,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         control.close()
+        if kv_events is not None:
+            kv_events.close()
     server.say_goodbye("the engine is stopping")
     executor.shutdown()
     log.info("scheduler_stopped")

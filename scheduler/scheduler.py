@@ -42,6 +42,7 @@ class Scheduler:
             write_policy=config.kv_write_policy,
             enable_prefix_caching=config.enable_prefix_caching,
             max_retained_fraction=config.max_retained_fraction,
+            record_events=bool(config.kv_events_endpoint),
         ), clock)
         self.queue = RequestQueue(config.max_queued_requests, config.max_queued_tokens)
         self.running: list[Sequence] = []

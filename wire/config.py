@@ -45,6 +45,12 @@ class EngineConfig:
     # the token sampled at step k as PENDING_TOKEN and the ranks resolve it (scheduler/
     # engine.py). False: every step waits for the one before (--no-async-scheduling).
     async_scheduling: bool = True
+    # KV events for a cache-aware router (scheduler/kv_events.py): a ZeroMQ address (or a
+    # bare port, on loopback) to publish on; "": off. The replay socket likewise.
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    # the name in the events' topic, kv@<host>@<name>: the first served model name
+    served_model_name: str = ""
 
     @property
     def tokenizer_dir(self) -> str:
@@ -71,5 +77,7 @@ class EngineConfig:
             raise ValueError("step_timeout_s must be > 0")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("a KV-event replay endpoint needs --kv-events-endpoint")
         if self.null_model_forward_ms is not None and not self.null_model_forward_ms >= 0:
             raise ValueError("null_model_forward_ms must be >= 0")

@@ -145,9 +145,9 @@ async def render_prompt(state: ServerState, req: ChatRequest) -> str:
 
 async def prompt_token_ids(state: ServerState, session: str, text: str,
                            request_id: str = "") -> list[int]:
-    """Tokenize, reusing the session's previous token ids where the text extends it."""
-    base, rest = state.tracker.splice(session, text)
-    ids = base + await tokenize(state.tokenizer, rest, add_special_tokens=False)
+    """Tokenize, reusing the session's previous token ids where the text extends it, and
+    log a prefix break if the result extends none of the session's prompts."""
+    ids = await spliced_token_ids(state, session, text)
     state.tracker.check(session, ids, request_id=request_id)
     return ids
 
@@ -316,13 +316,27 @@ def parse_chat(parse: Callable[[dict[str, Any], Any], ChatRequest]) -> Parse[Cha
     return parse_body
 
 
-async def prepare_chat(state: ServerState, req: ChatRequest, request_id: str, *,
-                       api: str, hints: SchedulingHints = NO_HINTS) -> ChatRun:
-    """Render and tokenize the conversation for the engine (the tool call tool_choice
-    requires, if any, opens the answer)."""
+async def render_chat(state: ServerState, req: ChatRequest,
+                      hints: SchedulingHints = NO_HINTS) -> tuple[ChatRequest, ForcedCall, str]:
+    """The conversation as the engine's prompt text, under the tenant's session (the tool
+    call tool_choice requires, if any, opens the answer). The render endpoints
+    (render.py) and `prepare_chat` share it, so a router's view of a prompt is the
+    engine's."""
     req = replace(req, session=tenant_session(hints.tenant, req.session))
     forced = forced_call(state, req)
-    text = await render_prompt(state, req) + forced.opening
+    return req, forced, await render_prompt(state, req) + forced.opening
+
+
+async def spliced_token_ids(state: ServerState, session: str, text: str) -> list[int]:
+    """The prompt's token ids: the session's previous ones where the text extends them."""
+    base, rest = state.tracker.splice(session, text)
+    return base + await tokenize(state.tokenizer, rest, add_special_tokens=False)
+
+
+async def prepare_chat(state: ServerState, req: ChatRequest, request_id: str, *,
+                       api: str, hints: SchedulingHints = NO_HINTS) -> ChatRun:
+    """Render and tokenize the conversation for the engine."""
+    req, forced, text = await render_chat(state, req, hints)
     ids = await prompt_token_ids(state, req.session, text, request_id)
     prompt = ChatPrompt(text, ids, forced.opening, forced.grammar or req.grammar,
                         await _retention(state, req, text, ids))

@@ -49,11 +49,15 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.
 class EngineCollector:
     def __init__(self) -> None:
         self.stats: EngineStats | None = None
+        # set at start-up from the engine's EngineInfo and the served name
+        self.model_name = ""
+        self.block_size = 0
 
     def collect(self):
         s = self.stats
         if s is None:
             return
+        yield from vllm_metrics(s, self.model_name, self.block_size)
         yield _gauge("deepinfer_num_requests_waiting", "Requests in the queue", s.num_waiting)
         yield _gauge("deepinfer_num_requests_running", "Requests running", s.num_running)
         yield _counter("deepinfer_steps", "Engine steps run", s.step)
@@ -103,6 +107,48 @@ class EngineCollector:
                        "Steps where a rank's state digest differed from the scheduler's",
                        s.num_digest_mismatches)
         yield from _histograms(s.histograms)
+
+
+def vllm_metrics(s: EngineStats, model_name: str, block_size: int):
+    """The figures a router scrapes from a vLLM server, under vLLM's names and labels:
+    SMG, llm-d's endpoint picker and Dynamo read these to weigh replicas by load and
+    cache. vLLM's meaning is kept: KV usage counts blocks some request holds (cached,
+    unreferenced ones are free to take), and prefix_cache_hits are device hits (the host
+    tier's are the "external" ones, as vLLM counts a KV connector's)."""
+    labels, values = ["engine", "model_name"], ["0", model_name]
+
+    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=labels)
+        g.add_metric(values, value)
+        return g
+
+    def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=labels)
+        c.add_metric(values, value)
+        return c
+
+    device = s.usage.get("device", {})
+    capacity = device.get("capacity", 0)
+    yield gauge("vllm:num_requests_waiting", "Requests waiting to be processed", s.num_waiting)
+    yield gauge("vllm:num_requests_running", "Requests in model execution batches",
+                s.num_running)
+    yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 means 100 percent)",
+                device.get("used", 0) / capacity if capacity else 0.0)
+    c = s.cache
+    yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens",
+                  c.get("num_queried_tokens", 0))
+    yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens",
+                  c.get("num_device_hit_tokens", 0))
+    yield counter("vllm:external_prefix_cache_queries",
+                  "Host-tier cache queries, in queried tokens", c.get("num_queried_tokens", 0))
+    yield counter("vllm:external_prefix_cache_hits", "Host-tier cache hits, in cached tokens",
+                  c.get("num_host_hit_tokens", 0))
+    info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache config",
+                             labels=["engine", "block_size", "num_gpu_blocks",
+                                     "num_cpu_blocks"])
+    info.add_metric(["0", str(block_size), str(capacity),
+                     str(s.usage.get("host", {}).get("capacity", 0))], 1.0)
+    yield info
 
 
 def _histograms(data: dict[str, HistogramData]):

@@ -81,7 +81,11 @@ def add_shim_arguments(p: argparse.ArgumentParser) -> None:
                         "(visible in `ps`: prefer --api-key-file)")
     p.add_argument("--api-key-file", default=None,
                    help="require the key in this file (mode 0600, one line)")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names /v1/models lists (the first is the one replies carry). "
+                        "The engine answers any name, but a router sends a request only to "
+                        "a replica that lists its model: e.g. `tiny-llama claude-sonnet-4-5` "
+                        "for Claude Code behind SMG")
     p.add_argument("--max-output-tokens", type=int, default=ShimOptions.max_output_tokens,
                    help="cap on any request's output tokens, on top of its max_tokens "
                         "(0: only the context limits it)")

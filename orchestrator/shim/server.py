@@ -14,7 +14,8 @@ salted with its key's tenant (`tenants`).
 Endpoints: POST /v1/messages and /v1/messages/count_tokens (Anthropic,
 `anthropic_request` and `anthropic_response`), POST /v1/chat/completions and
 POST /v1/completions (OpenAI, `openai_request` and `openai_response`), each through one
-pipeline (`pipeline.serve`); GET /v1/models, /health, /metrics here.
+pipeline (`pipeline.serve`); their prompts' token ids at .../render (`render`, for a
+router); GET /v1/models, /health, /metrics here.
 
 It renders chat templates (`chat_template`), tokenizes (MODEL_DIR/tokenizer.json),
 validates, sends token ids to the scheduler (ipc://DIR/requests.sock, or the "requests"
@@ -30,7 +31,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -45,7 +46,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tokenizers import Tokenizer
 
-from orchestrator.shim import anthropic_response, openai_response
+from orchestrator.shim import anthropic_response, openai_response, render
 from orchestrator.shim.admission import (
     HeaderLimit,
     admit,
@@ -96,32 +97,33 @@ async def metrics(request: Request) -> Response:
     return Response(state.metrics.render(stats), media_type=METRICS_CONTENT_TYPE)
 
 
-def _model_card(state: ServerState) -> dict[str, Any]:
+def _model_card(state: ServerState, name: str) -> dict[str, Any]:
     """One card both SDKs parse: OpenAI's fields and Anthropic's."""
     created_at = datetime.fromtimestamp(state.created, timezone.utc).isoformat()
-    return {"id": state.model_name, "object": "model", "created": state.created,
+    return {"id": name, "object": "model", "created": state.created,
             "owned_by": "deepinfer", "max_model_len": state.max_model_len,
             "block_size": state.block_size,
-            "type": "model", "display_name": state.model_name,
+            "type": "model", "display_name": name,
             "created_at": created_at.replace("+00:00", "Z")}
 
 
 async def list_models(request: Request) -> Response:
     state: ServerState = request.app.state.shim
     admit(request, state)
-    card = _model_card(state)
-    return JSONResponse({"object": "list", "data": [card], "has_more": False,
-                         "first_id": card["id"], "last_id": card["id"]})
+    cards = [_model_card(state, name) for name in state.model_names]
+    return JSONResponse({"object": "list", "data": cards, "has_more": False,
+                         "first_id": cards[0]["id"], "last_id": cards[-1]["id"]})
 
 
 async def get_model(request: Request) -> Response:
     state: ServerState = request.app.state.shim
     admit(request, state)
-    if request.path_params["model_id"] != state.model_name:
-        raise ApiError(f"model {request.path_params['model_id']!r} not found (this "
-                           f"engine serves {state.model_name!r})", status=404,
-                           type="not_found_error")
-    return JSONResponse(_model_card(state))
+    model_id = request.path_params["model_id"]
+    if model_id not in state.model_names:
+        raise ApiError(f"model {model_id!r} not found (this engine serves "
+                       f"{', '.join(map(repr, state.model_names))})", status=404,
+                       type="not_found_error")
+    return JSONResponse(_model_card(state, model_id))
 
 
 # --- the app -------------------------------------------------------------------------
@@ -131,7 +133,7 @@ def build_app(
     engine: Engine,
     tokenizer: Tokenizer,
     *,
-    model_name: str,
+    model_name: str | Sequence[str],
     api_key: str | None = None,
     max_model_len: int = 0,
     chat_template: ChatTemplate | None = None,
@@ -142,13 +144,16 @@ def build_app(
     """The ASGI app. `engine` is started by the app's lifespan; `max_model_len` > 0
     lowers the engine's context limit for requests (it cannot raise it). Without a
     `chat_template` the chat endpoints answer 400. `tenants`: the keys of
-    --cache-salt-per-api-key (read from options.cache_salt_per_api_key when not given)."""
+    --cache-salt-per-api-key (read from options.cache_salt_per_api_key when not given).
+    ``model_name``: one name or several (the first is the one replies carry)."""
+    names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+    assert names, "at least one served model name"
     options = options or ShimOptions()
     if tenants is None and options.cache_salt_per_api_key:
         tenants = Tenants.from_file(options.cache_salt_per_api_key)
-    state = ServerState(engine, tokenizer, model_name, api_key, tenants=tenants,
+    state = ServerState(engine, tokenizer, names[0], api_key, tenants=tenants,
                         chat_template=chat_template, options=options,
-                        ping_interval_s=ping_interval_s)
+                        ping_interval_s=ping_interval_s, model_aliases=names[1:])
     if hasattr(engine, "attach_metrics"):  # TTFT/ITL are observed where outputs arrive
         engine.attach_metrics(state.metrics)
 
@@ -162,6 +167,8 @@ def build_app(
         limits = info.limits
         state.vocab_size = limits.vocab_size
         state.block_size = info.block_size
+        state.metrics.engine.model_name = names[0]
+        state.metrics.engine.block_size = info.block_size
         state.created = int(time.time())
         state.max_model_len = limits.max_model_len
         if max_model_len > 0:
@@ -169,7 +176,7 @@ def build_app(
                 log.warning("max_model_len_above_engine", requested=max_model_len,
                             engine=limits.max_model_len)
             state.max_model_len = min(max_model_len, limits.max_model_len)
-        log.info("shim_ready", model=model_name, max_model_len=state.max_model_len,
+        log.info("shim_ready", model=list(names), max_model_len=state.max_model_len,
                  tenants=state.tenants.names if state.tenants is not None else None)
         try:
             yield
@@ -208,6 +215,9 @@ def build_app(
             Route("/v1/messages", anthropic_response.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic_response.count_tokens,
                   methods=["POST"]),
+            Route("/v1/chat/completions/render", render.chat_completions, methods=["POST"]),
+            Route("/v1/completions/render", render.completions, methods=["POST"]),
+            Route("/v1/messages/render", render.messages, methods=["POST"]),
         ],
         middleware=[Middleware(HeaderLimit, limit=options.max_header_bytes)],
         exception_handlers={
@@ -264,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     app = build_app(
         engine,
         tokenizer,
-        model_name=args.served_model_name or model_dir.resolve().name,
+        model_name=args.served_model_name or [model_dir.resolve().name],
         api_key=api_key,
         max_model_len=args.max_model_len,
         chat_template=ChatTemplate.from_model_dir(model_dir),

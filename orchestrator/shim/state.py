@@ -45,7 +45,7 @@ class Engine(Protocol):
 class ServerState:
     engine: Engine
     tokenizer: Tokenizer
-    model_name: str
+    model_name: str  # the first served name: the one replies carry
     api_key: str | None = field(repr=False)  # never logged
     # --cache-salt-per-api-key: more keys, each salting its tenant's cache (tenants.py)
     tenants: Tenants | None = field(default=None, repr=False)
@@ -62,8 +62,15 @@ class ServerState:
     unavailable: str | None = None
     retry_after_s: int = 5
     self_check_secret: str | None = None  # the self-check's own requests pass the gate
+    # more names /v1/models lists after model_name (--served-model-name A B ...): a router
+    # routes only the names a replica lists
+    model_aliases: tuple[str, ...] = ()
     tracker: PrefixTracker = field(init=False)
     think_tags: tuple[int, int] | None = field(init=False)  # <think>, </think> token ids
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.model_aliases)
 
     def __post_init__(self) -> None:
         self.tracker = PrefixTracker(self.tokenizer, on_break=self.metrics.count_prefix_break)

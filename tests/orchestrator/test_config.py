@@ -25,3 +25,17 @@ def test_the_null_model_is_off_by_default_and_takes_zero(default_model: Path) ->
                          "6.4").null_model_forward_ms == 6.4
     with pytest.raises(ValueError, match="null_model_forward_ms"):
         engine_config("--model", str(default_model), "--null-model-forward-ms", "-1")
+
+
+def test_kv_events_are_off_by_default_and_name_the_first_served_model(
+        default_model: Path) -> None:
+    config = engine_config("--model", str(default_model))
+    assert config.kv_events_endpoint == "" and config.kv_events_replay_endpoint == ""
+    assert config.served_model_name == default_model.name.removesuffix(".gguf")
+    config = engine_config("--model", str(default_model), "--kv-events-endpoint", "5557",
+                           "--kv-events-replay-endpoint", "tcp://127.0.0.1:5558",
+                           "--served-model-name", "tiny-llama", "claude-sonnet-4-5")
+    assert (config.kv_events_endpoint, config.kv_events_replay_endpoint,
+            config.served_model_name) == ("5557", "tcp://127.0.0.1:5558", "tiny-llama")
+    with pytest.raises(ValueError, match="replay endpoint needs"):
+        engine_config("--model", str(default_model), "--kv-events-replay-endpoint", "5558")

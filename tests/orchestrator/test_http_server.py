@@ -87,6 +87,20 @@ def test_health_and_models(client: TestClient, engine: StandInEngine) -> None:
     assert client.get("/health").status_code == 503
 
 
+def test_several_served_names_are_all_listed(engine: StandInEngine,
+                                             tokenizer: Tokenizer) -> None:
+    """A router (SMG) routes a model name only to replicas listing it: Claude Code's
+    default name must be listed to reach the engine through one."""
+    app = build_app(engine, tokenizer, model_name=["tiny-llama", "claude-sonnet-4-5"])
+    with TestClient(app) as c:
+        models = c.get("/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["tiny-llama", "claude-sonnet-4-5"]
+        assert (models["first_id"], models["last_id"]) == ("tiny-llama", "claude-sonnet-4-5")
+        assert c.get("/v1/models/claude-sonnet-4-5").json()["id"] == "claude-sonnet-4-5"
+        err = assert_openai_error(c.get("/v1/models/gpt-4"), 404, "not_found_error")
+        assert "'tiny-llama', 'claude-sonnet-4-5'" in err["message"]
+
+
 def test_invalid_json(client: TestClient) -> None:
     r = client.post("/v1/completions", content=b'{"prompt": "hi",', headers={
         "content-type": "application/json"})

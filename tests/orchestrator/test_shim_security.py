@@ -163,7 +163,7 @@ def test_launcher_options_reach_the_shim_without_the_key(tmp_path: Path,
     args = parse_args(["--run-dir", "/r", "--model", "/m", *serve.shim_args()])
     assert (args.port, args.host, args.served_model_name, args.max_output_tokens,
             args.tool_call_parser, args.request_timeout, args.self_check,
-            args.self_check_tokens) == (9123, "::1", "coder", 77, "none", 30.0, True, 256)
+            args.self_check_tokens) == (9123, "::1", ["coder"], 77, "none", 30.0, True, 256)
     assert serve_options("--model", str(default_model)).host == "127.0.0.1"
     # ... and every shim option, through its own dataclass (a flag per field)
     shim = ShimOptions(max_output_tokens=5, tool_call_parser="llama3_json",
