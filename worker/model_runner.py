@@ -17,7 +17,7 @@ import torch
 from wire.client import SamplingParams
 from wire.config import EngineConfig
 from wire.digest import StateDigest
-from wire.step import PENDING_TOKEN, RankTiming, StepPlan
+from wire.step import PENDING_TOKEN, RankTiming, StepPlan, count_accepted
 from worker.attention import AttentionBackend, AttentionMetadata, create_backend
 from worker.budget import (
     check_holds_one_sequence,
@@ -158,6 +158,7 @@ class ModelRunner:
         t4 = time.perf_counter()
         if self._share_samples:
             sampled = self._share(plan, sampled)
+        sampled = self._accept_drafts(plan, sampled)
         for seq_id, token in sampled:
             self.last_token[seq_id] = token
         if self.tp.rank != 0:
@@ -178,7 +179,7 @@ class ModelRunner:
 
     def _share(self, plan: StepPlan, sampled: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Rank 0's samples on every rank, one small broadcast (the plan says how many)."""
-        seq_ids = [c.seq_id for c in plan.chunks if c.sample]
+        seq_ids = [c.seq_id for c in plan.chunks if c.sample for _ in range(c.num_draft + 1)]
         tokens = self.tp.broadcast_ints([t for _, t in sampled] if self.tp.rank == 0 else None,
                                         len(seq_ids))
         return list(zip(seq_ids, tokens))
@@ -198,6 +199,27 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         return sampled, logits if return_logits else None
 
+    @staticmethod
+    def _accept_drafts(plan: StepPlan,
+                       sampled: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """A drafted decode's samples (one per draft position, and one after) -> the
+        tokens it yields: the drafts the samples agree with, then the first sample that
+        disagrees or the one after the last draft. Deterministic, so every rank that has
+        the samples gets the same; a rank without them (rank > 0, no overlap) gets []."""
+        if not sampled or not any(c.num_draft for c in plan.chunks):
+            return sampled
+        out: list[tuple[int, int]] = []
+        i = 0
+        for chunk in plan.chunks:
+            if not chunk.sample:
+                continue
+            rows = sampled[i:i + chunk.num_draft + 1]
+            i += chunk.num_draft + 1
+            drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_draft:]
+            out.extend(rows[:count_accepted(drafts, [t for _, t in rows]) + 1])
+        assert i == len(sampled), "samples do not match the plan's chunks"
+        return out
+
     def _apply_cache_ops(self, plan: StepPlan) -> None:
         for block, slot in plan.swap_out + [(b, s) for s, b in plan.swap_in]:
             self._check_block(block)
@@ -213,6 +235,11 @@ class ModelRunner:
             self.last_token.pop(seq_id, None)
 
     def _apply_table_deltas(self, plan: StepPlan) -> None:
+        for t in plan.trim:  # blocks appended for drafts the model rejected
+            table = self.block_tables[t.seq_id]
+            assert len(table) == t.num_blocks + len(t.block_ids) \
+                and table[t.num_blocks:] == t.block_ids, f"seq {t.seq_id}: a trim not its tail"
+            del table[t.num_blocks:]
         for seq in plan.new_seqs:
             assert seq.seq_id not in self.block_tables, f"seq {seq.seq_id} opened twice"
             for b in seq.block_ids:
@@ -256,8 +283,8 @@ class ModelRunner:
             kv_indices.extend(table[:num_pages])
             kv_indptr.append(len(kv_indices))
             last_page_len.append(ctx - (num_pages - 1) * bs)
-            if chunk.sample:
-                sample_rows.append(len(ids) - 1)
+            if chunk.sample:  # a drafted decode samples at each draft and after the last
+                sample_rows.extend(range(len(ids) - 1 - chunk.num_draft, len(ids)))
         # The embedding must never see an id outside the vocabulary (the
         # scheduler rejects them first; this is the worker's own guard).
         assert 0 <= min(ids) and max(ids) < self.vocab_size, "token id outside the vocabulary"
@@ -276,9 +303,13 @@ class ModelRunner:
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor,
                 rows: list[int]) -> list[tuple[int, int]]:
-        chunks = [c for c in plan.chunks if c.sample]
-        params = [self.sampling[c.seq_id][0] for c in chunks]
-        seeds = [self.sampling[c.seq_id][1] for c in chunks]
-        positions = [c.start_pos + len(c.token_ids) for c in chunks]
-        tokens = sample(logits, params, seeds, positions, [c.allowed for c in chunks])
-        return [(c.seq_id, t) for c, t in zip(chunks, tokens)]
+        # one row per sample: a drafted decode's rows are its last num_draft + 1 positions,
+        # each sampled as plain decoding would sample it there (its seed and position)
+        rows_of = [(c, c.start_pos + len(c.token_ids) - c.num_draft + k)
+                   for c in plan.chunks if c.sample for k in range(c.num_draft + 1)]
+        assert len(rows_of) == len(rows)
+        params = [self.sampling[c.seq_id][0] for c, _ in rows_of]
+        seeds = [self.sampling[c.seq_id][1] for c, _ in rows_of]
+        positions = [p for _, p in rows_of]
+        tokens = sample(logits, params, seeds, positions, [c.allowed for c, _ in rows_of])
+        return [(c.seq_id, t) for (c, _), t in zip(rows_of, tokens)]
