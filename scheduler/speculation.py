@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from wire.client import HistogramData
 from wire.config import SpeculativeConfig
 
 _MASK64 = (1 << 64) - 1
@@ -114,6 +115,12 @@ class SpecStats:
         if len(self.accepted_histogram) <= num_accepted:
             self.accepted_histogram.extend([0] * (num_accepted + 1 - len(self.accepted_histogram)))
         self.accepted_histogram[num_accepted] += 1
+
+    def histogram(self, max_drafts: int) -> HistogramData:
+        """Drafts kept per drafted decode, as /metrics' histogram (bucket <= 0, <= 1, ...)."""
+        counts = self.accepted_histogram + [0] * (max_drafts + 2 - len(self.accepted_histogram))
+        return HistogramData([float(b) for b in range(max_drafts + 1)], counts,
+                             float(self.num_accepted_tokens))
 
 
 def propose_drafts(index: NgramIndex, tokens: Tokens[int], config: SpeculativeConfig,
