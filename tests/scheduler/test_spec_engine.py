@@ -14,7 +14,7 @@ from tests.conftest import SMOLLM2, needs_smollm2
 from tests.scheduler.engine_harness import inprocess_engine, zmq_engine
 from tests.scheduler.test_overlap import check_close_timing
 from tests.scheduler.test_prefix_cache_engine import BLOCK_BYTES_TINY
-from wire.client import GenerateRequest
+from wire.client import GenerateRequest, SamplingParams
 from wire.config import SpeculativeConfig
 
 # prompt_lookup_min 1: the tiny model's random weights repeat themselves little, so the
@@ -143,6 +143,20 @@ def test_max_tokens_is_never_passed_and_aborts_end_cleanly(default_model):
     assert aborted["a"]["reason"] == "abort"
     assert aborted["a"]["tokens"] == full["a"]["tokens"][:len(aborted["a"]["tokens"])]
     assert aborted["b"] == full["b"]
+
+
+def test_sampled_tokens_are_the_same_with_speculation(default_model):
+    """With sampling too: a draft is kept only when the token sampled at its position (the
+    request's seed, that position: what plain decoding draws there) equals it."""
+    def make(spec):
+        return inprocess_engine(default_model, max_model_len=128, kv_cache_memory=KV,
+                                speculative=spec)
+
+    reqs = [GenerateRequest(r.request_id, r.prompt_token_ids, 30,
+                            sampling=SamplingParams(temperature=0.7, seed=i if i else None))
+            for i, r in enumerate(workload(3, n=3))]
+    plain, spec, stats, _ = spec_and_plain(make, reqs)
+    assert spec == plain and stats.num_draft_tokens > 0
 
 
 def test_the_context_end_is_never_passed(default_model):
