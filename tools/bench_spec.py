@@ -89,7 +89,7 @@ class Run:
 
 
 def engine(model: str, spec: SpeculativeConfig | None, threads: int) -> EngineCore:
-    config = EngineConfig(model=model, dtype="float32", kv_cache_memory=96 << 20,
+    config = EngineConfig(model=model, dtype="float32", kv_cache_memory=192 << 20,
                           max_model_len=4096, max_num_batched_tokens=4096,
                           torch_threads=threads, speculative=spec)
     executor = InProcessExecutor(config)

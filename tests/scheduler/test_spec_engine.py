@@ -207,3 +207,29 @@ def test_the_real_model_copies_an_edit_with_the_same_tokens():
     plain, spec, stats, _ = spec_and_plain(make, reqs)
     assert spec == plain
     assert stats.num_accepted_tokens > stats.num_draft_tokens / 2
+
+
+def test_masked_sequences_get_no_drafts_and_keep_their_tokens(default_model):
+    """A grammar's or a thinking budget's mask is not checked against drafts, so such a
+    sequence decodes plainly beside drafted ones, its tokens unchanged."""
+    from tests.scheduler.test_guided import SCHEMA, grammar
+    from tests.scheduler.test_thinking import END, THINK
+    from wire.client import ThinkingSpan
+
+    def make(spec):
+        return inprocess_engine(default_model, max_model_len=256, speculative=spec)
+
+    free = workload(1)[0]
+    reqs = [free,
+            GenerateRequest("guided", free.prompt_token_ids, 120, grammar=grammar(SCHEMA)),
+            GenerateRequest("thinking", free.prompt_token_ids, 30,
+                            thinking=ThinkingSpan(THINK, END, budget=5, inside=True))]
+    runs, plans = {}, None
+    for spec in (None, SPEC):
+        core = make(spec)
+        runs[spec is not None] = drive(core, reqs)
+        plans = core.executor.plans
+    assert runs[True] == runs[False]
+    assert runs[True]["guided"]["reason"] == "stop"
+    drafted = {c.seq_id for p in plans for c in p.chunks if c.num_draft}
+    assert drafted == {1}  # the free one alone (seq ids follow the requests' order)
