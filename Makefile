@@ -13,7 +13,7 @@ TORCH_CPU := torch==2.13.0+cpu
 PYTEST_ARGS ?=
 
 .PHONY: install cpu-kernels test lint serve serve-replicas bench-routing bench bench-worker bench-engine bench-agents bench-index \
-	simulate clean e2e-claude-code soak fuzz gpu-check gpu-wheels bench-vs-vllm bench-overhead
+	simulate clean e2e-claude-code soak fuzz gpu-check gpu-wheels bench-vs-vllm bench-overhead bench-spec
 
 install: $(INSTALLED) $(TINY)/deepinfer_tiny.json $(SMOLLM2) cpu-kernels
 
@@ -120,6 +120,11 @@ $(PEER_INSTALLED):
 bench-vs-vllm: install $(PEER_INSTALLED)
 	$(PY) -m tools.bench_vs_vllm --model $(VS_VLLM_MODEL) \
 		--peer-python $(PEER_VENV)/bin/python --peer-dir $(PEER) $(VS_VLLM_ARGS)
+
+# Speculative decoding on the real model: an edit and a free-text answer, decode tok/s and
+# acceptance with and without --speculative-config, side by side. A few minutes on a CPU.
+bench-spec: install
+	$(PY) -m tools.bench_spec --model $(SMOLLM2) $(SPEC_ARGS)
 
 bench-index: install
 	$(PY) -m tools.bench_index

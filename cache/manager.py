@@ -238,6 +238,25 @@ class KVCacheManager:
         if self.config.write_policy == "write_through" and self.config.host_enabled:
             self._write_through_next.append((blocks, lo, hi))
 
+    def trim(self, seq_id: int, num_blocks: int) -> list[int]:
+        """Shorten ``seq_id``'s table to ``num_blocks``; returns the blocks dropped, which
+        go back to the free list. For blocks appended only for draft tokens the model
+        rejected (speculative decoding): they hold no verified token, so they were never
+        registered, and nothing else references them. Call it only once the step that
+        wrote them has completed (the scheduler does, from that step's results)."""
+        seq = self._seqs[seq_id]
+        assert seq.num_registered <= num_blocks <= len(seq.blocks), (
+            f"seq {seq_id}: trim to {num_blocks} blocks, {seq.num_registered} registered "
+            f"of {len(seq.blocks)}")
+        dropped = _as_array(seq.blocks[num_blocks:])
+        if not len(dropped):
+            return []
+        assert (self.device.refcount[dropped] == 1).all(), "trimming a shared block"
+        assert not self.device.index.is_registered(dropped).any(), "trimming a cached block"
+        del seq.blocks[num_blocks:]
+        self.device.unref(dropped[::-1])
+        return dropped.tolist()
+
     def retain(self, seq_id: int, spans: Sequence[tuple[int, float]]) -> None:
         """Ask for the full blocks of each span's first ``num_tokens`` tokens to stay
         cached, in either tier, ``ttl_s`` after their last use, before any unmarked block

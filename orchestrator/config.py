@@ -13,7 +13,7 @@ from orchestrator.shim.options import (
     api_key_from,
 )
 from orchestrator.shim.tenants import Tenants
-from wire.config import EngineConfig
+from wire.config import EngineConfig, SpeculativeConfig
 from wire.security import (
     SECRET_FILE_ENV,
     InsecureFileError,
@@ -123,6 +123,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="plan each step only after the ranks finished the one before (by "
                         "default step k+1 is planned and sent while the ranks run step k)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding by prompt lookup, vLLM\'s names: \'{"method": '
+                        '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                        '"prompt_lookup_min": 2}\' (off by default). Greedy output is '
+                        'unchanged; steps with drafts run without overlap scheduling')
+
+
+def speculative_from(text: str | None) -> SpeculativeConfig | None:
+    """`--speculative-config`, checked here: a bad value stops the launch with its reason."""
+    if text is None:
+        return None
+    try:
+        return SpeculativeConfig.from_json(text)
+    except (ValueError, TypeError) as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def model_name(model: str) -> str:
@@ -165,6 +180,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         served_model_name=(args.served_model_name or [model_name(str(model))])[0],
+        speculative=speculative_from(args.speculative_config),
     )
     serve = ServeOptions(
         host=args.host, port=args.port, api_key=api_key_from(args),

@@ -285,4 +285,9 @@ class EngineCore:
             kv_bytes_per_block=sched.limits.kv_bytes_per_block,
             cache={k: int(v) for k, v in vars(sched.cache.stats).items()},
             usage=sched.cache.usage(),
+            histograms=({"spec_accepted_drafts": sched.spec_stats.histogram(
+                sched.speculative.num_speculative_tokens)}
+                        if sched.speculative is not None else {}),
+            num_spec_draft_tokens=sched.spec_stats.num_draft_tokens,
+            num_spec_accepted_tokens=sched.spec_stats.num_accepted_tokens,
         )

@@ -86,7 +86,7 @@ class SchedulerServer:
             self._sock.send_multipart([identity, codec.encode(self.info)])
         elif isinstance(msg, StatsRequest):
             stats = self.core.stats()
-            stats.histograms = self.telemetry.histograms()
+            stats.histograms.update(self.telemetry.histograms())
             stats.num_digest_mismatches = self.telemetry.num_digest_mismatches
             self._sock.send_multipart([identity, codec.encode(stats)])
         elif isinstance(msg, GenerateRequest):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from cache.hashing import BlockHashChain
 from scheduler.guided import Guide
+from scheduler.speculation import NgramIndex
 from scheduler.thinking import ThinkingBudget
 from wire.client import GenerateRequest
 
@@ -52,6 +53,11 @@ class Sequence:
     error: str | None = None  # why it ended, when it ended with an error
     error_type: str | None = None
     guide: Guide | None = None  # the compiled grammar its output follows (guided decoding)
+    # speculative decoding: where its n-grams occur (None: no drafts for it), and the draft
+    # tokens of the step in flight, counted in num_computed until the result says how many
+    # the model kept
+    ngram: NgramIndex | None = None
+    num_drafts: int = 0
 
     def __post_init__(self) -> None:
         # prompt + output in one list, appended in place: a 450K-token prompt must not

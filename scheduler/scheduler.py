@@ -9,6 +9,7 @@ Workers decide nothing; this class and `cache/` decide everything.
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections.abc import Callable
 
@@ -18,13 +19,21 @@ from scheduler.guided import GrammarError, GuideFactory
 from scheduler.queue import QueueFullError, RequestQueue
 from scheduler.request import SeqStatus, Sequence
 from scheduler.session_chains import SessionChains
+from scheduler.speculation import NgramIndex, SpecStats, propose_drafts
 from scheduler.thinking import ThinkingBudget
 from scheduler.validation import RequestRejected, validate_request
 from wire.client import GenerateRequest, RequestOutput
 from wire.config import EngineConfig
 from wire.digest import StateDigest
 from wire.lifecycle import EngineLimits
-from wire.step import PENDING_TOKEN, AppendBlocks, NewSequence, ScheduledChunk, StepPlan
+from wire.step import (
+    PENDING_TOKEN,
+    AppendBlocks,
+    NewSequence,
+    ScheduledChunk,
+    StepPlan,
+    TrimBlocks,
+)
 
 GRAMMAR_WAIT_S = 0.05  # an idle step waits this long for the queue head's grammar
 
@@ -64,6 +73,9 @@ class Scheduler:
         self._deadlines: list[tuple[float, int, str]] = []  # (deadline, seq id, request id)
         self._guides = GuideFactory(config.tokenizer_dir, limits.vocab_size,
                                     list(limits.eos_token_ids))
+        self.speculative = config.speculative  # None: no drafts
+        self.spec_stats = SpecStats()
+        self._trims: list[TrimBlocks] = []  # tables to shorten by the next plan (`_trim`)
 
     # --- requests ------------------------------------------------------------------
 
@@ -81,6 +93,9 @@ class Scheduler:
                       if req.thinking is not None else None),
             chain=(self._sessions.chain_for(req.session_id, extra_key, req.prompt_token_ids)
                    if self.config.enable_prefix_caching else None))
+        if self.speculative is not None:
+            seq.ngram = NgramIndex(self.speculative.prompt_lookup_min,
+                                   self.speculative.prompt_lookup_max)
         try:
             self.queue.push(seq)
         except QueueFullError as exc:
@@ -143,8 +158,11 @@ class Scheduler:
         """Whether the next plan needs the tokens of the step in flight: a sequence
         whose next sample is masked (a grammar, a thinking budget) by a state that
         depends on its pending token. The engine then plans after the results (no
-        overlap for that step)."""
-        return any(s.num_pending and (s.guide is not None or s.thinking is not None)
+        overlap for that step). With speculative decoding, any sequence with a pending
+        token: its drafts are proposed from every token it has, and a drafted step's
+        results say how much of its table to keep (`_trim`)."""
+        spec = self.speculative is not None
+        return any(s.num_pending and (spec or s.guide is not None or s.thinking is not None)
                    for s in self.running)
 
     # --- ends and closes ----------------------------------------------------------
@@ -203,14 +221,18 @@ class Scheduler:
         num_running_before = len(self.running)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            drafts = self._drafts(seq, budget)
             num_new = min(seq.num_tokens + seq.num_pending - seq.num_computed, budget)
-            grown = self._grow(seq, num_new)
+            grown = self._grow(seq, num_new + len(drafts))
+            if drafts and not grown:  # no room for the drafts: a plain decode
+                drafts = []
+                grown = self._grow(seq, num_new)
             while not grown and self.running[-1] is not seq:
                 self._preempt(self.running[-1], plan)
                 grown = self._grow(seq, num_new)
             if grown:
-                self._schedule(plan, seq, num_new)
-                budget -= num_new
+                self._schedule(plan, seq, num_new, drafts)
+                budget -= num_new + len(drafts)
                 i += 1
             elif len(self.running) == 1 and seq.num_pending:
                 i += 1  # decide once its pending token is known (it may end the sequence)
@@ -242,6 +264,9 @@ class Scheduler:
             self._schedule(plan, seq, num_new)
             budget -= num_new
 
+        closed = set(plan.close)  # closed whole on the ranks, before any trim
+        plan.trim = [t for t in self._trims if t.seq_id not in closed]
+        self._trims = []
         ops = self.cache.take_ops()
         plan.swap_out, plan.swap_in, plan.register = ops.swap_out, ops.swap_in, ops.registered
         t = time.perf_counter()
@@ -250,12 +275,16 @@ class Scheduler:
         self.step += 1
         return plan
 
-    def _schedule(self, plan: StepPlan, seq: Sequence, num_new: int) -> None:
+    def _schedule(self, plan: StepPlan, seq: Sequence, num_new: int,
+                  drafts: list[int] | None = None) -> None:
         """Run `num_new` more tokens of `seq` in `plan`, with the block-table delta the
         ranks need first. The blocks whose KV this step writes are registered at once:
         steps run in order, and in each layer the ranks write the whole batch's KV
         before attention reads any, so a later step -- or a sequence admitted later in
-        this one, e.g. a second agent sent the same fresh context -- may hit them."""
+        this one, e.g. a second agent sent the same fresh context -- may hit them. Draft
+        tokens (`drafts`, after the last known one) run too but are never committed: a
+        block is registered only once every token in it is verified."""
+        drafts = drafts or []
         start = seq.num_computed
         end = start + num_new
         known = seq.num_tokens
@@ -279,9 +308,13 @@ class Scheduler:
         token_ids = seq.tokens[start:end]
         if end > known:  # the token sampled by the step in flight, resolved by the ranks
             token_ids.extend([PENDING_TOKEN] * (end - known))
-        plan.chunks.append(ScheduledChunk(seq.seq_id, token_ids, start,
-                                          sample=sample, allowed=allowed))
-        seq.num_computed = end
+        assert not drafts or (sample and allowed is None and end == known), (
+            "drafts only after every known token, unmasked")
+        token_ids.extend(drafts)
+        plan.chunks.append(ScheduledChunk(seq.seq_id, token_ids, start, sample=sample,
+                                          allowed=allowed, num_draft=len(drafts)))
+        seq.num_computed = end + len(drafts)
+        seq.num_drafts = len(drafts)
         seq.num_pending += sample
         seq.last_step = plan.step
 
@@ -299,6 +332,18 @@ class Scheduler:
     def _ends_with_pending(self, seq: Sequence) -> bool:
         return (len(seq.output) + seq.num_pending >= seq.request.max_tokens
                 or seq.num_tokens + seq.num_pending >= self.limits.max_model_len)
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens for a decode of `seq` (scheduler/speculation.py); [] when it is not
+        a decode whose tokens are all known, or its sample is masked (a grammar, a thinking
+        budget: drafts are not checked against masks, so such sequences get none)."""
+        if (seq.ngram is None or seq.num_pending or self._masked(seq)
+                or seq.num_computed != seq.num_tokens - 1):
+            return []
+        # never past max_tokens nor the context: the step's own token comes on top
+        room = min(seq.request.max_tokens - len(seq.output),
+                   self.limits.max_model_len - seq.num_tokens, budget) - 1
+        return propose_drafts(seq.ngram, seq.tokens, self.speculative, room)
 
     @staticmethod
     def _masked(seq: Sequence) -> bool:
@@ -390,23 +435,54 @@ class Scheduler:
         by_id = {seq.seq_id: seq for seq in self.running}
         now = time.monotonic()
         outputs, self._pending_outputs = self._pending_outputs, []
-        for seq_id, token in sampled:
+        # a drafted decode yields several tokens in a row; any other chunk one
+        for seq_id, group in itertools.groupby(sampled, key=lambda st: st[0]):
+            tokens = [t for _, t in group]
             seq = by_id.get(seq_id)
             if seq is None:
                 ended = self._awaiting.pop(seq_id, None)
                 if ended is not None:
+                    (token,) = tokens
                     outputs.append(self._last_token(ended, token, now))
                 # else aborted or preempted while the step ran; its close is already made
                 continue
             seq.num_pending -= 1
-            seq.append_output(token)
             seq.first_token_time = seq.first_token_time or now
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self.running.remove(seq)
-                self._finish(seq, reason)
+            drafted = seq.num_drafts > 0
+            if drafted:
+                assert self.step == plan.step + 1, "a plan was made before a drafted step's end"
+                self.spec_stats.record(seq.num_drafts, len(tokens) - 1)
+                # the KV of rejected drafts is garbage: no longer counted as computed
+                seq.num_computed -= seq.num_drafts - (len(tokens) - 1)
+                seq.num_drafts = 0
+            else:
+                assert len(tokens) == 1, f"seq {seq_id}: {len(tokens)} tokens, no drafts"
+            for token in tokens:
+                seq.append_output(token)
+                reason = self._stop_reason(seq, token)
+                if reason is not None:  # the accepted tokens after it are dropped
+                    self.running.remove(seq)
+                    self._finish(seq, reason)
+                    break
+            else:
+                if drafted:
+                    self._trim(seq)
             outputs.append(self._output(seq))
         return outputs
+
+    def _trim(self, seq: Sequence) -> None:
+        """Drop the blocks a drafted step appended only for rejected drafts, from the
+        cache now and on the ranks by the next plan (this step has completed: nothing
+        reads or writes them any more). The table then holds exactly the blocks of the
+        KV written, as after a plain decode."""
+        keep = -(-seq.num_computed // self.block_size)
+        if len(seq.block_ids) <= keep:
+            return
+        dropped = self.cache.trim(seq.seq_id, keep)
+        assert dropped == seq.block_ids[keep:] and seq.num_sent_blocks == len(seq.block_ids)
+        del seq.block_ids[keep:]
+        seq.num_sent_blocks = keep
+        self._trims.append(TrimBlocks(seq.seq_id, keep, dropped))
 
     def _last_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
         """The token of a sequence closed ahead of it (`_close_ahead`): certain to end it."""

@@ -167,7 +167,9 @@ class Telemetry:
 def summarize(plan: StepPlan) -> PlanSummary:
     chunks = [ChunkSummary(c.seq_id, c.start_pos, len(c.token_ids), c.sample)
               for c in plan.chunks]
-    decode = sum(1 for c in chunks if c.num_tokens == 1 and c.sample)
+    # a drafted decode (speculative decoding) runs its drafts as decode tokens too
+    decode = sum(1 + c.num_draft for c in plan.chunks
+                 if c.sample and len(c.token_ids) == 1 + c.num_draft)
     return PlanSummary(
         step=plan.step, time=time.time(), duration_s=0.0, close=list(plan.close),
         new_seqs=[s.seq_id for s in plan.new_seqs],

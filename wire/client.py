@@ -124,6 +124,9 @@ class EngineStats:
     kv_bytes_per_block: int
     cache: dict[str, int]  # cache.stats.CacheStats counters
     usage: dict[str, dict[str, int]]  # tier -> capacity/used/cached/free, in blocks
-    # queue_seconds, step_seconds, step_prefill_tokens, step_decode_tokens
+    # queue_seconds, step_seconds, step_prefill_tokens, step_decode_tokens; with speculative
+    # decoding spec_accepted_drafts (per drafted decode, how many drafts the model kept)
     histograms: dict[str, HistogramData] = field(default_factory=dict)
     num_digest_mismatches: int = 0
+    num_spec_draft_tokens: int = 0  # draft tokens proposed (speculative decoding)
+    num_spec_accepted_tokens: int = 0  # of them, kept by the model

@@ -35,7 +35,8 @@ SCHEMA_VERSION = 8  # 2: WorkerConnect carries pid and host_id; 3: guided decodi
 # 7: overlap scheduling (EngineConfig.async_scheduling, PENDING_TOKEN in chunks,
 # RankTiming.share_s); 8: every rank samples under overlap (StepResult.sampled_digest,
 # RankTiming.share_s gone), KV events (EngineConfig.kv_events_endpoint,
-# kv_events_replay_endpoint, served_model_name)
+# kv_events_replay_endpoint, served_model_name), speculative decoding
+# (EngineConfig.speculative, ScheduledChunk.num_draft, StepPlan.trim)
 
 
 class ProtocolError(ValueError):

@@ -2,7 +2,56 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's `--speculative-config` JSON names it. Only prompt
+    lookup ("ngram"): the scheduler drafts up to `num_speculative_tokens` tokens from the
+    longest earlier match (n from `prompt_lookup_max` down to `prompt_lookup_min`) of the
+    sequence's last n tokens in its own prompt and output (scheduler/speculation.py)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method {self.method!r}: only "
+                             f"{', '.join(SPECULATIVE_METHODS)} is supported")
+        if not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError("num_speculative_tokens must be between 1 and 64")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.prompt_lookup_max > 64:
+            raise ValueError("prompt_lookup_max must be <= 64")
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """Parse the flag's JSON object; a clear ValueError for anything else."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown field(s) {', '.join(unknown)} "
+                             f"(known: {', '.join(sorted(known))})")
+        if "method" not in raw:
+            raise ValueError('--speculative-config needs "method" (e.g. "ngram")')
+        for name, value in raw.items():
+            want = str if name == "method" else int
+            if type(value) is not want:  # noqa: E721  (bool is not an int here)
+                raise ValueError(f"--speculative-config: {name} must be {want.__name__}")
+        return cls(**raw)
 
 
 @dataclass(frozen=True)
@@ -51,6 +100,8 @@ class EngineConfig:
     kv_events_replay_endpoint: str = ""
     # the name in the events' topic, kv@<host>@<name>: the first served model name
     served_model_name: str = ""
+    # Speculative decoding by prompt lookup (--speculative-config); None: off.
+    speculative: SpeculativeConfig | None = None
 
     @property
     def tokenizer_dir(self) -> str:

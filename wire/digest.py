@@ -109,6 +109,19 @@ class StateDigest:
         self._seq_sums[seq_id] = (self._seq_sums.get(seq_id, 0) + s) & _MASK64
         self.value = (self.value + s) & _MASK64
 
+    def trim_blocks(self, seq_id: int, num_blocks: int, block_ids: list[int]) -> None:
+        """Drop table entries [num_blocks, num_blocks + len(block_ids)), which must be
+        the table's last ones and hold `block_ids`."""
+        assert self._seq_lens[seq_id] == num_blocks + len(block_ids), (
+            f"seq {seq_id}: trim to {num_blocks} of {self._seq_lens[seq_id]} blocks "
+            f"names {len(block_ids)}")
+        s = 0
+        for i, b in enumerate(block_ids, start=num_blocks):
+            s = (s + _entry(self.SEQ_BLOCK, (seq_id << 32) | i, b)) & _MASK64
+        self._seq_lens[seq_id] = num_blocks
+        self._seq_sums[seq_id] = (self._seq_sums[seq_id] - s) & _MASK64
+        self.value = (self.value - s) & _MASK64
+
     def close(self, seq_id: int) -> None:
         s = self._seq_sums.pop(seq_id)
         del self._seq_lens[seq_id]
@@ -153,6 +166,8 @@ class StateDigest:
                       self._slot_hash[np.asarray(slots, dtype=np.int64)])
         for seq_id in plan.close:
             self.close(seq_id)
+        for t in plan.trim:
+            self.trim_blocks(t.seq_id, t.num_blocks, t.block_ids)
         for seq in plan.new_seqs:
             self.add_blocks(seq.seq_id, seq.block_ids)
         for app in plan.append:

@@ -20,6 +20,18 @@ from wire.client import SamplingParams
 PENDING_TOKEN = -1
 
 
+def count_accepted(drafts: list[int], targets: list[int]) -> int:
+    """How many drafts a drafted decode keeps: `targets[i]` is the model's token at draft
+    position i (one more than there are drafts); drafts are kept while each equals the
+    model's token before it. The decode then yields targets[:count + 1]. Every rank that
+    has the samples computes it, the same way (worker/model_runner.py)."""
+    assert len(targets) == len(drafts) + 1, (len(drafts), len(targets))
+    n = 0
+    while n < len(drafts) and drafts[n] == targets[n]:
+        n += 1
+    return n
+
+
 @dataclass
 class NewSequence:
     """A sequence's block table, sent in full exactly once."""
@@ -38,12 +50,29 @@ class AppendBlocks:
 
 
 @dataclass
+class TrimBlocks:
+    """Blocks dropped from the end of a live sequence's table: they were appended only for
+    draft tokens the model rejected (speculative decoding, scheduler/speculation.py).
+    `block_ids` are the dropped ones, in table order from index `num_blocks` on: the
+    digest subtracts exactly them, and each rank checks its table ends with them."""
+
+    seq_id: int
+    num_blocks: int  # the table's length after the trim
+    block_ids: list[int]
+
+
+@dataclass
 class ScheduledChunk:
     """Tokens of one sequence to run this step, at positions [start_pos, start_pos + len).
 
     Their KV is written into the sequence's blocks; attention sees every earlier
     position (the cached prefix included). `sample` asks rank 0 for a token at
     the chunk's last position.
+
+    A drafted decode (speculative decoding): the last `num_draft` tokens are guesses.
+    Rank 0 samples at each of the last `num_draft + 1` positions, and every rank keeps
+    the drafts that agree with the samples before them, plus the sample after the last
+    one kept (worker/model_runner.py, scheduler/speculation.py `accept_drafts`).
     """
 
     seq_id: int
@@ -53,6 +82,7 @@ class ScheduledChunk:
     # guided decoding (scheduler/guided.py): the tokens the sample may take, bit i of
     # the little-endian 32-bit words for token i; None: any
     allowed: bytes | None = None
+    num_draft: int = 0  # draft tokens at the chunk's end (never with `allowed`)
 
 
 @dataclass
@@ -61,6 +91,7 @@ class StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
     close: list[int] = field(default_factory=list)  # seq ids whose block tables are dropped
+    trim: list[TrimBlocks] = field(default_factory=list)  # applied after close, before new_seqs
     new_seqs: list[NewSequence] = field(default_factory=list)
     append: list[AppendBlocks] = field(default_factory=list)
     chunks: list[ScheduledChunk] = field(default_factory=list)
@@ -94,7 +125,9 @@ class StepResult:
     step: int
     rank: int
     digest: int  # StateDigest.value after the step
-    sampled: list[tuple[int, int]] = field(default_factory=list)  # (seq_id, token); rank 0 only
+    # (seq_id, token), rank 0 only: one per sampling chunk; for a drafted decode, the
+    # accepted drafts and the token after them, in order
+    sampled: list[tuple[int, int]] = field(default_factory=list)
     timing: RankTiming = field(default_factory=RankTiming)
     error: str | None = None
     # Under overlap scheduling every rank samples the same tokens from the same logits and

@@ -18,7 +18,7 @@ import torch
 from wire.client import SamplingParams
 from wire.config import EngineConfig
 from wire.digest import StateDigest, samples_digest
-from wire.step import PENDING_TOKEN, RankTiming, ScheduledChunk, StepPlan
+from wire.step import PENDING_TOKEN, RankTiming, ScheduledChunk, StepPlan, count_accepted
 from worker.attention import AttentionBackend, AttentionMetadata, create_backend
 from worker.block_table import BlockTable
 from worker.budget import (
@@ -232,11 +232,13 @@ class ModelRunner:
         if isinstance(self.model, NullModel):
             sampled = self.model.finish()
         else:  # reading the tokens waits for the device
-            rows = [c.seq_id for c in step.plan.chunks if c.sample]
+            rows = [c.seq_id for c in step.plan.chunks if c.sample
+                    for _ in range(c.num_draft + 1)]
             sampled = list(zip(rows, step.sampled.tolist())) if step.sampled is not None else []
         t4 = time.perf_counter()
         step.timing.forward_s = t4 - step.launched_at
         self._last_forward_end = t4
+        sampled = self._accept_drafts(step.plan, sampled)
         for seq_id, token in sampled:
             self.last_token[seq_id] = token
         sampled_digest = samples_digest(sampled) if self.every_rank_samples else 0
@@ -272,6 +274,27 @@ class ModelRunner:
                                    b.sample_rows)
         return sampled, logits if return_logits else None
 
+    @staticmethod
+    def _accept_drafts(plan: StepPlan,
+                       sampled: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """A drafted decode's samples (one per draft position, and one after) -> the
+        tokens it yields: the drafts the samples agree with, then the first sample that
+        disagrees or the one after the last draft. Deterministic, so every rank that has
+        the samples gets the same; a rank without them (rank > 0, no overlap) gets []."""
+        if not sampled or not any(c.num_draft for c in plan.chunks):
+            return sampled
+        out: list[tuple[int, int]] = []
+        i = 0
+        for chunk in plan.chunks:
+            if not chunk.sample:
+                continue
+            rows = sampled[i:i + chunk.num_draft + 1]
+            i += chunk.num_draft + 1
+            drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_draft:]
+            out.extend(rows[:count_accepted(drafts, [t for _, t in rows]) + 1])
+        assert i == len(sampled), "samples do not match the plan's chunks"
+        return out
+
     def _apply_cache_ops(self, plan: StepPlan) -> None:
         for block, slot in plan.swap_out + [(b, s) for s, b in plan.swap_in]:
             self._check_block(block)
@@ -285,6 +308,11 @@ class ModelRunner:
             del self.block_tables[seq_id]  # its sampling parameters: at this step's launch
 
     def _apply_table_deltas(self, plan: StepPlan) -> None:
+        for t in plan.trim:  # blocks appended for drafts the model rejected
+            table = self.block_tables[t.seq_id]
+            assert len(table) == t.num_blocks + len(t.block_ids) \
+                and table[t.num_blocks:] == t.block_ids, f"seq {t.seq_id}: a trim not its tail"
+            del table[t.num_blocks:]
         for seq in plan.new_seqs:
             assert seq.seq_id not in self.block_tables, f"seq {seq.seq_id} opened twice"
             for b in seq.block_ids:
@@ -337,7 +365,9 @@ class ModelRunner:
             positions=torch.from_numpy(positions.astype(np.int64)).to(dev),
             slots=torch.from_numpy(slots).to(dev),
             meta=meta,
-            sample_rows=[end - 1 for end, c in zip(ends, chunks) if c.sample],
+            # a drafted decode samples at each draft and after the last
+            sample_rows=[row for end, c in zip(ends, chunks) if c.sample
+                         for row in range(end - 1 - c.num_draft, end)],
             pending=[(end - 1, c) for end, c in zip(ends, chunks)
                      if c.token_ids[-1] == PENDING_TOKEN],
         )
@@ -353,9 +383,13 @@ class ModelRunner:
                 f"seq {c.seq_id}: {n_ctx} tokens need {p} blocks, table has {n_table}")
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """The tokens of the plan's sampling chunks, in order, on the logits' device."""
-        chunks = [c for c in plan.chunks if c.sample]
-        params = [self.sampling[c.seq_id][0] for c in chunks]
-        seeds = [self.sampling[c.seq_id][1] for c in chunks]
-        positions = [c.start_pos + len(c.token_ids) for c in chunks]
-        return sample_tensor(logits, params, seeds, positions, [c.allowed for c in chunks])
+        """The tokens of the plan's sampling rows, in order, on the logits' device: one row
+        per sample, a drafted decode's rows its last num_draft + 1 positions, each sampled
+        as plain decoding would sample it there (its seed and position)."""
+        rows_of = [(c, c.start_pos + len(c.token_ids) - c.num_draft + k)
+                   for c in plan.chunks if c.sample for k in range(c.num_draft + 1)]
+        assert len(rows_of) == len(rows)
+        params = [self.sampling[c.seq_id][0] for c, _ in rows_of]
+        seeds = [self.sampling[c.seq_id][1] for c, _ in rows_of]
+        positions = [p for _, p in rows_of]
+        return sample_tensor(logits, params, seeds, positions, [c.allowed for c, _ in rows_of])

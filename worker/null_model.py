@@ -78,7 +78,9 @@ class NullModel:
         self._busy_until = time.perf_counter() + self.forward_s
         # a rank that samples (rank 0, or every rank under overlap scheduling, as with the
         # real model) has a (seq_id, token) for each chunk that samples, the others none
-        self._sampled = ([(c.seq_id, self.token(c)) for c in plan.chunks if c.sample]
+        # (a drafted decode samples at each draft position too, as the real model does)
+        self._sampled = ([(c.seq_id, self.token(c, len(c.token_ids) - c.num_draft + k))
+                          for c in plan.chunks if c.sample for k in range(c.num_draft + 1)]
                          if self.samples else [])
 
     def busy_s(self) -> float:
@@ -91,10 +93,12 @@ class NullModel:
             time.sleep(wait)
         return self._sampled
 
-    def token(self, chunk: ScheduledChunk) -> int:
-        """The token after `chunk`: a function of its last token and its position only."""
-        position = chunk.start_pos + len(chunk.token_ids)
-        index = _mix64((chunk.token_ids[-1] << 32) ^ position) % len(self._tokens)
+    def token(self, chunk: ScheduledChunk, upto: int | None = None) -> int:
+        """The token after the chunk's first `upto` tokens (all: None): a function of the
+        token before it and its position only."""
+        upto = len(chunk.token_ids) if upto is None else upto
+        position = chunk.start_pos + upto
+        index = _mix64((chunk.token_ids[upto - 1] << 32) ^ position) % len(self._tokens)
         if chunk.allowed is not None:
             index = self._first_allowed(index, chunk.allowed)
         return int(self._tokens[index])

@@ -17,7 +17,7 @@ from typing import Any
 import structlog
 from tokenizers import Tokenizer
 
-from orchestrator.shim.detokenizer import Detokenizer
+from orchestrator.shim.detokenizer import Detokenizer, TextDelta
 from orchestrator.shim.engine_client import EngineUnavailableError
 from orchestrator.shim.errors import engine_error
 from wire.client import GenerateRequest
@@ -117,12 +117,12 @@ class Generation:
                     raise engine_error(out.error_type, out.error)
                 if not out.token_ids and not out.finished:
                     continue  # the cached counts of a long prefill, ahead of its tokens
-                self.token_ids += out.token_ids
-                delta = self.detok.add(out.token_ids)
+                delta, kept = self._add(out.token_ids)
+                self.token_ids += kept
                 if delta.stopped:
                     self.finish_reason = "stop"
                     await self.engine.abort(self.request_id, "stop")
-                    yield Piece(delta.text, out.token_ids)
+                    yield Piece(delta.text, kept)
                     return
                 if out.finished:
                     tail = self.detok.finish()
@@ -136,6 +136,20 @@ class Generation:
             raise engine_error("unavailable", str(exc)) from None
         finally:
             await outputs.aclose()  # aborts the request if it is still running
+
+    def _add(self, token_ids: list[int]) -> tuple[TextDelta, list[int]]:
+        """Feed an output's tokens; returns the new text and the tokens it used. Several
+        tokens come at once with speculative decoding: fed one by one, so a stop string
+        ends the count at the token that completes it, as in a token-by-token stream."""
+        if len(token_ids) <= 1:
+            return self.detok.add(token_ids), token_ids
+        text = []
+        for n, token in enumerate(token_ids, 1):
+            delta = self.detok.add([token])
+            text.append(delta.text)
+            if delta.stopped:
+                return TextDelta("".join(text), True), token_ids[:n]
+        return TextDelta("".join(text), False), token_ids
 
     def log_done(self, *, finish_reason: str | None = None, error: str | None = None) -> None:
         """One log line per request, whatever way it ended (only the first call logs)."""

@@ -39,6 +39,8 @@ _HISTOGRAMS = {
                      "Time from sending a step plan to every rank's answer", None),
     "step_prefill_tokens": ("deepinfer_step_tokens", "Tokens run per step", "prefill"),
     "step_decode_tokens": ("deepinfer_step_tokens", "Tokens run per step", "decode"),
+    "spec_accepted_drafts": ("deepinfer_spec_acceptance_length",
+                             "Draft tokens the model kept per drafted decode", None),
 }
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0, 300.0)
@@ -106,6 +108,10 @@ class EngineCollector:
         yield _counter("deepinfer_rank_digest_mismatches",
                        "Steps where a rank's state digest differed from the scheduler's",
                        s.num_digest_mismatches)
+        yield _counter("deepinfer_spec_draft_tokens", "Draft tokens proposed (speculative "
+                       "decoding)", s.num_spec_draft_tokens)
+        yield _counter("deepinfer_spec_accepted_tokens", "Draft tokens the model kept",
+                       s.num_spec_accepted_tokens)
         yield from _histograms(s.histograms)
 
 

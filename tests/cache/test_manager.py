@@ -245,3 +245,26 @@ def test_rolled_back_swap_in_targets_are_not_reused_in_the_same_step() -> None:
     m.free(6, 7)
     assert m.allocate(5, q, 16, KEY) is not None  # next step they are ordinary cached blocks
     m.check_invariants()
+
+
+def test_trim_frees_blocks_appended_for_rejected_drafts() -> None:
+    """Speculative decoding: blocks allocated for draft tokens the model rejected go back
+    to the free list (never the LRU: they hold no verified token); registered blocks and
+    those another sequence shares cannot be trimmed."""
+    m = mgr()
+    p = prompt(9)  # 2 full blocks + 1 token
+    table = run(m, 1, p)
+    m.take_ops()
+    more = m.allocate(1, p, 9 + 8, KEY)  # room for 8 drafts: 2 more blocks
+    assert len(more) == 2
+    m.commit(1, p, 9, 1)  # drafts are never committed
+    m.take_ops()
+    assert m.trim(1, 3) == more
+    m.check_invariants()
+    assert m.block_table(1) == table and m.usage()["device"]["free"] == 16 - 3
+    assert m.trim(1, 3) == []
+    with pytest.raises(AssertionError, match="registered"):
+        m.trim(1, 1)  # its first two blocks are in the index
+    m.free(1, 2)
+    m.check_invariants()
+    assert m.usage()["device"]["used"] == 0

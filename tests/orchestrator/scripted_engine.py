@@ -31,6 +31,7 @@ class Script:
     error_type: str | None = None  # an error output first (before any token) ...
     error_after: int | None = None  # ... or after this many tokens
     delay_s: float = 0.0  # before each output
+    per_output: int = 1  # tokens per output (several: as speculative decoding sends them)
 
 
 @dataclass
@@ -83,8 +84,9 @@ class ScriptedEngine:
             ids = s.token_ids[: request.max_tokens]
             # reasoning counted as the scheduler counts it (its budget is not applied)
             span = request.thinking and ThinkingBudget(request.thinking, 1 << 16)
-            for i, t in enumerate(ids):
-                if span:
+            for i in range(0, len(ids), s.per_output):
+                group = ids[i:i + s.per_output]
+                for t in group if span else ():
                     span.accept(t)
                     common["num_reasoning_tokens"] = span.num_tokens
                 if s.delay_s:
@@ -95,11 +97,11 @@ class ScriptedEngine:
                     yield RequestOutput(finished=True, finish_reason="error", error="boom",
                                         error_type=s.error_type or "internal", **common)
                     return
-                last = i == len(ids) - 1
+                last = i + len(group) == len(ids)
                 reason = None
                 if last:
                     reason = s.finish_reason if len(ids) == len(s.token_ids) else "length"
-                yield RequestOutput(token_ids=[t], finished=last, finish_reason=reason,
+                yield RequestOutput(token_ids=group, finished=last, finish_reason=reason,
                                     **common)
             if not ids:
                 yield RequestOutput(finished=True, finish_reason="length", **common)

@@ -212,6 +212,17 @@ def test_stop_reasons(sdk, engine) -> None:
     assert engine.aborted[-1][1] == "stop"
 
 
+@pytest.mark.parametrize("per_output", [1, 3, 8])
+def test_stop_sequence_in_a_several_token_output(sdk, engine, per_output) -> None:
+    """Speculative decoding sends several tokens per output: the text ends before the stop
+    sequence and output_tokens counts up to the token completing it, however grouped."""
+    engine.script("one two STOP three four five", per_output=per_output)
+    m = sdk.messages.create(model="m", max_tokens=50, messages=HELLO, stop_sequences=["STOP"])
+    assert (m.stop_reason, m.content[0].text) == ("stop_sequence", "one two ")
+    upto = engine.tokenizer.encode("one two STOP", add_special_tokens=False).ids
+    assert m.usage.output_tokens == len(upto)
+
+
 def test_length_stop_reason_names_the_limit(engine, tiny_tokenizer, tiny_template) -> None:
     """The request's max_tokens -> "max_tokens"; the server's --max-output-tokens ends the
     turn ("end_turn": Claude Code treats "max_tokens" as its own limit exceeded and

@@ -10,9 +10,17 @@ from hypothesis import strategies as st
 from wire import codec
 from wire.client import RequestOutput, SamplingParams
 from wire.codec import SCHEMA_VERSION
-from wire.config import EngineConfig
+from wire.config import EngineConfig, SpeculativeConfig
 from wire.digest import StateDigest
-from wire.step import NewSequence, RankTiming, ScheduledChunk, StepPlan, StepResult
+from wire.step import (
+    AppendBlocks,
+    NewSequence,
+    RankTiming,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+    TrimBlocks,
+)
 
 ints = st.integers(min_value=0, max_value=2**31 - 1)
 
@@ -38,6 +46,9 @@ def test_plans_round_trip(step, tables, swaps, register, temperature):
 def test_other_messages_round_trip():
     for msg in (EngineConfig(model="/m", world_size=4, host_cache_memory=1 << 30),
                 EngineConfig(model="/m", null_model_forward_ms=0.0),
+                EngineConfig(model="/m", speculative=SpeculativeConfig("ngram", 5, 3, 1)),
+                StepPlan(4, trim=[TrimBlocks(1, 2, [7, 8])],
+                         chunks=[ScheduledChunk(1, [5, 6, 7], 9, True, num_draft=2)]),
                 StepResult(3, 1, 2**64 - 1, [(1, 2)], RankTiming(0.1, 0.2, 0.3, 0.4, 0.5, 0.6,
                                                                  0.7), None),
                 RequestOutput("r", [1, 2], True, "stop", 10, 4, 2)):
@@ -84,6 +95,22 @@ def test_digest_tracks_tables_and_both_tiers():
             plan = StepPlan(1, swap_out=[(0, 5)])
         c.apply(plan)
     assert c.value != a.value
+
+
+def test_digest_trim_undoes_exactly_the_dropped_appends():
+    """A trim (blocks appended for rejected drafts) leaves the digest as if they had never
+    been appended; one naming other blocks or not the table's tail is refused."""
+    a, b = StateDigest(16, 0), StateDigest(16, 0)
+    a.apply(StepPlan(0, new_seqs=[NewSequence(3, [1, 2])]))
+    b.apply(StepPlan(0, new_seqs=[NewSequence(3, [1, 2])]))
+    a.apply(StepPlan(1, append=[AppendBlocks(3, [5, 6])]))
+    a.apply(StepPlan(2, trim=[TrimBlocks(3, 2, [5, 6])]))
+    assert a.value == b.value and a.tables()[3][0] == 2
+    a.apply(StepPlan(3, append=[AppendBlocks(3, [9])]))
+    b.apply(StepPlan(3, append=[AppendBlocks(3, [9])]))
+    assert a.value == b.value
+    with pytest.raises(AssertionError):
+        a.apply(StepPlan(4, trim=[TrimBlocks(3, 1, [2])]))
 
 
 def test_digest_returns_to_empty():

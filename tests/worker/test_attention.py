@@ -108,6 +108,10 @@ PATH_CASES = [
     [(1, 20), (1, 90), (7, 7), (16, 33)],
     [(1, 129)],
     [(64, 64), (16, 48)],
+    # drafted decodes (speculative decoding): short chunks behind a prefix run as one
+    # decode per query row; at the size limit, past it (a prefill), and with no prefix
+    [(5, 40), (1, 17), (8, 100), (2, 16), (9, 60), (3, 3)],
+    [(4, 33)],
 ]
 
 

@@ -13,6 +13,11 @@ either `is_causal` or a mask that broadcasts over the heads. So:
   causal over its own keys) merged by their log-sum-exps, the G query heads of a KV
   head folded into the query rows as for decodes (no K/V copy).
 
+- a short chunk behind a prefix (a drafted decode of speculative decoding: the last
+  token and its drafts) runs as that many decodes, query row j over the first
+  kv_len - q_len + 1 + j keys, which is its causal mask: the decode path's cost per row
+  instead of a gather of every page and a prefill's two calls.
+
 All the step's index tensors and masks are built once in `plan()`, not per layer.
 
 Where the compiled CPU kernel is there (`cpu_kernels`, on CPU tensors), the decodes
@@ -76,6 +81,10 @@ class _KernelDecode:
     kv_indices: torch.Tensor  # [num_pages] int32, the step's whole page list
 
 
+# Chunks of at most this many queries behind a prefix run as decodes, one per query row.
+MAX_ROWS_AS_DECODES = 8
+
+
 def _pages(indices: list[int], device: torch.device) -> _Pages:
     first, n = indices[0], len(indices)
     if indices == list(range(first, first + n)):
@@ -103,12 +112,15 @@ class TorchAttentionBackend:
         indices = meta.kv_indices.tolist()
         page = meta.page_size
         self._prefills = []
-        decodes: list[int] = []
+        # one query row each: (row, its first page in kv_indices, its page count, keys)
+        decodes: list[tuple[int, int, int, int]] = []
         for i in range(meta.num_seqs):
             q_len, kv_len = qo[i + 1] - qo[i], kv_lens[i]
             assert 0 < q_len <= kv_len, f"seq {i}: {q_len} queries over {kv_len} keys"
-            if q_len == 1:
-                decodes.append(i)
+            if q_len == 1 or (q_len <= MAX_ROWS_AS_DECODES and q_len < kv_len):
+                for j in range(q_len):  # row j sees the keys up to its own position
+                    n = kv_len - q_len + 1 + j
+                    decodes.append((qo[i] + j, kv[i], -(-n // page), n))
                 continue
             self._prefills.append(_Prefill(
                 qo[i], q_len, kv_len, _pages(indices[kv[i] : kv[i + 1]], self.device)))
@@ -116,34 +128,33 @@ class TorchAttentionBackend:
         if self.kernels is not None and decodes:
             long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
             self._kernel_decode = _KernelDecode(
-                long([qo[i] for i in decodes]), long([kv[i] for i in decodes]),
-                long([kv_lens[i] for i in decodes]),
-                meta.kv_indices.to(torch.int32).contiguous())
+                long([d[0] for d in decodes]), long([d[1] for d in decodes]),
+                long([d[3] for d in decodes]), meta.kv_indices.to(torch.int32).contiguous())
         else:
-            self._decode = self._plan_decode(decodes, qo, kv, kv_lens, indices, page)
+            self._decode = self._plan_decode(decodes, indices, page)
 
-    def _plan_decode(self, seqs: list[int], qo: list[int], kv: list[int], kv_lens: list[int],
-                     indices: list[int], page: int) -> _Decode | None:
-        if not seqs:
+    def _plan_decode(self, decodes: list[tuple[int, int, int, int]], indices: list[int],
+                     page: int) -> _Decode | None:
+        if not decodes:
             return None
-        rows = [qo[i] for i in seqs]
+        rows = [d[0] for d in decodes]
         row_index = (None if rows == list(range(len(rows)))
                      else torch.tensor(rows, dtype=torch.long, device=self.device))
-        lens = [kv_lens[i] for i in seqs]
-        if len(seqs) == 1:
-            i = seqs[0]
-            return _Decode(1, row_index, _pages(indices[kv[i] : kv[i + 1]], self.device), None,
-                           lens[0], None)
-        num_pages = max(kv[i + 1] - kv[i] for i in seqs)
-        table = torch.zeros(len(seqs), num_pages, dtype=torch.long)  # page 0 pads
-        for b, i in enumerate(seqs):
-            table[b, : kv[i + 1] - kv[i]] = torch.tensor(indices[kv[i] : kv[i + 1]])
+        lens = [d[3] for d in decodes]
+        if len(decodes) == 1:
+            _, first, count, n = decodes[0]
+            return _Decode(1, row_index, _pages(indices[first : first + count], self.device),
+                           None, n, None)
+        num_pages = max(d[2] for d in decodes)
+        table = torch.zeros(len(decodes), num_pages, dtype=torch.long)  # page 0 pads
+        for b, (_, first, count, _) in enumerate(decodes):
+            table[b, :count] = torch.tensor(indices[first : first + count])
         padded = num_pages * page
         mask = None
         if any(n != padded for n in lens):
             ctx = torch.tensor(lens)[:, None, None, None]  # [B, 1, 1, 1]
             mask = (torch.arange(padded)[None, None, None, :] < ctx).to(self.device)
-        return _Decode(len(seqs), row_index, None, table.to(self.device), max(lens), mask)
+        return _Decode(len(decodes), row_index, None, table.to(self.device), max(lens), mask)
 
     def forward(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor

@@ -1,0 +1,235 @@
+"""Speculative decoding end to end: the same tokens as plain greedy decoding, with prefix
+hits, stop tokens, max_tokens, aborts and overlap scheduling in the mix, in process and
+over ZeroMQ with four ranks (their digests checked every step), for the tiny and the real
+model; afterwards no block is leaked and the prefix index holds no rejected draft."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cache.hashing import BlockHashChain, make_extra_key
+from tests.conftest import SMOLLM2, needs_smollm2
+from tests.scheduler.engine_harness import inprocess_engine, zmq_engine
+from tests.scheduler.test_overlap import check_close_timing
+from tests.scheduler.test_prefix_cache_engine import BLOCK_BYTES_TINY
+from wire.client import GenerateRequest, SamplingParams
+from wire.config import SpeculativeConfig
+
+# prompt_lookup_min 1: the tiny model's random weights repeat themselves little, so the
+# shortest match is what gets some drafts accepted there
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+KV = 128 * BLOCK_BYTES_TINY  # room for the workloads, small enough to check every step
+
+
+def workload(seed: int, n: int = 6) -> list[GenerateRequest]:
+    """Prompts of one repeated token (the tiny model then repeats itself: drafts are kept),
+    sharing a prefix (later ones hit earlier ones' blocks), and a random one."""
+    rng = random.Random(seed)
+    reqs = [GenerateRequest(f"r{i}", [7 + 50 * i] * 24 + [3] * (i + 1), 40 + 7 * i)
+            for i in range(n - 1)]
+    reqs.append(GenerateRequest("rand", [rng.randrange(10, 8000) for _ in range(30)], 30))
+    return reqs
+
+
+def drive(core, reqs: list[GenerateRequest], abort_after: dict[str, int] | None = None):
+    """Two waves (the second hits the first's blocks); per request tokens and reason. Then
+    checks: no leaked block, the cache's invariants, close timing, and that every block
+    in the prefix index holds tokens its sequence really has (no rejected draft)."""
+    sched = core.scheduler
+    out = {r.request_id: {"tokens": [], "reason": None} for r in reqs}
+    half = len(reqs) // 2
+    for r in reqs[:half]:
+        sched.add_request(r)
+    for n in range(10_000):
+        if n == 2:
+            for r in reqs[half:]:
+                sched.add_request(r)
+        for rid, at in (abort_after or {}).items():
+            if n == at and (o := sched.abort_request(rid)) is not None:
+                out[rid]["tokens"] += o.token_ids
+                out[rid]["reason"] = o.finish_reason
+        if n > 2 and not core.has_work():
+            break
+        if core.has_work():
+            for o in core.step().outputs:
+                out[o.request_id]["tokens"] += o.token_ids
+                out[o.request_id]["reason"] = o.finish_reason or out[o.request_id]["reason"]
+    assert sched.cache.usage()["device"]["used"] == 0, "blocks leaked"
+    sched.cache.check_invariants()
+    check_close_timing(core.executor.plans)
+    check_index_holds_real_tokens(sched, reqs, out)
+    return out
+
+
+def check_index_holds_real_tokens(sched, reqs, out) -> None:
+    """Every hash in the device index is a block of some request's real tokens (prompt and
+    output): a block registered with a rejected draft in it would hash differently."""
+    extra = make_extra_key(sched.config.model, None)
+    real = set()
+    for r in reqs:
+        chain = BlockHashChain(sched.block_size, extra)
+        chain.extend(r.prompt_token_ids + out[r.request_id]["tokens"])
+        real.update(zip(*(k.tolist() for k in chain.keys())))
+    index = sched.cache.device.index
+    lo, hi = index.keys_of(index.registered_items())
+    held = set(zip(lo.tolist(), hi.tolist()))
+    assert held and held <= real, f"{len(held - real)} indexed blocks hold no real tokens"
+
+
+def with_stops(reqs: list[GenerateRequest], plain: dict) -> list[GenerateRequest]:
+    """Two requests stopped by a token they generate (mid-way: likely inside a kept run)."""
+    out = []
+    for i, r in enumerate(reqs):
+        toks = plain[r.request_id]["tokens"]
+        stop = [toks[len(toks) // 2]] if i in (1, 3) else []
+        out.append(GenerateRequest(r.request_id, r.prompt_token_ids, r.max_tokens,
+                                   stop_token_ids=stop))
+    return out
+
+
+def spec_and_plain(make, reqs, abort_after=None):
+    runs, stats, trims = {}, None, 0
+    for spec in (None, SPEC):
+        core = make(spec)
+        try:
+            runs[spec is not None] = drive(core, reqs, abort_after)
+            if spec is not None:
+                stats = core.scheduler.spec_stats
+                trims = sum(len(p.trim) for p in core.executor.plans)
+        finally:
+            if hasattr(core, "close"):
+                core.close()
+    return runs[False], runs[True], stats, trims
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_greedy_tokens_are_the_same_with_speculation(default_model, overlap):
+    def make(spec):
+        return inprocess_engine(default_model, max_model_len=128, max_num_batched_tokens=96,
+                                kv_cache_memory=KV, async_scheduling=overlap,
+                                speculative=spec)
+
+    reqs = workload(1)
+    plain, spec, stats, trims = spec_and_plain(make, reqs)
+    assert spec == plain
+    # it really drafted, kept some drafts and rejected others (trimming blocks)
+    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
+    assert trims > 0
+    assert {v["reason"] for v in plain.values()} == {"length"}
+
+    stopped = with_stops(reqs, plain)
+    plain, spec, _, _ = spec_and_plain(make, stopped)
+    assert spec == plain
+    assert {v["reason"] for v in spec.values()} == {"stop", "length"}
+
+
+def test_max_tokens_is_never_passed_and_aborts_end_cleanly(default_model):
+    def make(spec):
+        return inprocess_engine(default_model, max_model_len=128, kv_cache_memory=KV,
+                                speculative=spec)
+
+    reqs = [GenerateRequest(f"m{n}", r.prompt_token_ids, n)
+            for r, n in zip(workload(1), (1, 2, 5, 17, 26, 33))]
+    plain, spec, stats, _ = spec_and_plain(make, reqs)
+    assert spec == plain and stats.num_draft_tokens > 0
+    assert all(len(v["tokens"]) == r.max_tokens for r, v in zip(reqs, spec.values()))
+
+    long = [GenerateRequest("a", workload(1)[0].prompt_token_ids, 40),
+            GenerateRequest("b", workload(1)[2].prompt_token_ids, 40)]
+    full, _, _, _ = spec_and_plain(make, long)
+    _, aborted, _, _ = spec_and_plain(make, long, {"a": 6})
+    assert aborted["a"]["reason"] == "abort"
+    assert aborted["a"]["tokens"] == full["a"]["tokens"][:len(aborted["a"]["tokens"])]
+    assert aborted["b"] == full["b"]
+
+
+def test_sampled_tokens_are_the_same_with_speculation(default_model):
+    """With sampling too: a draft is kept only when the token sampled at its position (the
+    request's seed, that position: what plain decoding draws there) equals it."""
+    def make(spec):
+        return inprocess_engine(default_model, max_model_len=128, kv_cache_memory=KV,
+                                speculative=spec)
+
+    reqs = [GenerateRequest(r.request_id, r.prompt_token_ids, 30,
+                            sampling=SamplingParams(temperature=0.7, seed=i if i else None))
+            for i, r in enumerate(workload(3, n=3))]
+    plain, spec, stats, _ = spec_and_plain(make, reqs)
+    assert spec == plain and stats.num_draft_tokens > 0
+
+
+def test_the_context_end_is_never_passed(default_model):
+    """Drafts stop where max_model_len leaves no room for the step's own token."""
+    def make(spec):
+        return inprocess_engine(default_model, max_model_len=48, kv_cache_memory=KV,
+                                speculative=spec)
+
+    reqs = [GenerateRequest("c", workload(1)[0].prompt_token_ids, 100)]
+    plain, spec, stats, _ = spec_and_plain(make, reqs)
+    assert spec == plain and spec["c"]["reason"] == "length"
+    assert len(spec["c"]["tokens"]) == 48 - 25 and stats.num_draft_tokens > 0
+
+
+def test_greedy_tokens_are_the_same_over_four_ranks(default_model):
+    """World size 4 over ZeroMQ and gloo: every rank applies the trims, and the engine
+    checks every rank's digest against the scheduler's after every step."""
+    def make(spec):
+        ctx = zmq_engine(default_model, 4, max_model_len=128, max_num_batched_tokens=96,
+                         kv_cache_memory=KV, speculative=spec)
+        core = ctx.__enter__()
+        core.close = lambda: ctx.__exit__(None, None, None)
+        return core
+
+    reqs = workload(2, n=4)
+    plain, spec, stats, trims = spec_and_plain(make, reqs)
+    assert spec == plain and stats.num_accepted_tokens > 0 and trims > 0
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_the_real_model_copies_an_edit_with_the_same_tokens():
+    """SmolLM2 rewriting a short file it was shown: most drafts are kept, and the output
+    is the one plain greedy decoding gives."""
+    from orchestrator.gguf_tokenizer import load_gguf_tokenizer
+
+    tok = load_gguf_tokenizer(SMOLLM2).tokenizer
+    code = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}" for i in range(8))
+    text = ("<|im_start|>user\nHere is a file:\n```python\n" + code + "\n```\nRewrite the "
+            "whole file, renaming f3 to g3.<|im_end|>\n<|im_start|>assistant\n")
+    ids = tok.encode(text).ids
+
+    def make(spec):
+        return inprocess_engine(str(SMOLLM2), kv_cache_memory=24 << 20, max_model_len=512,
+                                speculative=spec)
+
+    reqs = [GenerateRequest("edit", ids, 100), GenerateRequest("edit2", ids + ids[:5], 20)]
+    plain, spec, stats, _ = spec_and_plain(make, reqs)
+    assert spec == plain
+    assert stats.num_accepted_tokens > stats.num_draft_tokens / 2
+
+
+def test_masked_sequences_get_no_drafts_and_keep_their_tokens(default_model):
+    """A grammar's or a thinking budget's mask is not checked against drafts, so such a
+    sequence decodes plainly beside drafted ones, its tokens unchanged."""
+    from tests.scheduler.test_guided import SCHEMA, grammar
+    from tests.scheduler.test_thinking import END, THINK
+    from wire.client import ThinkingSpan
+
+    def make(spec):
+        return inprocess_engine(default_model, max_model_len=256, speculative=spec)
+
+    free = workload(1)[0]
+    reqs = [free,
+            GenerateRequest("guided", free.prompt_token_ids, 120, grammar=grammar(SCHEMA)),
+            GenerateRequest("thinking", free.prompt_token_ids, 30,
+                            thinking=ThinkingSpan(THINK, END, budget=5, inside=True))]
+    runs, plans = {}, None
+    for spec in (None, SPEC):
+        core = make(spec)
+        runs[spec is not None] = drive(core, reqs)
+        plans = core.executor.plans
+    assert runs[True] == runs[False]
+    assert runs[True]["guided"]["reason"] == "stop"
+    drafted = {c.seq_id for p in plans for c in p.chunks if c.num_draft}
+    assert drafted == {1}  # the free one alone (seq ids follow the requests' order)
