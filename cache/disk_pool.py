@@ -57,6 +57,10 @@ class DiskPool(Tier):
         return len(self._writes)
 
     @property
+    def num_planned_writes(self) -> int:
+        return self._next_write_id
+
+    @property
     def num_committed(self) -> int:
         return self.lru.count
 
