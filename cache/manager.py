@@ -95,11 +95,11 @@ class CacheOps:
     # (device block, low 64 bits of its hash) registered this step: not a copy, but
     # the ranks mirror it so their state digest covers which hash is where.
     registered: list[tuple[int, int]] = field(default_factory=list)
-    # Applied after swap_out and before swap_in: (write id, host slot, disk slot), the
-    # host slot's KV (as swap_out left it) written to disk in the background; and
-    # (disk slot, host slot), a committed record read into the host slot.
-    disk_write: list[tuple[int, int, int]] = field(default_factory=list)
-    disk_read: list[tuple[int, int]] = field(default_factory=list)
+    # Applied after swap_out and before swap_in: (write id, host slot, disk slot, hash lo,
+    # hash hi), the host slot's KV (as swap_out left it) written to disk in the
+    # background; and (disk slot, host slot, lo, hi), a committed record read into it.
+    disk_write: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    disk_read: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.swap_out or self.swap_in or self.disk_write or self.disk_read)
@@ -351,9 +351,9 @@ class KVCacheManager:
         """O(capacity) consistency check, for tests and debug builds (cache/checks.py)."""
         checks.check_invariants(self._seqs, self.device, self.host, self._ops)
         self.disk.check()
-        assert all(self.disk.pinned[d] and self.host.pinned[h]
-                   for d, h in self._ops.disk_read), "a disk read not pinned"
-        assert all(self.host.pinned[h] for _, h, _ in self._ops.disk_write)
+        assert all(self.disk.pinned[op[0]] and self.host.pinned[op[1]]
+                   for op in self._ops.disk_read), "a disk read not pinned"
+        assert all(self.host.pinned[op[1]] for op in self._ops.disk_write)
 
     # --- internals ----------------------------------------------------------------------
 
@@ -508,7 +508,8 @@ class KVCacheManager:
         self.stats.num_swap_out_blocks += n
         if self.disk.num_slots and n:  # write-through to disk, in the background
             for i, wid, disk_slot in self.disk.plan_writes(lo, hi):
-                self._ops.disk_write.append((wid, int(slots[i]), disk_slot))
+                self._ops.disk_write.append((wid, int(slots[i]), disk_slot, int(lo[i]),
+                                             int(hi[i])))
             self.stats.num_disk_write_blocks = self.disk.num_planned_writes
 
     def _read_from_disk(self, m: _Match, chain: BlockHashChain) -> None:
@@ -524,6 +525,7 @@ class KVCacheManager:
         self.stats.num_host_evictions += len(evicted)
         self.host.register(slots, lo[on_disk], hi[on_disk])
         self.disk.pin(m.disk[on_disk])
-        self._ops.disk_read.extend(zip(m.disk[on_disk].tolist(), slots.tolist()))
+        self._ops.disk_read.extend(zip(m.disk[on_disk].tolist(), slots.tolist(),
+                                       lo[on_disk].tolist(), hi[on_disk].tolist()))
         self.stats.num_disk_read_blocks += len(on_disk)
         m.host[on_disk] = slots

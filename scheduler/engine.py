@@ -161,6 +161,12 @@ def agree_limits(ready: list[WorkerReady]) -> EngineLimits:
     return first
 
 
+def restore_disk(scheduler: Scheduler, ready: list[WorkerReady]) -> None:
+    """Warm restart: what the ranks agreed they hold on disk (each rank reports the same
+    list; rank 0's is taken) goes into the scheduler's index and digest."""
+    scheduler.restore_disk(ready[0].disk_found)
+
+
 def check_digests(step: int, expected: int, results: list[StepResult]) -> None:
     """Every rank must hold exactly the state the scheduler planned."""
     bad = [r for r in results if r.digest != expected]
@@ -233,6 +239,8 @@ class EngineCore:
         results = self.executor.collect()
         t2 = time.perf_counter()
         check_digests(plan.step, f.digest, results)
+        for r in results:  # writes that landed on every rank become readable
+            self.scheduler.cache.report_disk_writes(r.rank, r.disk_done, r.disk_dropped)
         t3 = time.perf_counter()
         record.outputs = self.scheduler.update(plan, results[0].sampled)
         t4 = time.perf_counter()

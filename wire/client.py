@@ -92,6 +92,7 @@ class RequestOutput:
     # invalid_request | overloaded | timeout | unavailable | internal
     error_type: str | None = None
     num_reasoning_tokens: int = 0  # output tokens inside the thinking span so far
+    num_disk_cached_tokens: int = 0  # prompt tokens served from the disk tier
 
 
 @dataclass

@@ -19,13 +19,15 @@ import msgpack
 
 from wire import client, config, control, lifecycle, step
 
-SCHEMA_VERSION = 7  # 2: WorkerConnect carries pid and host_id; 3: guided decoding;
+SCHEMA_VERSION = 8  # 2: WorkerConnect carries pid and host_id; 3: guided decoding;
 # 4: reasoning spans (GenerateRequest.thinking, RequestOutput.num_reasoning_tokens);
 # 5: the wire/ restructure (EngineLimits, StartFailed), EngineConfig.tokenizer;
 # 6: retention hints (GenerateRequest.retention, EngineConfig.max_retained_fraction),
 # StepResult.timing (RankTiming, in place of forward_s), EngineConfig.null_model_forward_ms;
 # 7: overlap scheduling (EngineConfig.async_scheduling, PENDING_TOKEN in chunks,
-# RankTiming.share_s)
+# RankTiming.share_s); 8: the disk tier (StepPlan.disk_write/disk_read, StepResult.disk_*,
+# EngineConfig.disk_cache_*, EngineLimits.num_disk_blocks, WorkerReady.disk_found,
+# RequestOutput.num_disk_cached_tokens)
 
 
 class ProtocolError(ValueError):

@@ -103,6 +103,8 @@ def serve(sock: zmq.Socket, runner: ModelRunner, rank: int, log,
         decode_s = time.perf_counter() - t1
         if isinstance(msg, Shutdown):
             log.info("worker_shutdown", reason=msg.reason)
+            if runner.disk is not None:  # the queued writes land before the rank exits
+                runner.disk.close()
             return 0
         assert isinstance(msg, StepPlan), f"unexpected message {type(msg).__name__}"
         structlog.contextvars.bind_contextvars(step=msg.step)
@@ -112,7 +114,9 @@ def serve(sock: zmq.Socket, runner: ModelRunner, rank: int, log,
             if control is not None:
                 control.finished(out.digest)
             sock.send(codec.encode(
-                StepResult(msg.step, rank, out.digest, out.sampled, out.timing)))
+                StepResult(msg.step, rank, out.digest, out.sampled, out.timing,
+                           disk_done=out.disk_done, disk_dropped=out.disk_dropped,
+                           disk_queue_depth=out.disk_queue_depth)))
         except Exception as exc:
             # A rank that failed mid-step cannot rejoin the collectives: report and exit.
             log.error("step_failed", error=traceback.format_exc())

@@ -42,8 +42,8 @@ def test_write_through_then_commit_then_read_back() -> None:
     _, ops = run_and_close(m, 1, p, 0)  # write_through: the host copy comes a step later
     assert len(ops.swap_out) == 2 and len(ops.disk_write) == 2
     host_slots = {s for _, s in ops.swap_out}
-    assert {h for _, h, _ in ops.disk_write} == host_slots
-    wids = [w for w, _, _ in ops.disk_write]
+    assert {op[1] for op in ops.disk_write} == host_slots
+    wids = [op[0] for op in ops.disk_write]
     m.report_disk_writes(0, wids, [])
     assert m.lookup(p, KEY) == PrefixHit(8, 0, 0)  # still on the device
     forget_memory(m)  # the disk has nothing committed yet
@@ -56,7 +56,7 @@ def test_write_through_then_commit_then_read_back() -> None:
     ops = m.peek_ops()
     assert len(ops.disk_read) == 2 and len(ops.swap_in) == 2
     # the disk read lands in the host slot the swap_in reads
-    assert [h for _, h in ops.disk_read] == [s for s, _ in ops.swap_in]
+    assert [op[1] for op in ops.disk_read] == [s for s, _ in ops.swap_in]
     m.check_invariants()
     assert m.num_cached_tokens(2) == PrefixHit(0, 0, 8)
     assert m.stats.num_disk_hit_tokens == 8 and m.stats.hit_rate == 8 / 18  # 2 prompts
@@ -68,7 +68,7 @@ def test_a_drop_on_one_rank_is_a_miss_for_all() -> None:
     m = mgr()
     p = list(range(9))
     _, ops = run_and_close(m, 1, p, 0)
-    wids = [w for w, _, _ in ops.disk_write]
+    wids = [op[0] for op in ops.disk_write]
     m.report_disk_writes(0, wids, [])
     # written tail first (least valuable first); rank 1 dropped the tail's write
     m.report_disk_writes(1, wids[1:], wids[:1])
@@ -82,7 +82,7 @@ def test_a_small_host_tier_bounds_what_reaches_the_disk() -> None:
     p = list(range(13))  # three full blocks
     _, ops = run_and_close(m, 1, p, 0)
     # one host slot: only one block reached the host, and so the disk
-    wids = [w for w, _, _ in ops.disk_write]
+    wids = [op[0] for op in ops.disk_write]
     for r in (0, 1):
         m.report_disk_writes(r, wids, [])
     forget_memory(m)
@@ -97,7 +97,7 @@ def test_restore_makes_a_warm_start() -> None:
     p = list(range(9))
     _, ops = run_and_close(m, 1, p, 0)
     for r in (0, 1):
-        m.report_disk_writes(r, [w for w, _, _ in ops.disk_write], [])
+        m.report_disk_writes(r, [op[0] for op in ops.disk_write], [])
     found = m.disk.index.registered_items()
     lo, hi = m.disk.index.keys_of(found)
     fresh = mgr()  # the restarted scheduler
