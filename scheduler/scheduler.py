@@ -259,6 +259,7 @@ class Scheduler:
 
         ops = self.cache.take_ops()
         plan.swap_out, plan.swap_in, plan.register = ops.swap_out, ops.swap_in, ops.registered
+        plan.disk_write, plan.disk_read = ops.disk_write, ops.disk_read
         t = time.perf_counter()
         self.digest.apply(plan)
         self.digest_s = time.perf_counter() - t  # the engine's step record splits it out
