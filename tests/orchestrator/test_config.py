@@ -25,3 +25,18 @@ def test_the_null_model_is_off_by_default_and_takes_zero(default_model: Path) ->
                          "6.4").null_model_forward_ms == 6.4
     with pytest.raises(ValueError, match="null_model_forward_ms"):
         engine_config("--model", str(default_model), "--null-model-forward-ms", "-1")
+
+
+def test_the_disk_tier_is_off_by_default_and_needs_the_host_tier(default_model: Path,
+                                                                 tmp_path: Path) -> None:
+    config = engine_config("--model", str(default_model))
+    assert config.disk_cache_dir == "" and config.disk_cache_size == 0
+    config = engine_config("--model", str(default_model), "--host-cache-memory", "1000000",
+                           "--disk-cache-dir", str(tmp_path / "d"), "--disk-cache-size", "5000")
+    assert config.disk_cache_dir == str((tmp_path / "d").resolve())
+    assert config.disk_cache_size == 5000
+    with pytest.raises(ValueError, match="host tier"):
+        engine_config("--model", str(default_model), "--disk-cache-dir", str(tmp_path),
+                      "--disk-cache-size", "5000")
+    with pytest.raises(ValueError, match="go together"):
+        engine_config("--model", str(default_model), "--disk-cache-size", "5000")
