@@ -165,6 +165,7 @@ def restore_disk(scheduler: Scheduler, ready: list[WorkerReady]) -> None:
     """Warm restart: what the ranks agreed they hold on disk (each rank reports the same
     list; rank 0's is taken) goes into the scheduler's index and digest."""
     scheduler.restore_disk(ready[0].disk_found)
+    scheduler.disk_torn_at_start = max(r.disk_torn for r in ready)
 
 
 def check_digests(step: int, expected: int, results: list[StepResult]) -> None:
@@ -197,6 +198,7 @@ class EngineCore:
         self.totals = StepTotals()
         self.overlap = scheduler.config.async_scheduling
         self._in_flight: deque[_InFlight] = deque()  # at most 2: running, and queued next
+        self.disk_queue_depth = 0  # the busiest rank's disk write queue, last step
 
     def has_work(self) -> bool:
         """Requests to serve, or a step in flight to collect."""
@@ -241,6 +243,7 @@ class EngineCore:
         check_digests(plan.step, f.digest, results)
         for r in results:  # writes that landed on every rank become readable
             self.scheduler.cache.report_disk_writes(r.rank, r.disk_done, r.disk_dropped)
+        self.disk_queue_depth = max(r.disk_queue_depth for r in results)
         t3 = time.perf_counter()
         record.outputs = self.scheduler.update(plan, results[0].sampled)
         t4 = time.perf_counter()
@@ -268,4 +271,17 @@ class EngineCore:
             kv_bytes_per_block=sched.limits.kv_bytes_per_block,
             cache={k: int(v) for k, v in vars(sched.cache.stats).items()},
             usage=sched.cache.usage(),
+            disk=self._disk_stats(),
         )
+
+    def _disk_stats(self) -> dict[str, int]:
+        disk = self.scheduler.cache.disk
+        if not disk.num_slots:
+            return {}
+        return {"num_read_blocks": self.scheduler.cache.stats.num_disk_read_blocks,
+                "num_committed_writes": disk.num_committed_writes,
+                "num_dropped_writes": disk.num_dropped_writes,
+                "num_pending_writes": disk.num_pending,
+                "queue_depth": self.disk_queue_depth,
+                "found_at_start": disk.num_found_at_start,
+                "torn_at_start": self.scheduler.disk_torn_at_start}

@@ -66,6 +66,7 @@ class Scheduler:
         self._model_key = config.model
         self._sessions = SessionChains(config.block_size)
         self._deadlines: list[tuple[float, int, str]] = []  # (deadline, seq id, request id)
+        self.disk_torn_at_start = 0  # disk blocks the ranks dropped at start-up
         self._guides = GuideFactory(config.tokenizer_dir, limits.vocab_size,
                                     list(limits.eos_token_ids))
 

@@ -128,3 +128,6 @@ class EngineStats:
     # queue_seconds, step_seconds, step_prefill_tokens, step_decode_tokens
     histograms: dict[str, HistogramData] = field(default_factory=dict)
     num_digest_mismatches: int = 0
+    # the disk tier (empty when off): num_read_blocks, num_committed_writes,
+    # num_dropped_writes, num_pending_writes, queue_depth, found_at_start, torn_at_start
+    disk: dict[str, int] = field(default_factory=dict)
