@@ -73,12 +73,13 @@ class DiskIdentity:
 
 
 def model_files_digest(model: str) -> str:
-    """A digest of the model's files: names, sizes and modification times of the weights,
-    and the bytes of config.json (cheap: a 100 GB checkpoint is not read)."""
+    """A digest of what the KV depends on: names, sizes and modification times of the
+    weight files, and the bytes of config.json (cheap: a 100 GB checkpoint is not read).
+    Other files (tokenizer, markers that tools rewrite) are left out."""
     path = Path(model)
     files = [path] if path.is_file() else sorted(
-        p for p in path.iterdir() if p.is_file() and p.suffix in (".safetensors", ".gguf",
-                                                                   ".bin", ".json"))
+        p for p in path.iterdir() if p.is_file() and (
+            p.suffix in (".safetensors", ".gguf", ".bin") or p.name == "config.json"))
     h = hashlib.blake2b(digest_size=16)
     for f in files:
         st = f.stat()
@@ -117,6 +118,8 @@ class DiskStoreStats:
     found_at_start: int = 0  # valid records the start-up scan found
     torn_at_start: int = 0  # records the scan found damaged (dropped)
     identity_mismatch: bool = False  # the directory held another identity: ignored
+    read_s: float = 0.0  # seconds in reads (the read bandwidth: bytes_read / read_s)
+    write_s: float = 0.0  # seconds in writes, on the writer thread
 
 
 @dataclass
@@ -222,7 +225,9 @@ class DiskStore:
         """The payload of ``slot`` if it holds a valid record of block hash (lo, hi); None
         otherwise (torn, truncated, damaged, overwritten): the caller recomputes."""
         assert 0 <= slot < self.num_slots, f"disk slot {slot} out of range"
+        t0 = time.perf_counter()
         record = os.pread(self._fd, HEADER_BYTES + self.payload_bytes, slot * self.record_bytes)
+        self.stats.read_s += time.perf_counter() - t0
         self.stats.num_reads += 1
         self.stats.bytes_read += len(record)
         if self._check(record) != (lo, hi):
@@ -310,6 +315,7 @@ class DiskStore:
                 ok = False
             with self._lock:
                 (self._done if ok else self._dropped).append(w.write_id)
+                self.stats.write_s += time.perf_counter() - t0
                 if ok:
                     self.stats.num_writes += 1
                     self.stats.bytes_written += len(data)

@@ -216,3 +216,15 @@ def test_kill_9_during_writes_never_serves_a_torn_record(tmp_path) -> None:
         assert store.read(slot, lo, hi) == big_payload(lo - 1)  # write id lo - 1's bytes
     print(f"found {len(found.slots)} records, {found.num_torn} torn (dropped)")
     store.close()
+
+
+def test_model_files_digest_ignores_files_the_kv_does_not_depend_on(tmp_path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"a": 1}')
+    (model / "model.safetensors").write_bytes(b"x" * 10)
+    d1 = model_files_digest(str(model))
+    (model / "tokenizer.json").write_text("{}")  # and markers like deepinfer_tiny.json
+    assert model_files_digest(str(model)) == d1
+    (model / "model.safetensors").write_bytes(b"y" * 11)
+    assert model_files_digest(str(model)) != d1
