@@ -23,6 +23,8 @@ from __future__ import annotations
 import numpy as np
 
 EMPTY = np.uint64(0)
+# Batches of at most this many keys take the scalar paths (`_find_few`, `_place_few`).
+_FEW = 16
 
 
 def _table_size(num_items: int, max_load: float) -> int:
@@ -47,6 +49,12 @@ class HashIndex:
         self._keys16 = self._keys.view(np.complex128).reshape(-1)
         self._slot = np.full(num_items, -1, dtype=np.int32)  # table slot, -1 = unregistered
         self.num_keys = 0
+        # Scalar views of the same memory, for batches of a few keys (`_find_few`,
+        # `_place_few`): a decode step fills a handful of blocks, and numpy's fixed cost
+        # per call (~70 us for a find of one key) dwarfs a few Python-level probes.
+        self._table_v = memoryview(self._table)
+        self._keys_v = memoryview(self._keys.reshape(-1))  # lo of item i at 2i, hi at 2i+1
+        self._slot_v = memoryview(self._slot)
 
     @property
     def table_size(self) -> int:
@@ -72,6 +80,8 @@ class HashIndex:
     def find(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Item registered under each key (lo[i], hi[i]), or -1. int32 array."""
         n = len(lo)
+        if n <= _FEW and self.num_keys:
+            return self._find_few(lo, hi)
         out = np.full(n, -1, dtype=np.int32)
         if n == 0 or self.num_keys == 0:
             return out
@@ -118,6 +128,23 @@ class HashIndex:
             k = np.flatnonzero(cont)
             active, slots = active[k], (slots[k] + np.uint64(width)) & self._mask
         return out
+
+    def _find_few(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """`find` one key at a time: the same probe sequence, in plain ints."""
+        table, keys = self._table_v, self._keys_v
+        mask, item_mask, tag_mask = int(self._mask), int(self._item_mask), int(self._tag_mask)
+        found = []
+        for key_lo, key_hi in zip(np.asarray(lo).tolist(), np.asarray(hi).tolist()):
+            slot, tag, item = key_lo & mask, key_lo & tag_mask, -1
+            while (e := table[slot]) != 0:
+                if e & tag_mask == tag:
+                    i = (e & item_mask) - 1
+                    if keys[2 * i] == key_lo and keys[2 * i + 1] == key_hi:
+                        item = i
+                        break
+                slot = (slot + 1) & mask
+            found.append(item)
+        return np.array(found, dtype=np.int32)
 
     def insert(self, items: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
         """Register each item under its key. Caller guarantees: items unregistered, keys
@@ -185,6 +212,9 @@ class HashIndex:
         current slot; of the items aiming at one empty slot exactly one wins (whichever
         store landed last), the rest move one slot on. Slots only ever fill, so each item
         ends after a run of occupied slots from its home: a valid linear-probing table."""
+        if len(items) <= _FEW:
+            self._place_few(items)
+            return
         table = self._table
         for start in range(0, len(items), chunk):
             pend = items[start:start + chunk]
@@ -200,6 +230,18 @@ class HashIndex:
                 keep[free[won]] = False
                 pend, ent = pend[keep], ent[keep]
                 slots = (slots[keep] + np.uint64(1)) & self._mask
+
+    def _place_few(self, items: np.ndarray) -> None:
+        """`_place` one item at a time: its first EMPTY slot from home."""
+        table, keys, slot_of = self._table_v, self._keys_v, self._slot_v
+        mask, tag_mask = int(self._mask), int(self._tag_mask)
+        for item in np.asarray(items).tolist():
+            key_lo = keys[2 * item]
+            slot = key_lo & mask
+            while table[slot] != 0:
+                slot = (slot + 1) & mask
+            table[slot] = (key_lo & tag_mask) | (item + 1)
+            slot_of[item] = slot
 
     def check(self) -> None:
         """O(N) self-check for tests: every registered item is found at its slot."""

@@ -4,8 +4,9 @@ Overlap scheduling (EngineConfig.async_scheduling, on by default): the engine pl
 submits step k+1 before it collects step k, so each rank finds its next plan waiting when
 it ends a step, and the scheduler's work (planning, encoding, results) hides behind the
 ranks'. Step k+1 is planned without step k's samples: a sequence that decodes in both
-names its step-k token PENDING_TOKEN, and every rank resolves it (rank 0 shares its
-samples after each forward, worker/model_runner.py). What this changes, and what it does
+names its step-k token PENDING_TOKEN, and every rank resolves it from the tokens it
+sampled itself (all ranks sample from the same all-gathered logits, checked every step
+by `check_samples`; worker/model_runner.py). What this changes, and what it does
 not (scheduler/scheduler.py):
 
 - a sequence learns that its token was final one step late, so it may run one token past
@@ -72,6 +73,7 @@ class StepTotals:
     check_s: float = 0.0
     exchange: ExchangeTiming = field(default_factory=ExchangeTiming)  # sums; round trip per rank
     ranks: list[RankTiming] = field(default_factory=list)  # sums, per rank
+    overlap: bool = False  # steps overlapped (EngineConfig.async_scheduling): see breakdown
 
     def add(self, record: StepRecord) -> None:
         self.schedule_s += record.schedule_s
@@ -108,7 +110,14 @@ class StepTotals:
         both ways, the rank's result encoding, process wake-ups. `waiting` is what the
         scheduler waits beyond the mean rank's round trip: for the slowest rank (and, with
         several ranks, for the sends to the others). `idle` is the ranks' time
-        between forwards (RankTiming.gap_s), `idle_share` its share of gap + forward."""
+        between forwards (RankTiming.gap_s), `idle_share` its share of gap + forward.
+
+        With overlap a plan waits at the ranks while they finish the step before, so a
+        round trip holds another step's work: `transport` cannot be told apart (NaN), the
+        ranks' parts run beside the scheduler's, not in its path, and `waiting` is the time
+        the scheduler spent sending and blocked for results: then the scheduler's parts
+        (plan, digest, encode, waiting, result_decode, results, check, other) sum to
+        `step`."""
         ms = 1000 / max(1, self.num_steps)
         ranks = self.ranks or [RankTiming()]
 
@@ -116,10 +125,14 @@ class StepTotals:
             return sum(getattr(r, name) for r in ranks) / len(ranks)
 
         work = {name: mean(name) for name in ("decode_s", "apply_s", "digest_s", "prepare_s",
-                                              "forward_s", "share_s")}
+                                              "forward_s")}
         handle = sum(work.values())
         ex = self.exchange
-        if ex.round_trip_s:  # over sockets
+        if ex.round_trip_s and self.overlap:
+            transport = float("nan")
+            waiting = ex.wait_s - ex.decode_s  # the sends, then blocked for the results
+            exchange_s = ex.encode_s + ex.wait_s
+        elif ex.round_trip_s:  # over sockets
             round_trip = sum(ex.round_trip_s) / len(ex.round_trip_s)
             transport = round_trip - handle
             waiting = ex.wait_s - ex.decode_s - round_trip
@@ -136,7 +149,6 @@ class StepTotals:
             "rank_digest": work["digest_s"],
             "rank_prepare": work["prepare_s"],
             "forward": forward,
-            "rank_share": work["share_s"],
             "transport": transport,
             "waiting": waiting,
             "result_decode": ex.decode_s,
@@ -168,6 +180,18 @@ def restore_disk(scheduler: Scheduler, ready: list[WorkerReady]) -> None:
     scheduler.disk_torn_at_start = max(r.disk_torn for r in ready)
 
 
+def check_samples(step: int, results: list[StepResult]) -> None:
+    """Under overlap scheduling every rank feeds the tokens it sampled itself to its next
+    step (worker/model_runner.py): all must have sampled rank 0's. A rank that did not
+    sample reports 0 (overlap off, or world size 1)."""
+    first = results[0].sampled_digest
+    bad = [r.rank for r in results if r.sampled_digest != first]
+    if bad:
+        raise RankDivergenceError(
+            f"ranks {bad} sampled other tokens than rank 0 at step {step}: their next "
+            "steps would run other inputs")
+
+
 def check_digests(step: int, expected: int, results: list[StepResult]) -> None:
     """Every rank must hold exactly the state the scheduler planned."""
     bad = [r for r in results if r.digest != expected]
@@ -195,8 +219,8 @@ class EngineCore:
         self.scheduler = scheduler
         self.executor = executor
         self.telemetry = telemetry
-        self.totals = StepTotals()
         self.overlap = scheduler.config.async_scheduling
+        self.totals = StepTotals(overlap=self.overlap)
         self._in_flight: deque[_InFlight] = deque()  # at most 2: running, and queued next
         self.disk_queue_depth = 0  # the busiest rank's disk write queue, last step
 
@@ -241,6 +265,7 @@ class EngineCore:
         results = self.executor.collect()
         t2 = time.perf_counter()
         check_digests(plan.step, f.digest, results)
+        check_samples(plan.step, results)
         for r in results:  # writes that landed on every rank become readable
             self.scheduler.cache.report_disk_writes(r.rank, r.disk_done, r.disk_dropped)
         self.disk_queue_depth = max(r.disk_queue_depth for r in results)

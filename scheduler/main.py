@@ -27,6 +27,7 @@ from wire.client import AbortRequest, GenerateRequest, RequestOutput, StatsReque
 from wire.config import EngineConfig
 from wire.control import PrefixBreak
 from wire.control_server import control_address
+from wire.gc_policy import settle_heap
 from wire.lifecycle import ClientHello, EngineInfo, EngineLimits, Shutdown
 from wire.log import configure_logging
 from wire.security import secure_bind
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, server.stop)
     log.info("scheduler_ready", world_size=config.world_size, requests=addresses["requests"],
              control=control.server.address)
+    settle_heap()
     try:
         server.run()
     except Exception as exc:  # noqa: BLE001 -- whatever it was, the clients hear of it

@@ -288,9 +288,11 @@ class Scheduler:
             plan.append.append(AppendBlocks(seq.seq_id, seq.block_ids[seq.num_sent_blocks:]))
             seq.num_sent_blocks = len(seq.block_ids)
         sample = end == known + seq.num_pending
-        assert not (seq.num_pending and sample and self._masked(seq)), (
-            "a masked sample planned before its sequence's pending token is known")
-        allowed = self._allowed(seq) if sample else None
+        allowed = None
+        if sample and self._masked(seq):
+            assert not seq.num_pending, (
+                "a masked sample planned before its sequence's pending token is known")
+            allowed = self._allowed(seq)
         token_ids = seq.tokens[start:end]
         if end > known:  # the token sampled by the step in flight, resolved by the ranks
             token_ids.extend([PENDING_TOKEN] * (end - known))
@@ -369,6 +371,8 @@ class Scheduler:
         return True
 
     def _grow(self, seq: Sequence, num_new: int) -> bool:
+        if -(-(seq.num_computed + num_new) // self.block_size) <= len(seq.block_ids):
+            return True  # most decode steps: the last block has room
         blocks = self.cache.allocate(seq.seq_id, seq.tokens, seq.num_computed + num_new,
                                      seq.extra_key)
         if blocks is None:
@@ -392,6 +396,8 @@ class Scheduler:
     def _allowed(seq: Sequence) -> bytes | None:
         """The mask of a sequence's next sample: its grammar's, and around it its thinking
         span's (scheduler/thinking.py); None: any token."""
+        if seq.guide is None and seq.thinking is None:
+            return None
         answer = seq.guide.allowed if seq.guide is not None else lambda: None
         return seq.thinking.mask(answer) if seq.thinking is not None else answer()
 

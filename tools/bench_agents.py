@@ -32,6 +32,7 @@ from scheduler.scheduler import Scheduler
 from tools.local_ranks import spawn_local_ranks
 from wire.client import GenerateRequest
 from wire.config import EngineConfig
+from wire.gc_policy import settle_heap
 
 
 @dataclass
@@ -112,6 +113,7 @@ def start_engine(args: argparse.Namespace, run_dir: str, caching: bool):
     executor = ZmqExecutor(address, config)
     ranks = spawn_local_ranks(address, args.world_size)
     core = EngineCore(Scheduler(config, agree_limits(executor.start())), executor)
+    settle_heap()  # as the scheduler process does before it serves
     return core, executor, ranks
 
 

@@ -31,6 +31,7 @@ from tools.local_ranks import spawn_local_ranks
 from wire import codec
 from wire.client import GenerateRequest
 from wire.config import EngineConfig
+from wire.gc_policy import settle_heap
 from wire.step import NewSequence, ScheduledChunk, StepPlan
 
 # too long to close within max_tokens: a guided request runs as long as a free one
@@ -50,6 +51,7 @@ def run_one(model: str, world_size: int, args: argparse.Namespace,
         ranks = spawn_local_ranks(address, world_size)
         try:
             core = EngineCore(Scheduler(config, agree_limits(executor.start())), executor)
+            settle_heap()  # as the scheduler process does before it serves
             rng = random.Random(0)
             grammar = json_grammar(GUIDED_SCHEMA, "bench") if guided else None
             make = lambda tag: [  # noqa: E731
@@ -58,7 +60,7 @@ def run_one(model: str, world_size: int, args: argparse.Namespace,
                                 args.max_tokens, ignore_eos=True, grammar=grammar)
                 for i in range(args.num_requests)]
             _drive(core, make("warm")[:2])  # warm-up: first-step allocations, thread pools
-            core.totals = StepTotals()
+            core.totals = StepTotals(overlap=core.overlap)
             start = time.perf_counter()
             steps, tokens_out = _drive(core, make("r"))
             wall = time.perf_counter() - start

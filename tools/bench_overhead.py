@@ -23,7 +23,9 @@ window, and the table shows them per step.
 Each step is split (ms per step, scheduler/engine.py StepTotals.breakdown) into planning,
 the scheduler's digest prediction, plan encoding, the ranks' decode, apply (cache ops,
 table deltas), digest and batch inputs, transport (sockets both ways, the ranks' result
-encoding, wake-ups), waiting for the slowest rank, result handling (decode, tokens,
+encoding, wake-ups; not measurable with overlap, where a plan waits at the ranks while
+they run the step before: "-"), waiting (for the slowest rank; with overlap, the time the
+scheduler blocked for results), result handling (decode, tokens,
 outputs), checks (digests compared, cache accounting) and the rest. Engine time is the
 step less the forward. The ranks' idle time between forwards is measured on the ranks
 (RankTiming.gap_s); with `--idle-forward-ms` (5 by default) extra engines measure it
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import random
 import tempfile
@@ -55,6 +58,7 @@ from scheduler.scheduler import Scheduler
 from tools.local_ranks import spawn_local_ranks
 from wire.client import GenerateRequest
 from wire.config import EngineConfig
+from wire.gc_policy import settle_heap
 from worker.null_model import NULL_HEAD_DIM, NULL_KV_HEADS
 
 RESULTS_DIR = Path("bench-results")
@@ -126,7 +130,9 @@ def engine(model: str, spec: EngineSpec, args: argparse.Namespace,
         executor = ZmqExecutor(address, config, start_timeout_s=300)
         ranks = spawn_local_ranks(address, spec.world_size)
         try:
-            yield EngineCore(Scheduler(config, agree_limits(executor.start())), executor)
+            core = EngineCore(Scheduler(config, agree_limits(executor.start())), executor)
+            settle_heap()  # as the scheduler process does before it serves
+            yield core
         finally:
             executor.shutdown()
             stop_all(ranks)
@@ -195,7 +201,7 @@ def run_cell(driver: Driver, batch: int, mode: str, args: argparse.Namespace) ->
     for _ in range(warmup):
         driver.step()
 
-    core.totals = StepTotals()
+    core.totals = StepTotals(overlap=core.overlap)
     before = replace(sched.cache.stats)
     swap_in = swap_out = chunks = 0
     t0 = time.perf_counter()
@@ -207,7 +213,7 @@ def run_cell(driver: Driver, batch: int, mode: str, args: argparse.Namespace) ->
     wall = time.perf_counter() - t0
     # taken before the drain, whose steps are not the cell's
     totals, after = core.totals, replace(sched.cache.stats)
-    core.totals = StepTotals()
+    core.totals = StepTotals(overlap=core.overlap)
     driver.drain()
 
     n = max(1, totals.num_steps)
@@ -220,7 +226,9 @@ def run_cell(driver: Driver, batch: int, mode: str, args: argparse.Namespace) ->
         "steps_per_s": totals.num_steps / wall,
         "loop_ms": 1000 * wall / n,  # the step and the driver's requests between steps
         "between_ms": 1000 * wall / n - parts["step"],
-        "breakdown_ms": {k: v for k, v in parts.items() if k != "idle_share"},
+        # NaN (transport under overlap: not measurable) is null in JSON
+        "breakdown_ms": {k: None if math.isnan(v) else v for k, v in parts.items()
+                         if k != "idle_share"},
         "idle_share": parts["idle_share"],
         "chunks_per_step": chunks / n,
         "prefill_tokens_per_step": totals.num_prefill_tokens / n,
@@ -272,7 +280,7 @@ def print_table(rows: list[dict], console: Console) -> None:
             f"{b['plan']:.3f}", f"{b['digest']:.3f}", f"{b['encode']:.3f}",
             f"{b['rank_decode']:.3f}", f"{b['rank_apply']:.3f}", f"{b['rank_digest']:.3f}",
             f"{b['rank_prepare']:.3f}",
-            f"{b['transport']:.3f}", f"{b['waiting']:.3f}",
+            "-" if b["transport"] is None else f"{b['transport']:.3f}", f"{b['waiting']:.3f}",
             f"{b['result_decode'] + b['results']:.3f}", f"{b['check']:.3f}",
             f"{b['other']:.3f}", f"{b['idle']:.3f}", f"{100 * r['idle_share']:.1f}%",
             f"{r['swap_in_blocks_per_step']:.1f}/{r['swap_out_blocks_per_step']:.1f}",

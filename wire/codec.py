@@ -4,14 +4,22 @@ A frame is msgpack of `[schema_version, type_name, [field values...]]`. Fields
 are encoded positionally (smaller and faster than maps) and decoded back into
 their declared types, nested dataclasses and containers included. Only plain
 data crosses the wire: no pickle, no code.
+
+Each message type's converters are built once from its type hints (`_encoder`,
+`_decoder`) rather than re-inspected value by value: a step plan of 256 chunks crosses
+the wire every few milliseconds, and reflecting over every field of every chunk cost
+more than the socket (issue 15's breakdown). A part of a message that needs no
+conversion (ints, strings, bytes, lists of them) is handed to msgpack as it is.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 import sys
 import types
 import typing
+from collections.abc import Callable
 from functools import cache
 from typing import Any
 
@@ -25,7 +33,8 @@ SCHEMA_VERSION = 8  # 2: WorkerConnect carries pid and host_id; 3: guided decodi
 # 6: retention hints (GenerateRequest.retention, EngineConfig.max_retained_fraction),
 # StepResult.timing (RankTiming, in place of forward_s), EngineConfig.null_model_forward_ms;
 # 7: overlap scheduling (EngineConfig.async_scheduling, PENDING_TOKEN in chunks,
-# RankTiming.share_s); 8: the disk tier (StepPlan.disk_write/disk_read, StepResult.disk_*,
+# RankTiming.share_s); 8: every rank samples under overlap (StepResult.sampled_digest,
+# RankTiming.share_s gone) and the disk tier (StepPlan.disk_write/disk_read, StepResult.disk_*,
 # EngineConfig.disk_cache_*, EngineLimits.num_disk_blocks, WorkerReady.disk_found,
 # RequestOutput.num_disk_cached_tokens)
 
@@ -36,10 +45,16 @@ class ProtocolError(ValueError):
 
 _REGISTRY: dict[str, type] = {}
 
+# A converter maps a value to its wire form or back; None stands for "as it is", so the
+# containers around such a value skip it whole.
+Converter = Callable[[Any], Any] | None
+_PLAIN = (int, float, str, bytes, bool, type(None), Any)
+
 
 def register(*classes: type) -> None:
     for cls in classes:
         assert dataclasses.is_dataclass(cls), cls
+        assert all(f.init for f in dataclasses.fields(cls)), f"{cls.__name__}: init=False field"
         _REGISTRY[cls.__name__] = cls
 
 
@@ -52,9 +67,27 @@ for _module in (config, client, step, lifecycle, control):
     register(*_dataclasses_of(_module))
 
 
+@cache
+def _field_types(cls: type) -> list[tuple[str, Any]]:
+    # names resolve in the class's own module, which imports what its fields use
+    hints = typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
+
+
+def _optional_inner(tp: Any) -> tuple[Any, ...] | None:
+    """The non-None members of a Union type; None if `tp` is not a Union."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return tuple(a for a in typing.get_args(tp) if a is not type(None))
+    return None
+
+
+# --- encoding ---------------------------------------------------------------------------
+
+
 def _to_plain(value: Any) -> Any:
+    """Any value whose type the hints do not pin down (e.g. a Union of several types)."""
     if dataclasses.is_dataclass(value):
-        return [_to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)]
+        return _encoder(type(value))(value)
     if isinstance(value, (list, tuple)):
         return [_to_plain(v) for v in value]
     if isinstance(value, dict):
@@ -63,47 +96,100 @@ def _to_plain(value: Any) -> Any:
 
 
 @cache
-def _field_types(cls: type) -> list[tuple[str, Any]]:
-    # names resolve in the class's own module, which imports what its fields use
-    hints = typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
-    return [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
-
-
-def _from_plain(tp: Any, value: Any) -> Any:
-    if value is None:
-        return None
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _from_plain(inner[0], value) if len(inner) == 1 else value
+def _encoder(tp: Any) -> Converter:
     if dataclasses.is_dataclass(tp):
-        fields = _field_types(tp)
-        if not isinstance(value, list) or len(value) != len(fields):
-            raise ProtocolError(f"{tp.__name__}: expected {len(fields)} fields")
-        return tp(**{name: _from_plain(ftp, v) for (name, ftp), v in zip(fields, value)})
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if item in (int, float, str):
-            return value
-        return [_from_plain(item, v) for v in value]
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_from_plain(args[0], v) for v in value)
-        return tuple(_from_plain(a, v) for a, v in zip(args, value))
+        names = [name for name, _ in _field_types(tp)]
+        convs = [_encoder(ftp) for _, ftp in _field_types(tp)]
+        get = operator.attrgetter(*names)
+        if len(names) == 1:
+            one = get
+            get = lambda v: (one(v),)  # noqa: E731
+        if all(c is None for c in convs):
+            return get  # a tuple: msgpack packs it as an array
+        pairs = list(enumerate(convs))
+
+        def encode_fields(value: Any) -> list[Any]:
+            out = list(get(value))
+            for i, c in pairs:
+                if c is not None and out[i] is not None:
+                    out[i] = c(out[i])
+            return out
+        return encode_fields
+    inner = _optional_inner(tp)
+    if inner is not None:
+        return _encoder(inner[0]) if len(inner) == 1 else _to_plain
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (list, tuple):
+        items = [_encoder(a) for a in args if a is not Ellipsis]
+        if all(c is None for c in items):
+            return None
+        if origin is list or (len(args) == 2 and args[1] is Ellipsis):
+            item = items[0]
+            return lambda v: [item(x) for x in v]
+        return lambda v: [c(x) if c is not None else x for c, x in zip(items, v)]
     if origin is dict:
-        kt, vt = typing.get_args(tp)
-        return {_from_plain(kt, k): _from_plain(vt, v) for k, v in value.items()}
-    return value
+        kc, vc = (_encoder(a) for a in args)
+        if kc is None and vc is None:
+            return None
+        return _to_plain
+    if tp in _PLAIN:
+        return None
+    return _to_plain
 
 
 def encode(message: Any) -> bytes:
     cls = type(message)
     if cls.__name__ not in _REGISTRY:
         raise ProtocolError(f"{cls.__name__} is not a registered message type")
-    return msgpack.packb(
-        [SCHEMA_VERSION, cls.__name__, _to_plain(message)], use_bin_type=True
-    )
+    return msgpack.packb([SCHEMA_VERSION, cls.__name__, _encoder(cls)(message)],
+                         use_bin_type=True)
+
+
+# --- decoding ---------------------------------------------------------------------------
+
+
+@cache
+def _decoder(tp: Any) -> Converter:
+    if dataclasses.is_dataclass(tp):
+        fields = _field_types(tp)
+        n, name = len(fields), tp.__name__
+        convs = [_decoder(ftp) for _, ftp in fields]
+        pairs = [(i, c) for i, c in enumerate(convs) if c is not None]
+
+        def decode_fields(value: Any) -> Any:
+            if value is None:
+                return None
+            if not isinstance(value, list) or len(value) != n:
+                raise ProtocolError(f"{name}: expected {n} fields")
+            for i, c in pairs:
+                if value[i] is not None:
+                    value[i] = c(value[i])
+            return tp(*value)
+        return decode_fields
+    inner = _optional_inner(tp)
+    if inner is not None:
+        return _decoder(inner[0]) if len(inner) == 1 else None
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is list:
+        item = _decoder(args[0])
+        if item is None:
+            return None
+        return lambda v: [item(x) for x in v]
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            item = _decoder(args[0])
+            return tuple if item is None else (lambda v: tuple(item(x) for x in v))
+        items = [_decoder(a) for a in args]
+        if all(c is None for c in items):
+            return tuple
+        return lambda v: tuple(c(x) if c is not None else x for c, x in zip(items, v))
+    if origin is dict:
+        kc, vc = (_decoder(a) for a in args)
+        if kc is None and vc is None:
+            return None
+        kc, vc = kc or (lambda k: k), vc or (lambda x: x)
+        return lambda v: {kc(k): vc(x) for k, x in v.items()}
+    return None
 
 
 def decode(frame: bytes) -> Any:
@@ -119,6 +205,6 @@ def decode(frame: bytes) -> Any:
     if cls is None:
         raise ProtocolError(f"unknown message type {name!r}")
     try:
-        return _from_plain(cls, body)
-    except (TypeError, ValueError) as exc:
+        return _decoder(cls)(body)
+    except (TypeError, ValueError, AttributeError, KeyError) as exc:
         raise ProtocolError(f"malformed {name}: {exc}") from exc

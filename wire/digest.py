@@ -60,6 +60,15 @@ def _entries_sum(kind: int, ids: np.ndarray, hashes: np.ndarray) -> int:
         return int(e.sum(dtype=np.uint64))
 
 
+def samples_digest(sampled: list[tuple[int, int]]) -> int:
+    """A rank's sampled (seq id, token) pairs as one number (StepResult.sampled_digest);
+    never 0, so 0 can mean "did not sample"."""
+    s = 0
+    for seq_id, token in sampled:
+        s = _mix64(s ^ _mix64((seq_id << 32) ^ (token & 0xFFFFFFFF)))
+    return s or 1
+
+
 def table_digest(seq_id: int, block_ids: list[int] | np.ndarray, start: int = 0) -> int:
     """What `StateDigest.add_blocks` adds for these table entries (positions start,
     start+1, ...), vectorised: new 28K-block tables cost microseconds, not a Python loop.
@@ -88,6 +97,11 @@ class StateDigest:
         self._block_hash = np.zeros(num_device_blocks, dtype=np.uint64)  # 0: none
         self._slot_hash = np.zeros(num_host_blocks, dtype=np.uint64)
         self._disk_hash = np.zeros(num_disk_blocks, dtype=np.uint64)
+        # plain-int views of the same memory: a decode step registers a few blocks, and
+        # numpy's fixed cost per call is then most of the digest's (`_set`)
+        self._block_view = memoryview(self._block_hash)
+        self._slot_view = memoryview(self._slot_hash)
+        self._disk_view = memoryview(self._disk_hash)
 
     def add_blocks(self, seq_id: int, block_ids: list[int]) -> None:
         n = self._seq_lens.get(seq_id, 0)
@@ -106,31 +120,52 @@ class StateDigest:
         del self._seq_lens[seq_id]
         self.value = (self.value - s) & _MASK64
 
-    def _set(self, kind: int, table: np.ndarray, ids: list[int], hashes: np.ndarray) -> None:
+    def _set(self, kind: int, table: np.ndarray, view: memoryview, ids: list[int],
+             hashes: np.ndarray | list[int]) -> None:
+        if len(ids) <= 8:
+            self._set_few(kind, view, ids, hashes)
+            return
         idx = np.asarray(ids, dtype=np.int64)
         assert len(np.unique(idx)) == len(idx), "an op list names a block or slot twice"
+        hashes = np.asarray(hashes, dtype=np.uint64)
         old = _entries_sum(kind, idx, table[idx])
         table[idx] = hashes
         new = _entries_sum(kind, idx, hashes)
         self.value = (self.value - old + new) & _MASK64
 
+    def _set_few(self, kind: int, table: memoryview, ids: list[int],
+                 hashes: np.ndarray | list[int]) -> None:
+        """`_set` in plain ints: the same sum, entry by entry."""
+        assert len(set(ids)) == len(ids), "an op list names a block or slot twice"
+        delta = 0
+        for i, h in zip(ids, hashes.tolist() if isinstance(hashes, np.ndarray) else hashes):
+            old = table[i]
+            if old:
+                delta -= _entry(kind, i, old)
+            if h:
+                delta += _entry(kind, i, h)
+            table[i] = h
+        self.value = (self.value + delta) & _MASK64
+
     def apply(self, plan: StepPlan) -> None:
         """Advance the digest by a plan, in the order ranks apply it."""
         if plan.swap_out:
             blocks, slots = zip(*plan.swap_out)
-            self._set(self.HOST_HASH, self._slot_hash, list(slots),
+            self._set(self.HOST_HASH, self._slot_hash, self._slot_view, list(slots),
                       self._block_hash[np.asarray(blocks, dtype=np.int64)])
         if plan.disk_write:
             slots = [op[1] for op in plan.disk_write]
-            self._set(self.DISK_HASH, self._disk_hash, [op[2] for op in plan.disk_write],
+            self._set(self.DISK_HASH, self._disk_hash, self._disk_view,
+                      [op[2] for op in plan.disk_write],
                       self._slot_hash[np.asarray(slots, dtype=np.int64)])
         if plan.disk_read:
             disk = [op[0] for op in plan.disk_read]
-            self._set(self.HOST_HASH, self._slot_hash, [op[1] for op in plan.disk_read],
+            self._set(self.HOST_HASH, self._slot_hash, self._slot_view,
+                      [op[1] for op in plan.disk_read],
                       self._disk_hash[np.asarray(disk, dtype=np.int64)])
         if plan.swap_in:
             slots, blocks = zip(*plan.swap_in)
-            self._set(self.DEVICE_HASH, self._block_hash, list(blocks),
+            self._set(self.DEVICE_HASH, self._block_hash, self._block_view, list(blocks),
                       self._slot_hash[np.asarray(slots, dtype=np.int64)])
         for seq_id in plan.close:
             self.close(seq_id)
@@ -140,15 +175,15 @@ class StateDigest:
             self.add_blocks(app.seq_id, app.block_ids)
         if plan.register:
             blocks, hashes = zip(*plan.register)
-            self._set(self.DEVICE_HASH, self._block_hash, list(blocks),
-                      np.asarray(hashes, dtype=np.uint64))
+            self._set(self.DEVICE_HASH, self._block_hash, self._block_view, list(blocks),
+                      list(hashes))
 
     def restore_disk(self, slots: list[int] | np.ndarray, hashes: list[int] | np.ndarray) -> None:
         """Warm restart: disk slots found holding these hashes (low 64 bits), on every
         rank and in the scheduler alike."""
         if len(slots):
-            self._set(self.DISK_HASH, self._disk_hash, list(slots),
-                      np.asarray(hashes, dtype=np.uint64))
+            self._set(self.DISK_HASH, self._disk_hash, self._disk_view,
+                      [int(s) for s in slots], np.asarray(hashes, dtype=np.uint64))
 
     @property
     def live_seqs(self) -> list[int]:

@@ -15,7 +15,8 @@ from wire.client import SamplingParams
 
 # In a chunk's token_ids: the token this sequence sampled in the step before, which the
 # scheduler plans with before it knows it (overlap scheduling, scheduler/engine.py). Every
-# rank resolves it from the samples rank 0 shared after that step (worker/model_runner.py).
+# rank resolves it from the tokens it sampled itself in that step: every rank samples
+# the same tokens from the same all-gathered logits (worker/model_runner.py).
 PENDING_TOKEN = -1
 
 
@@ -89,8 +90,6 @@ class RankTiming:
     digest_s: float = 0.0  # StateDigest.apply
     prepare_s: float = 0.0  # the batch's input tensors and page tables
     forward_s: float = 0.0  # forward pass and sampling (0 in a step without chunks)
-    # rank 0's sampled ids broadcast to every rank (overlap scheduling, world size > 1)
-    share_s: float = 0.0
     # from the end of this rank's previous forward to the start of this one (0 for the first
     # forward, and in a step without one: the idle time then counts in the next forward's)
     gap_s: float = 0.0
@@ -110,3 +109,7 @@ class StepResult:
     disk_done: list[int] = field(default_factory=list)
     disk_dropped: list[int] = field(default_factory=list)
     disk_queue_depth: int = 0
+    # Under overlap scheduling every rank samples the same tokens from the same logits and
+    # feeds them to its next step (worker/model_runner.py): a digest of what this rank
+    # sampled, which the scheduler holds to rank 0's list (0: this rank did not sample).
+    sampled_digest: int = 0

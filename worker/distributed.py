@@ -78,27 +78,22 @@ class TensorParallelGroup:
                 dist.all_reduce(x)
         return x
 
-    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Concatenate every rank's shard along the last dim, on rank 0 only."""
+    def gather_last_dim(self, x: torch.Tensor, everywhere: bool = False) -> torch.Tensor | None:
+        """Concatenate every rank's shard along the last dim: on rank 0 only, or with
+        `everywhere` on every rank (an all-gather: the logits every rank samples from
+        under overlap scheduling, worker/model_runner.py)."""
         if self.world_size == 1:
             return x
         x = x.contiguous()
+        if everywhere:
+            parts = [torch.empty_like(x) for _ in range(self.world_size)]
+            with self._collective():
+                dist.all_gather(parts, x)
+            return torch.cat(parts, dim=-1)
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
         with self._collective():
             dist.gather(x, parts, dst=0)
         return torch.cat(parts, dim=-1) if parts is not None else None
-
-    def broadcast_ints(self, values: list[int] | None, n: int) -> list[int]:
-        """Rank 0's `n` integers on every rank (the others pass None): the ids rank 0
-        sampled, which the next plan may name as PENDING_TOKEN (wire/step.py)."""
-        if self.world_size == 1 or n == 0:
-            return list(values or [])
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        t = (torch.tensor(values, dtype=torch.int64, device=device) if self.rank == 0
-             else torch.empty(n, dtype=torch.int64, device=device))
-        with self._collective():
-            dist.broadcast(t, src=0)
-        return t.tolist()
 
     def all_agree(self, values: torch.Tensor) -> torch.Tensor:
         """bool per element: the same int64 value on every rank (min == max). The disk

@@ -61,19 +61,21 @@ class VocabParallelEmbedding:
 
 
 class ParallelLMHead:
-    """Vocab-parallel output projection; rank 0 receives the full logits."""
+    """Vocab-parallel output projection; rank 0 receives the full logits, or with
+    `everywhere` every rank does."""
 
     def __init__(self, weight: torch.Tensor, rows_per_rank: int, vocab_size: int,
-                 tp: TensorParallelGroup):
+                 tp: TensorParallelGroup, everywhere: bool = False):
         self.weight = weight  # [rows on this rank, hidden]
         self.rows_per_rank = rows_per_rank
         self.vocab_size = vocab_size
         self.tp = tp
+        self.everywhere = everywhere
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = hidden @ self.weight.t()  # [B, rows on this rank]
         pad = self.rows_per_rank - logits.shape[-1]
         if pad:  # the last rank's shard may be short; gather needs equal sizes
             logits = F.pad(logits, (0, pad))
-        full = self.tp.gather_last_dim(logits)
+        full = self.tp.gather_last_dim(logits, self.everywhere)
         return None if full is None else full[..., : self.vocab_size]

@@ -22,6 +22,7 @@ import zmq
 from wire import codec
 from wire.config import EngineConfig
 from wire.control_server import control_address, control_dir_for
+from wire.gc_policy import settle_heap
 from wire.lifecycle import Shutdown, StartFailed, WorkerConnect, host_identity
 from wire.log import configure_logging
 from wire.security import secure_connect
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get(RANK_HOOK_ENV):
         _install_rank_hook(os.environ[RANK_HOOK_ENV], runner, info.rank, control_dir, log)
     sock.send(codec.encode(ready_message(runner, info.rank)))
+    settle_heap()
     try:
         code = serve(sock, runner, info.rank, log, control)
     finally:
@@ -115,7 +117,8 @@ def serve(sock: zmq.Socket, runner: ModelRunner, rank: int, log,
                 control.finished(out.digest)
             sock.send(codec.encode(
                 StepResult(msg.step, rank, out.digest, out.sampled, out.timing,
-                           disk_done=out.disk_done, disk_dropped=out.disk_dropped,
+                           sampled_digest=out.sampled_digest, disk_done=out.disk_done,
+                           disk_dropped=out.disk_dropped,
                            disk_queue_depth=out.disk_queue_depth)))
         except Exception as exc:
             # A rank that failed mid-step cannot rejoin the collectives: report and exit.

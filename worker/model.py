@@ -37,10 +37,11 @@ class LayerWeights:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, tp: TensorParallelGroup, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, logits_everywhere: bool = False) -> None:
         config.check_tensor_parallel(tp.world_size)
         self.config = config
         self.tp = tp
+        self.logits_everywhere = logits_everywhere  # full logits on every rank, not rank 0
         self.dtype = dtype
         self.device = device
         self.num_heads = config.num_heads // tp.world_size
@@ -59,7 +60,8 @@ class LlamaModel:
         embed = reader.rows("model.embed_tokens.weight", v0, v1)
         self.embed = VocabParallelEmbedding(self._dev(embed), v0, cfg.vocab_size, self.tp)
         head = embed if cfg.tie_word_embeddings else reader.rows("lm_head.weight", v0, v1)
-        self.lm_head = ParallelLMHead(self._dev(head), vocab_rows, cfg.vocab_size, self.tp)
+        self.lm_head = ParallelLMHead(self._dev(head), vocab_rows, cfg.vocab_size, self.tp,
+                                      self.logits_everywhere)
         self.norm = self._dev(reader.full("model.norm.weight"))
         self.layers = [self._load_layer(reader, i) for i in range(cfg.num_layers)]
         reader.close()
@@ -123,7 +125,8 @@ class LlamaModel:
         return rms_norm(h, self.norm, self._eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """[B, hidden] -> [B, vocab] float32 on rank 0; None on other ranks."""
+        """[B, hidden] -> [B, vocab] float32 on rank 0 (on every rank with
+        `logits_everywhere`); None on the others."""
         out = self.lm_head(hidden)
         return None if out is None else out.float()
 

@@ -12,13 +12,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from wire.client import SamplingParams
 from wire.config import EngineConfig
-from wire.digest import StateDigest
+from wire.digest import StateDigest, samples_digest
 from wire.step import PENDING_TOKEN, RankTiming, StepPlan
 from worker.attention import AttentionBackend, AttentionMetadata, create_backend
+from worker.block_table import BlockTable
 from worker.budget import (
     check_holds_one_sequence,
     device_tier_bytes,
@@ -41,6 +43,7 @@ class StepOutput:
     digest: int
     timing: RankTiming  # apply, digest, prepare, forward and gap filled in here
     logits: torch.Tensor | None = None  # [num_tokens, vocab] on rank 0 when asked (tests)
+    sampled_digest: int = 0  # wire/step.py StepResult.sampled_digest
     disk_done: list[int] = field(default_factory=list)  # disk writes finished since the last
     disk_dropped: list[int] = field(default_factory=list)
     disk_queue_depth: int = 0
@@ -57,11 +60,21 @@ class ModelRunner:
         self.vocab_size = self.model_config.vocab_size
         self.max_model_len = resolve_max_model_len(config, self.model_config)
 
+        # Under overlap scheduling the next plan names each decode's last token as
+        # PENDING_TOKEN (wire/step.py), so every rank needs the tokens just sampled. Each
+        # rank samples them itself from the same all-gathered logits (vLLM V1's way): a
+        # broadcast from rank 0 after every forward was a sync point that cost more than
+        # the step's own work at world size 4. The sampler is deterministic (greedy, or
+        # seeded by position), and each rank reports what it sampled, which the scheduler
+        # checks against rank 0's (StepResult.sampled_digest).
+        self.every_rank_samples = config.async_scheduling and tp.world_size > 1
         self.model: LlamaModel | NullModel
         if config.null_model_forward_ms is not None:  # benchmarks: the engine's own cost
-            self.model = NullModel(self.model_config, tp, config.null_model_forward_ms)
+            self.model = NullModel(self.model_config, tp, config.null_model_forward_ms,
+                                   self.every_rank_samples)
         else:
-            self.model = LlamaModel(self.model_config, tp, self.dtype, device)
+            self.model = LlamaModel(self.model_config, tp, self.dtype, device,
+                                    logits_everywhere=self.every_rank_samples)
             self.model.load(config.model, show_progress=tp.rank == 0)
 
         m = self.model
@@ -92,7 +105,7 @@ class ModelRunner:
             config.attention_backend, m.num_heads, m.num_kv_heads, m.head_dim,
             config.block_size, self.dtype, device,
         )
-        self.block_tables: dict[int, list[int]] = {}
+        self.block_tables: dict[int, BlockTable] = {}
         self.sampling: dict[int, tuple[SamplingParams, int]] = {}
         # the disk tier, below the host tier (worker/disk_tier.py); None when off
         self.disk: RankDiskTier | None = None
@@ -111,8 +124,6 @@ class ModelRunner:
         # seq id -> the token it sampled last (every rank, with overlap scheduling): what a
         # PENDING_TOKEN in the next plan stands for
         self.last_token: dict[int, int] = {}
-        # the other ranks need rank 0's samples only to resolve PENDING_TOKEN
-        self._share_samples = config.async_scheduling and tp.world_size > 1
 
     def _profile_num_blocks(self, block_bytes: int) -> int:
         """CUDA: blocks that fit in `gpu_memory_utilization` of the GPU after the weights and
@@ -169,18 +180,17 @@ class ModelRunner:
             sampled, logits = self._forward(plan, ids, positions, slots, meta, sample_rows,
                                             return_logits)
         t4 = time.perf_counter()
-        if self._share_samples:
-            sampled = self._share(plan, sampled)
         for seq_id, token in sampled:
             self.last_token[seq_id] = token
+        sampled_digest = samples_digest(sampled) if self.every_rank_samples else 0
         if self.tp.rank != 0:
             sampled = []  # rank 0 answers for the batch
-        t5 = time.perf_counter()
-        timing.prepare_s, timing.forward_s, timing.share_s = t3 - t2, t4 - t3, t5 - t4
+        timing.prepare_s, timing.forward_s = t3 - t2, t4 - t3
         if self._last_forward_end is not None:
             timing.gap_s = t3 - self._last_forward_end
-        self._last_forward_end = t5
-        return self._with_disk(StepOutput(sampled, self.digest.value, timing, logits))
+        self._last_forward_end = t4
+        return self._with_disk(StepOutput(sampled, self.digest.value, timing, logits,
+                                          sampled_digest))
 
     def _with_disk(self, out: StepOutput) -> StepOutput:
         """The disk writes finished since the last step, for the scheduler to commit."""
@@ -194,13 +204,6 @@ class ModelRunner:
         for chunk in plan.chunks:
             if chunk.token_ids[-1] == PENDING_TOKEN:
                 chunk.token_ids[-1] = self.last_token[chunk.seq_id]
-
-    def _share(self, plan: StepPlan, sampled: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Rank 0's samples on every rank, one small broadcast (the plan says how many)."""
-        seq_ids = [c.seq_id for c in plan.chunks if c.sample]
-        tokens = self.tp.broadcast_ints([t for _, t in sampled] if self.tp.rank == 0 else None,
-                                        len(seq_ids))
-        return list(zip(seq_ids, tokens))
 
     def _forward(self, plan: StepPlan, ids: torch.Tensor, positions: torch.Tensor,
                  slots: torch.Tensor, meta: AttentionMetadata, sample_rows: list[int],
@@ -245,7 +248,7 @@ class ModelRunner:
             assert seq.seq_id not in self.block_tables, f"seq {seq.seq_id} opened twice"
             for b in seq.block_ids:
                 self._check_block(b)
-            self.block_tables[seq.seq_id] = list(seq.block_ids)
+            self.block_tables[seq.seq_id] = BlockTable(seq.block_ids)
             seed = seq.sampling.seed if seq.sampling.seed is not None else (
                 self.config.seed * 1_000_003 + seq.seq_id)
             self.sampling[seq.seq_id] = (seq.sampling, seed)
@@ -258,49 +261,58 @@ class ModelRunner:
         assert 0 <= block < self.num_device_blocks, f"device block {block} out of range"
 
     def _prepare_batch(self, plan: StepPlan):
+        """The batch's inputs: token ids, positions, KV slots, page tables, sample rows.
+        Only what is per chunk is Python (comprehensions over the chunks); what is per
+        token or per page is numpy over the whole batch (block_table.py says why)."""
         bs = self.config.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qo_indptr, kv_indptr, kv_indices, last_page_len = [0], [0], [], []
-        sample_rows: list[int] = []
-        for chunk in plan.chunks:
-            table = self.block_tables[chunk.seq_id]
-            n = len(chunk.token_ids)
-            ctx = chunk.start_pos + n
-            num_pages = -(-ctx // bs)
-            assert n > 0 and ctx <= self.max_model_len, f"seq {chunk.seq_id}: bad chunk"
-            # An exact page table: a spare page would read stale KV.
-            assert num_pages <= len(table), (
-                f"seq {chunk.seq_id}: {ctx} tokens need {num_pages} blocks, table has {len(table)}"
-            )
-            ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start_pos, ctx))
-            for b in range(chunk.start_pos // bs, (ctx - 1) // bs + 1):  # per block, not token
-                offset = table[b] * bs - b * bs  # slot of position p in block b: offset + p
-                slots.extend(range(offset + max(chunk.start_pos, b * bs),
-                                   offset + min(ctx, (b + 1) * bs)))
-            qo_indptr.append(qo_indptr[-1] + n)
-            kv_indices.extend(table[:num_pages])
-            kv_indptr.append(len(kv_indices))
-            last_page_len.append(ctx - (num_pages - 1) * bs)
-            if chunk.sample:
-                sample_rows.append(len(ids) - 1)
+        chunks = plan.chunks
+        tables = [self.block_tables[c.seq_id] for c in chunks]
+        n_tok = np.array([len(c.token_ids) for c in chunks])
+        start = np.array([c.start_pos for c in chunks])
+        ctx = start + n_tok
+        num_pages = -(-ctx // bs)
+        table_len = np.array([len(t) for t in tables])
+        if not ((n_tok > 0).all() and (ctx <= self.max_model_len).all()
+                and (num_pages <= table_len).all()):
+            self._refuse_chunks(chunks, ctx, num_pages, table_len)
+        pages = [t.pages(p) for t, p in zip(tables, num_pages.tolist())]
+        qo_indptr = np.concatenate(([0], np.cumsum(n_tok)))
+        kv_indptr = np.concatenate(([0], np.cumsum(num_pages)))
+        kv_indices = np.concatenate(pages)
+        # token t of chunk c sits at start[c] + (t - qo_indptr[c]), on page
+        # kv_indptr[c] + position // bs of the batch's page list
+        positions = np.arange(qo_indptr[-1]) + np.repeat(start - qo_indptr[:-1], n_tok)
+        page = np.repeat(kv_indptr[:-1], n_tok) + positions // bs
+        slots = kv_indices[page].astype(np.int64) * bs + positions % bs
+        last_page_len = ctx - (num_pages - 1) * bs
+        token_ids = np.array([t for c in chunks for t in c.token_ids], dtype=np.int64)
         # The embedding must never see an id outside the vocabulary (the
         # scheduler rejects them first; this is the worker's own guard).
-        assert 0 <= min(ids) and max(ids) < self.vocab_size, "token id outside the vocabulary"
-        as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-        meta = AttentionMetadata(
-            as_i32(qo_indptr), as_i32(kv_indptr), as_i32(kv_indices), as_i32(last_page_len), bs
-        )
+        assert 0 <= token_ids.min() and token_ids.max() < self.vocab_size, (
+            "token id outside the vocabulary")
+        i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
+        meta = AttentionMetadata(i32(qo_indptr), i32(kv_indptr), i32(kv_indices),
+                                 i32(last_page_len), bs)
         dev = self.device
+        ends = qo_indptr[1:].tolist()
+        sample_rows = [end - 1 for end, c in zip(ends, chunks) if c.sample]
         return (
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            torch.tensor(slots, dtype=torch.long, device=dev),
+            torch.from_numpy(token_ids).to(dev),
+            torch.from_numpy(positions.astype(np.int64)).to(dev),
+            torch.from_numpy(slots).to(dev),
             meta,
             sample_rows,
         )
+
+    def _refuse_chunks(self, chunks, ctx: np.ndarray, num_pages: np.ndarray,
+                       table_len: np.ndarray) -> None:
+        """Name the first chunk the rank cannot run (the scheduler never plans one)."""
+        for c, n_ctx, p, n_table in zip(chunks, ctx.tolist(), num_pages.tolist(),
+                                        table_len.tolist()):
+            assert c.token_ids and n_ctx <= self.max_model_len, f"seq {c.seq_id}: bad chunk"
+            # An exact page table: a spare page would read stale KV.
+            assert p <= n_table, (
+                f"seq {c.seq_id}: {n_ctx} tokens need {p} blocks, table has {n_table}")
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor,
                 rows: list[int]) -> list[tuple[int, int]]:

@@ -44,11 +44,14 @@ NULL_HEAD_DIM = 1
 
 
 class NullModel:
-    def __init__(self, config: ModelConfig, tp: TensorParallelGroup, forward_ms: float) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup, forward_ms: float,
+                 logits_everywhere: bool = False) -> None:
         # The world sizes the real model would take, and no others: a benchmark of the
         # null model stands for a configuration that can be served.
         config.check_tensor_parallel(tp.world_size)
         self.rank = tp.rank
+        # every rank samples, as the real model's ranks do under overlap scheduling
+        self.samples = tp.rank == 0 or logits_everywhere
         self.forward_s = forward_ms / 1000
         self.vocab_size = config.vocab_size
         self.num_heads = NULL_KV_HEADS
@@ -61,11 +64,12 @@ class NullModel:
         assert len(self._tokens), "a vocabulary of end-of-sequence ids only"
 
     def forward(self, plan: StepPlan) -> list[tuple[int, int]]:
-        """Wait the forward time; rank 0 returns (seq_id, token) for each chunk that
-        samples, as the real model's rank 0 does, the other ranks nothing."""
+        """Wait the forward time; a rank that samples (rank 0, or every rank under overlap
+        scheduling, as with the real model) returns (seq_id, token) for each chunk that
+        samples, the others nothing."""
         if self.forward_s > 0:
             time.sleep(self.forward_s)
-        if self.rank != 0:
+        if not self.samples:
             return []
         return [(c.seq_id, self.token(c)) for c in plan.chunks if c.sample]
 

@@ -56,6 +56,9 @@ def test_hash_index_matches_dict(ops) -> None:
         lo = np.array([p[0] for p in probe], np.uint64)
         hi = np.array([p[1] for p in probe], np.uint64)
         assert index.find(lo, hi).tolist() == want  # few queries: window rounds
+        # A handful at a time (a decode step's new blocks): the scalar probes
+        for i in range(0, len(probe), 7):
+            assert index.find(lo[i:i + 7], hi[i:i + 7]).tolist() == want[i:i + 7]
         # Many queries: flat rounds first. All these keys share one tag, so every probe
         # compares full keys and tag matches with other keys must be passed over.
         assert index.find(np.tile(lo, 20), np.tile(hi, 20)).tolist() == want * 20

@@ -78,3 +78,14 @@ def test_divergent_rank_is_caught_with_step_and_rank(default_model):
         with pytest.raises(RankDivergenceError, match=r"step 3.*rank 2") as err:
             run_until_done(core, requests("d", max_tokens=8)[:2])
         assert "agreeing ranks: [0, 1, 3]" in str(err.value)
+
+
+def test_a_rank_that_samples_other_tokens_is_caught(default_model):
+    """Under overlap every rank feeds its own samples to its next step: a rank whose
+    sampler disagrees with rank 0's would run other inputs unseen by the state digest."""
+    env = with_faults(DEEPINFER_FAULT_SAMPLE="1:4")
+    with zmq_engine(default_model, 4, env=env) as core:
+        assert core.overlap
+        with pytest.raises(RankDivergenceError, match=r"ranks \[1\] sampled other tokens "
+                                                      r"than rank 0 at step 4"):
+            run_until_done(core, requests("s", max_tokens=8)[:2])

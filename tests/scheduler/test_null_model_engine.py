@@ -3,6 +3,7 @@ ZeroMQ, with a forward that only waits (worker/null_model.py)."""
 
 from __future__ import annotations
 
+import math
 import random
 import time
 
@@ -74,7 +75,11 @@ def test_null_model_serves_through_the_real_engine(default_model, world_size, ov
     assert all(r.timing.decode_s > 0 and r.timing.apply_s > 0 for _, step in ran for r in step)
     assert sum(r.timing.gap_s for _, step in ran for r in step) > 0
     totals = core.totals.breakdown()
-    assert totals["step"] > 0 and totals["transport"] > 0 and 0 < totals["idle_share"] <= 1
+    assert totals["step"] > 0 and 0 < totals["idle_share"] <= 1
+    # transport is a round trip less the rank's work: without overlap only (with it, a plan
+    # also waits behind the step before)
+    assert totals["transport"] > 0 if not overlap else math.isnan(totals["transport"])
+    assert totals["waiting"] > 0 or not overlap  # without: beyond the mean round trip
 
 
 def test_null_model_forward_time_is_honoured(default_model):

@@ -12,9 +12,10 @@ from tools.bench_overhead import main
 
 pytestmark = pytest.mark.slow
 
-PARTS = ("plan", "digest", "encode", "rank_decode", "rank_apply", "rank_digest",
-         "rank_prepare", "forward", "rank_share",
-         "transport", "waiting", "result_decode", "results", "check", "other")
+# the scheduler's path through a step; with overlap (the default) the ranks' parts run
+# beside it, and transport is not measurable
+SCHEDULER_PARTS = ("plan", "digest", "encode", "waiting", "result_decode", "results", "check",
+                   "other")
 
 
 def test_bench_overhead_smoke(default_model, tmp_path):
@@ -36,9 +37,10 @@ def test_bench_overhead_smoke(default_model, tmp_path):
         b = r["breakdown_ms"]
         assert r["steps"] == 6 and r["steps_per_s"] > 0
         # the parts add up to the step, and the engine's time is the step less the forward
-        assert sum(b[k] for k in PARTS) == pytest.approx(b["step"])
+        assert sum(b[k] for k in SCHEDULER_PARTS) == pytest.approx(b["step"])
         assert b["engine"] == pytest.approx(b["step"] - b["forward"])
-        assert b["transport"] > 0 and 0 < r["idle_share"] <= 1
+        assert b["transport"] is None and b["waiting"] >= 0 and 0 < r["idle_share"] <= 1
+        assert min(b[k] for k in ("rank_decode", "rank_apply", "rank_prepare")) > 0
     decode8, mixed8, idle = rows[2], rows[3], rows[4]
     assert decode8["chunks_per_step"] == 8 and decode8["prefill_tokens_per_step"] == 0
     assert mixed8["prefill_tokens_per_step"] > 0
@@ -46,3 +48,21 @@ def test_bench_overhead_smoke(default_model, tmp_path):
     assert idle["breakdown_ms"]["forward"] >= 2  # the sleep is a lower bound
     assert "machine:" in printed and "Engine overhead" in printed
     assert "the ranks idle" in printed and "load average" in printed
+
+
+def test_bench_overhead_breakdown_without_overlap(default_model, tmp_path):
+    """Steps one after another: the ranks' parts and the transport are in the scheduler's
+    path, and every part together is the step."""
+    path = tmp_path / "overhead.json"
+    status = main(["--model", str(default_model), "--world-sizes", "1", "--batches", "4",
+                   "--modes", "decode", "--steps", "6", "--warmup-steps", "1",
+                   "--idle-world-sizes", "", "--no-async-scheduling", "--no-machine-rates",
+                   "--json", str(path)], console=Console(file=io.StringIO(), width=240))
+    result = json.loads(path.read_text())
+    assert status == 0, result["problems"]
+    (row,) = result["results"]
+    b = row["breakdown_ms"]
+    ranks = ("rank_decode", "rank_apply", "rank_digest", "rank_prepare", "forward", "transport")
+    path_parts = tuple(k for k in SCHEDULER_PARTS if k != "waiting") + ranks + ("waiting",)
+    assert sum(b[k] for k in path_parts) == pytest.approx(b["step"])
+    assert b["transport"] > 0

@@ -8,6 +8,11 @@ RANK_HOOK_ENV), to see the engine's own checks catch them.
                                                 gets a wrong block in its table (a real
                                                 divergence the digest, which mirrors the
                                                 plans, cannot see: `inspect check` can)
+    DEEPINFER_FAULT_SAMPLE "RANK:STEP"          that rank samples another token than the
+                                                others at that step, as a kernel that is not
+                                                deterministic across ranks would (overlap
+                                                scheduling feeds each rank its own samples:
+                                                the engine's sample check catches it)
     DEEPINFER_FAULT_STALL "RANK:STEP:SECONDS"   that step sleeps after its table deltas, as
                                                 a hung kernel would (the other ranks then
                                                 wait in a collective); it ends early when
@@ -39,6 +44,7 @@ def install(runner, rank: int, control_dir: Path | None, log) -> None:
     diverge = _at("DEEPINFER_FAULT_DIVERGE", rank)
     corrupt = _at("DEEPINFER_FAULT_CORRUPT_TABLE", rank)
     stall = _at("DEEPINFER_FAULT_STALL", rank)
+    wrong_sample = _at("DEEPINFER_FAULT_SAMPLE", rank)
     pending = {"corrupt": corrupt is not None}
     inner = runner.on_applied
 
@@ -61,3 +67,15 @@ def install(runner, rank: int, control_dir: Path | None, log) -> None:
                 time.sleep(0.05)
 
     runner.on_applied = on_applied
+    if wrong_sample:
+        sample = runner._sample
+
+        def sample_wrong(plan, logits, rows):
+            out = sample(plan, logits, rows)
+            if plan.step == int(wrong_sample[0]) and out:
+                seq_id, token = out[0]
+                out[0] = (seq_id, (token + 1) % runner.vocab_size)
+                log.warning("fault_wrong_sample", seq_id=seq_id, token=out[0][1])
+            return out
+
+        runner._sample = sample_wrong
