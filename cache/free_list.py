@@ -31,3 +31,13 @@ class FreeList:
         self.is_free[ids] = True
         self._stack[self.count:self.count + len(ids)] = ids[::-1]
         self.count += len(ids)
+
+    def take(self, ids: np.ndarray) -> None:
+        """Take these particular free ids out of the pool (a restore at start-up)."""
+        ids = np.asarray(ids, dtype=np.int32)
+        assert self.is_free[ids].all(), "taking an id that is not free"
+        self.is_free[ids] = False
+        stack = self._stack[:self.count]
+        rest = stack[self.is_free[stack]]
+        self._stack[:len(rest)] = rest
+        self.count = len(rest)

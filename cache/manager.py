@@ -32,6 +32,7 @@ import numpy as np
 
 from cache import checks
 from cache.block_pool import DevicePool
+from cache.disk_pool import DiskPool
 from cache.events import KVEventRecorder
 from cache.hashing import BlockHashChain
 from cache.host_pool import HostPool
@@ -58,6 +59,10 @@ class CacheConfig:
     # Record every change of the prefix index as a KV event (cache/events.py), for a
     # cache-aware router; `take_events` drains them. Off: no recorder, no cost.
     record_events: bool = False
+    # The disk tier (cache/disk_pool.py): slots below the host tier, written through from
+    # it; a write counts once all ``num_ranks`` ranks reported it. 0 disables it.
+    num_disk_blocks: int = 0
+    num_ranks: int = 1
 
     def __post_init__(self) -> None:
         assert self.block_size > 0, self.block_size
@@ -65,10 +70,16 @@ class CacheConfig:
         assert self.num_host_blocks >= 0, self.num_host_blocks
         assert self.write_policy in WRITE_POLICIES, self.write_policy
         assert 0.0 <= self.max_retained_fraction <= 1.0, self.max_retained_fraction
+        assert self.num_disk_blocks >= 0 and self.num_ranks >= 1
 
     @property
     def host_enabled(self) -> bool:
         return self.num_host_blocks > 0 and self.enable_prefix_caching
+
+    @property
+    def disk_enabled(self) -> bool:
+        """The disk tier is fed from the host tier and read back through it."""
+        return self.num_disk_blocks > 0 and self.host_enabled
 
     @property
     def num_device_tokens(self) -> int:
@@ -88,19 +99,25 @@ class CacheOps:
     # (device block, low 64 bits of its hash) registered this step: not a copy, but
     # the ranks mirror it so their state digest covers which hash is where.
     registered: list[tuple[int, int]] = field(default_factory=list)
+    # Applied after swap_out and before swap_in: (write id, host slot, disk slot, hash lo,
+    # hash hi), the host slot's KV (as swap_out left it) written to disk in the
+    # background; and (disk slot, host slot, lo, hi), a committed record read into it.
+    disk_write: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    disk_read: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in)
+        return bool(self.swap_out or self.swap_in or self.disk_write or self.disk_read)
 
 
 @dataclass(frozen=True)
 class PrefixHit:
     num_device_tokens: int  # prompt tokens served by device-resident blocks
     num_host_tokens: int  # prompt tokens served by host slots (swapped in)
+    num_disk_tokens: int = 0  # prompt tokens served by disk slots (read, then swapped in)
 
     @property
     def num_tokens(self) -> int:
-        return self.num_device_tokens + self.num_host_tokens
+        return self.num_device_tokens + self.num_host_tokens + self.num_disk_tokens
 
 
 @dataclass
@@ -124,6 +141,7 @@ class _Match:
     num_blocks: int
     device: np.ndarray  # int32 [num_blocks]: device block, or -1 where the host serves it
     host: np.ndarray  # int32 [num_blocks]: host slot where device is -1
+    disk: np.ndarray  # int32 [num_blocks]: disk slot where device and host are -1
 
 
 class KVCacheManager:
@@ -134,6 +152,8 @@ class KVCacheManager:
         retention = RetentionPolicy(config.max_retained_fraction, clock)
         self.device = DevicePool(config.num_device_blocks, retention)
         self.host = HostPool(config.num_host_blocks if config.host_enabled else 0, retention)
+        self.disk = DiskPool(config.num_disk_blocks if config.disk_enabled else 0,
+                             config.num_ranks)
         self.stats = CacheStats()
         self._seqs: dict[int, _Seq] = {}
         self._ops = CacheOps()
@@ -292,6 +312,7 @@ class KVCacheManager:
         ops, self._ops = self._ops, CacheOps()
         self.device.clear_busy()
         self.host.unpin_all()
+        self.disk.unpin_all()
         pending, self._write_through_next = self._write_through_next, []
         for blocks, lo, hi in pending:
             # Still referenced (they cannot be closed in their commit step) and indexed.
@@ -303,15 +324,27 @@ class KVCacheManager:
     def peek_ops(self) -> CacheOps:
         """The ops queued so far for this step (a copy; nothing is drained)."""
         return CacheOps(list(self._ops.swap_out), list(self._ops.swap_in),
-                        list(self._ops.registered))
+                        list(self._ops.registered), list(self._ops.disk_write),
+                        list(self._ops.disk_read))
 
     def reset_prefix_cache(self) -> int:
-        """Forget every unreferenced cached block and host slot. Returns how many."""
+        """Forget every unreferenced cached block, host slot and committed disk slot.
+        Returns how many."""
         dropped_device, dropped_host = self.device.drop_cached(), self.host.drop_cached()
         if self.events is not None:
             self.events.device_removed(dropped_device)
             self.events.host_removed(dropped_host)
-        return len(dropped_device) + len(dropped_host)
+        return len(dropped_device) + len(dropped_host) + len(self.disk.drop_cached())
+
+    def report_disk_writes(self, rank: int, done: list[int], dropped: list[int]) -> None:
+        """A rank's finished disk writes (its StepResult): a slot is committed, and may be
+        read, once every rank wrote it (cache/disk_pool.py)."""
+        if done or dropped:
+            self.disk.report(rank, done, dropped)
+
+    def restore_disk(self, slots: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
+        """Warm restart: disk slots every rank found valid, with their hashes."""
+        self.disk.restore(slots, lo, hi)
 
     def preload(self, tier: str, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Mark free blocks/slots of ``tier`` ("device" or "host") as cached under these
@@ -339,6 +372,10 @@ class KVCacheManager:
                      "cached": h.num_cached, "free": h.num_free,
                      "retained": h.lru.num_retained,
                      "retained_tokens": h.lru.num_retained * self.block_size},
+            # disk: used = a write in flight (pending); cached = committed, readable
+            "disk": {"capacity": self.disk.num_slots, "used": self.disk.num_pending,
+                     "cached": self.disk.num_committed, "free": self.disk.num_free,
+                     "retained": 0, "retained_tokens": 0},
         }
 
     def check_accounting(self, live_seq_ids: set[int]) -> None:
@@ -351,6 +388,10 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """O(capacity) consistency check, for tests and debug builds (cache/checks.py)."""
         checks.check_invariants(self._seqs, self.device, self.host, self._ops)
+        self.disk.check()
+        assert all(self.disk.pinned[op[0]] and self.host.pinned[op[1]]
+                   for op in self._ops.disk_read), "a disk read not pinned"
+        assert all(self.host.pinned[op[1]] for op in self._ops.disk_write)
 
     # --- internals ----------------------------------------------------------------------
 
@@ -368,6 +409,11 @@ class KVCacheManager:
         cap = max(len(token_ids) - 1, 0) // self.block_size
         dev_parts: list[np.ndarray] = []
         host_parts: list[np.ndarray] = []
+        disk_parts: list[np.ndarray] = []
+        # A disk hit needs a host slot to land in: at most the host slots `host.take`
+        # could give now (free, or plain LRU and not pinned; this prompt's own host
+        # hits are pinned by its allocate). Past that the prefix is recomputed.
+        disk_room = self._disk_room()
         # Chunks growing 8x (256, 2K, 16K, ...; hashes already known: 256 then the
         # rest), so a miss early in a long prompt costs little hashing and few lookups,
         # and a long hit a few passes.
@@ -382,21 +428,38 @@ class KVCacheManager:
             miss = np.flatnonzero(dev < 0)
             if self.host.num_slots and len(miss):
                 host[miss] = self.host.find(lo[miss], hi[miss])
-            ok = (dev >= 0) | (host >= 0)
+            disk = np.full(len(dev), -1, dtype=np.int32)
+            miss = np.flatnonzero((dev < 0) & (host < 0))
+            if self.disk.num_slots and len(miss):
+                disk[miss] = self.disk.find(lo[miss], hi[miss])
+                over = np.flatnonzero(disk >= 0)[disk_room:]
+                disk[over] = -1
+                disk_room -= int((disk >= 0).sum())
+            ok = (dev >= 0) | (host >= 0) | (disk >= 0)
             k = len(ok) if ok.all() else int(np.argmin(ok))
             dev_parts.append(dev[:k])
             host_parts.append(host[:k])
+            disk_parts.append(disk[:k])
             n += k
             if k < len(ok):
                 break
             chunk *= 8
         empty = np.zeros(0, dtype=np.int32)
         return _Match(n, np.concatenate(dev_parts) if dev_parts else empty,
-                      np.concatenate(host_parts) if host_parts else empty)
+                      np.concatenate(host_parts) if host_parts else empty,
+                      np.concatenate(disk_parts) if disk_parts else empty)
+
+    def _disk_room(self) -> int:
+        if not self.disk.num_slots:
+            return 0
+        h = self.host
+        return max(0, h.free.count + h.lru.plain.count - h.num_pinned)
 
     def _hit_of(self, m: _Match) -> PrefixHit:
         n_dev = int((m.device >= 0).sum())
-        return PrefixHit(n_dev * self.block_size, (m.num_blocks - n_dev) * self.block_size)
+        n_disk = int((m.disk >= 0).sum())
+        bs = self.block_size
+        return PrefixHit(n_dev * bs, (m.num_blocks - n_dev - n_disk) * bs, n_disk * bs)
 
     def _allocate_first(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
                         extra_key: bytes, chain: BlockHashChain | None,
@@ -406,7 +469,7 @@ class KVCacheManager:
             m = self._match(token_ids, chain)
         else:
             chain = None
-            m = _Match(0, np.zeros(0, np.int32), np.zeros(0, np.int32))
+            m = _Match(0, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
         n_hit = m.num_blocks
         on_host = m.device < 0
         dev_hits = m.device[~on_host]
@@ -422,8 +485,11 @@ class KVCacheManager:
         # Order matters: take the hits (and pin the host sources) before evicting for
         # fresh blocks, so the eviction cannot reclaim the prefix being hit.
         self.device.ref(dev_hits)
-        self.host.lru.touch(host_hits)  # a use: a retained slot's TTL runs from now
-        self.host.pin(host_hits[::-1])  # touched tail first: the chain's head stays longest
+        from_host = host_hits[host_hits >= 0]  # -1: a disk hit, given a host slot below
+        self.host.lru.touch(from_host)  # a use: a retained slot's TTL runs from now
+        self.host.pin(from_host[::-1])  # touched tail first: the chain's head stays longest
+        from_disk = self._read_from_disk(m, chain)  # before device evictions take host slots
+        host_hits = m.host[on_host]
         fresh = self._take_fresh(n_fresh)
         loaded = fresh[:len(host_hits)]
         table = np.empty(n_total, dtype=np.int32)
@@ -435,6 +501,8 @@ class KVCacheManager:
             self.device.register(loaded, lo[on_host], hi[on_host])
             if self.events is not None:
                 self.events.device_stored(loaded, np.flatnonzero(on_host), lo, 0, token_ids)
+                # the disk hits' host slots hold them too now (their tokens: just recorded)
+                self.events.host_stored(table[from_disk], lo[from_disk])
             self.device.lru.copy_retention(loaded, self.host.lru, host_hits)
             self.device.mark_busy(loaded)
             self._ops.swap_in.extend(zip(host_hits.tolist(), loaded.tolist()))
@@ -446,6 +514,7 @@ class KVCacheManager:
             self.stats.num_queried_tokens += len(token_ids)
             self.stats.num_device_hit_tokens += hit.num_device_tokens
             self.stats.num_host_hit_tokens += hit.num_host_tokens
+            self.stats.num_disk_hit_tokens += hit.num_disk_tokens
         return table.tolist()
 
     def _take_fresh(self, k: int) -> np.ndarray:
@@ -485,3 +554,30 @@ class KVCacheManager:
             self.events.host_stored(blocks, lo)
         self._ops.swap_out.extend(zip(blocks.tolist(), slots.tolist()))
         self.stats.num_swap_out_blocks += n
+        if self.disk.num_slots and n:  # write-through to disk, in the background
+            for i, wid, disk_slot in self.disk.plan_writes(lo, hi):
+                self._ops.disk_write.append((wid, int(slots[i]), disk_slot, int(lo[i]),
+                                             int(hi[i])))
+            self.stats.num_disk_write_blocks = self.disk.num_planned_writes
+
+    def _read_from_disk(self, m: _Match, chain: BlockHashChain) -> np.ndarray:
+        """The disk hits of a match become host hits: each gets a host slot (registered,
+        pinned) and a queued disk_read into it; the swap_in then goes as for any host
+        hit. `_match` counted the room, so `host.take` gives every one a slot. Returns
+        the chain positions read from disk."""
+        on_disk = np.flatnonzero(m.disk >= 0)
+        if len(on_disk) == 0:
+            return on_disk
+        lo, hi = chain.keys(0, m.num_blocks)
+        slots, evicted, evicted_lo = self.host.take(len(on_disk))
+        assert len(slots) == len(on_disk), "no host slot for a disk hit"
+        if self.events is not None:
+            self.events.host_removed(evicted_lo)
+        self.stats.num_host_evictions += len(evicted)
+        self.host.register(slots, lo[on_disk], hi[on_disk])
+        self.disk.pin(m.disk[on_disk])
+        self._ops.disk_read.extend(zip(m.disk[on_disk].tolist(), slots.tolist(),
+                                       lo[on_disk].tolist(), hi[on_disk].tolist()))
+        self.stats.num_disk_read_blocks += len(on_disk)
+        m.host[on_disk] = slots
+        return on_disk

@@ -12,10 +12,13 @@ class CacheStats:
     num_queried_tokens: int = 0  # prompt tokens of new sequences
     num_device_hit_tokens: int = 0  # of those, served by device-resident blocks
     num_host_hit_tokens: int = 0  # of those, served by host slots (swapped in)
+    num_disk_hit_tokens: int = 0  # of those, served by disk slots (read, swapped in)
     num_device_evictions: int = 0  # cached device blocks reused (their hash dropped)
     num_host_evictions: int = 0  # host slots reused (their hash dropped)
     num_swap_in_blocks: int = 0
     num_swap_out_blocks: int = 0
+    num_disk_read_blocks: int = 0
+    num_disk_write_blocks: int = 0  # planned; the disk tier's own counters say which landed
     # Retained blocks (a client's retention hint) evicted before their TTL: 0 while the
     # retained ones fit under --max-retained-fraction of the tier.
     num_device_retained_evictions: int = 0
@@ -23,7 +26,7 @@ class CacheStats:
 
     @property
     def hit_rate(self) -> float:
-        hits = self.num_device_hit_tokens + self.num_host_hit_tokens
+        hits = self.num_device_hit_tokens + self.num_host_hit_tokens + self.num_disk_hit_tokens
         return hits / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
     def as_dict(self) -> dict[str, float]:

@@ -94,6 +94,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="ADDR",
                    help="a ROUTER socket where a reconnecting subscriber asks for the recent "
                         "event batches it missed (vLLM's replay protocol)")
+    p.add_argument("--disk-cache-dir", default=d.disk_cache_dir,
+                   help="a directory (created 0700) for the disk KV tier, below the host "
+                        "tier; it survives restarts: a restarted engine with the same model "
+                        "and layout finds its blocks again (off by default)")
+    p.add_argument("--disk-cache-size", type=int, default=d.disk_cache_size,
+                   help="bytes per rank for the disk KV tier (with --disk-cache-dir; needs "
+                        "--host-cache-memory, which feeds it)")
+    p.add_argument("--disk-max-queued-writes", type=int, default=d.disk_max_queued_writes,
+                   help="disk writes a rank queues before it drops new ones, rather than "
+                        "slow a step")
+    p.add_argument("--disk-write-bytes-per-s", type=float, default=d.disk_write_bytes_per_s,
+                   help="a rank's disk write rate limit (0: none)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="disable prefix caching (for comparisons)")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
@@ -163,6 +175,10 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
         gpu_memory_utilization=args.gpu_memory_utilization,
         host_cache_memory=args.host_cache_memory,
         kv_write_policy=args.kv_write_policy,
+        disk_cache_dir=str(Path(args.disk_cache_dir).resolve()) if args.disk_cache_dir else "",
+        disk_cache_size=args.disk_cache_size,
+        disk_max_queued_writes=args.disk_max_queued_writes,
+        disk_write_bytes_per_s=args.disk_write_bytes_per_s,
         enable_prefix_caching=not args.no_prefix_caching,
         max_retained_fraction=args.max_retained_fraction,
         max_model_len=args.max_model_len,

@@ -162,7 +162,8 @@ class SchedulerControl:
             s.session = r.session or f"(request {r.request_id})"
             s.num_requests += 1
             s.num_prompt_tokens += r.num_prompt_tokens
-            s.num_cached_tokens += r.num_device_cached_tokens + r.num_host_cached_tokens
+            s.num_cached_tokens += (r.num_device_cached_tokens + r.num_host_cached_tokens
+                                    + r.num_disk_cached_tokens)
         top = sorted(sessions.values(), key=lambda s: -s.num_cached_tokens)[:TOP_SESSIONS]
         cache = self.scheduler.cache
         return CacheView(
@@ -172,7 +173,8 @@ class SchedulerControl:
             num_host_hit_tokens=sum(r.num_host_cached_tokens for r in last),
             totals={k: int(v) for k, v in dict(vars(cache.stats)).items()},
             usage=cache.usage(), sessions=top,
-            prefix_breaks=list(self.telemetry.prefix_breaks), recent=last[-10:])
+            prefix_breaks=list(self.telemetry.prefix_breaks), recent=last[-10:],
+            num_disk_hit_tokens=sum(r.num_disk_cached_tokens for r in last))
 
 
 def _running(seq: Sequence, now: float) -> RunningSeq:

@@ -173,6 +173,13 @@ def agree_limits(ready: list[WorkerReady]) -> EngineLimits:
     return first
 
 
+def restore_disk(scheduler: Scheduler, ready: list[WorkerReady]) -> None:
+    """Warm restart: what the ranks agreed they hold on disk (each rank reports the same
+    list; rank 0's is taken) goes into the scheduler's index and digest."""
+    scheduler.restore_disk(ready[0].disk_found)
+    scheduler.disk_torn_at_start = max(r.disk_torn for r in ready)
+
+
 def check_samples(step: int, results: list[StepResult]) -> None:
     """Under overlap scheduling every rank feeds the tokens it sampled itself to its next
     step (worker/model_runner.py): all must have sampled rank 0's. A rank that did not
@@ -215,6 +222,7 @@ class EngineCore:
         self.overlap = scheduler.config.async_scheduling
         self.totals = StepTotals(overlap=self.overlap)
         self._in_flight: deque[_InFlight] = deque()  # at most 2: running, and queued next
+        self.disk_queue_depth = 0  # the busiest rank's disk write queue, last step
 
     def has_work(self) -> bool:
         """Requests to serve, or a step in flight to collect."""
@@ -258,6 +266,9 @@ class EngineCore:
         t2 = time.perf_counter()
         check_digests(plan.step, f.digest, results)
         check_samples(plan.step, results)
+        for r in results:  # writes that landed on every rank become readable
+            self.scheduler.cache.report_disk_writes(r.rank, r.disk_done, r.disk_dropped)
+        self.disk_queue_depth = max(r.disk_queue_depth for r in results)
         t3 = time.perf_counter()
         record.outputs = self.scheduler.update(plan, results[0].sampled)
         t4 = time.perf_counter()
@@ -290,4 +301,17 @@ class EngineCore:
                         if sched.speculative is not None else {}),
             num_spec_draft_tokens=sched.spec_stats.num_draft_tokens,
             num_spec_accepted_tokens=sched.spec_stats.num_accepted_tokens,
+            disk=self._disk_stats(),
         )
+
+    def _disk_stats(self) -> dict[str, int]:
+        disk = self.scheduler.cache.disk
+        if not disk.num_slots:
+            return {}
+        return {"num_read_blocks": self.scheduler.cache.stats.num_disk_read_blocks,
+                "num_committed_writes": disk.num_committed_writes,
+                "num_dropped_writes": disk.num_dropped_writes,
+                "num_pending_writes": disk.num_pending,
+                "queue_depth": self.disk_queue_depth,
+                "found_at_start": disk.num_found_at_start,
+                "torn_at_start": self.scheduler.disk_torn_at_start}

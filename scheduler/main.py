@@ -18,7 +18,7 @@ from rich.table import Table
 
 from cache.manager import CacheAccountingError
 from scheduler.control import SchedulerControl
-from scheduler.engine import EngineCore, RankDivergenceError, agree_limits
+from scheduler.engine import EngineCore, RankDivergenceError, agree_limits, restore_disk
 from scheduler.executor import WorkerFailure, ZmqExecutor
 from scheduler.kv_events import KVEventPublisher
 from scheduler.scheduler import RequestRejected, Scheduler
@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     executor = ZmqExecutor(addresses["workers"], config,
                            control_dir=args.run_dir)
     try:
-        limits = agree_limits(executor.start())
+        ready = executor.start()
+        limits = agree_limits(ready)
     except WorkerFailure as exc:
         log.error("workers_failed_to_start", error=str(exc), ranks=exc.ranks, cause=exc.cause)
         return 1
@@ -173,6 +174,13 @@ def main(argv: list[str] | None = None) -> int:
              host_tokens=limits.num_host_blocks * config.block_size)
     telemetry = Telemetry(log)
     core = EngineCore(Scheduler(config, limits), executor, telemetry)
+    if limits.num_disk_blocks:
+        restore_disk(core.scheduler, ready)
+        log.info("disk_tier_restored", directory=config.disk_cache_dir,
+                 disk_blocks=limits.num_disk_blocks,
+                 blocks_found_after_restart=len(ready[0].disk_found),
+                 torn_blocks_dropped=max(r.disk_torn for r in ready),
+                 identity_mismatch=any(r.disk_identity_mismatch for r in ready))
     info = EngineInfo(config.model, config.block_size, config.world_size, limits)
     kv_events = None
     if config.kv_events_endpoint:

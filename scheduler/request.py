@@ -48,6 +48,7 @@ class Sequence:
     finish_reason: str | None = None
     num_device_cached: int = 0
     num_host_cached: int = 0
+    num_disk_cached: int = 0
     first_token_time: float | None = None
     num_preemptions: int = 0
     error: str | None = None  # why it ended, when it ended with an error

@@ -13,6 +13,8 @@ import itertools
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from cache.hashing import make_extra_key
 from cache.manager import CacheConfig, KVCacheManager
 from scheduler.guided import GrammarError, GuideFactory
@@ -52,12 +54,15 @@ class Scheduler:
             enable_prefix_caching=config.enable_prefix_caching,
             max_retained_fraction=config.max_retained_fraction,
             record_events=bool(config.kv_events_endpoint),
+            num_disk_blocks=limits.num_disk_blocks,
+            num_ranks=config.world_size,
         ), clock)
         self.queue = RequestQueue(config.max_queued_requests, config.max_queued_tokens)
         self.running: list[Sequence] = []
         self.step = 0
         # what the ranks must hold after each plan
-        self.digest = StateDigest(limits.num_device_blocks, limits.num_host_blocks)
+        self.digest = StateDigest(limits.num_device_blocks, limits.num_host_blocks,
+                                  limits.num_disk_blocks)
         self.digest_s = 0.0  # seconds the last plan's digest prediction took
         self._by_request: dict[str, Sequence] = {}
         self._next_seq_id = 1
@@ -71,6 +76,7 @@ class Scheduler:
         self._model_key = config.model
         self._sessions = SessionChains(config.block_size)
         self._deadlines: list[tuple[float, int, str]] = []  # (deadline, seq id, request id)
+        self.disk_torn_at_start = 0  # disk blocks the ranks dropped at start-up
         self._guides = GuideFactory(config.tokenizer_dir, limits.vocab_size,
                                     list(limits.eos_token_ids))
         self.speculative = config.speculative  # None: no drafts
@@ -139,6 +145,17 @@ class Scheduler:
             out = self.abort_request(request_id, "error")
             if out is not None:
                 self._pending_outputs.append(out)
+
+    def restore_disk(self, found: list[tuple[int, int, int]]) -> None:
+        """Warm restart: the disk slots every rank found valid at start-up, (slot, hash lo,
+        hash hi), into the index and the predicted digest (as each rank put them in its
+        own)."""
+        if not found:
+            return
+        slots, lo, hi = (np.array(col, dtype=dt) for col, dt in
+                         zip(zip(*found), (np.int32, np.uint64, np.uint64)))
+        self.cache.restore_disk(slots, lo, hi)
+        self.digest.restore_disk(slots, lo)
 
     def check_accounting(self) -> None:
         """Every step, always on: the cache holds blocks for exactly the sequences the
@@ -269,6 +286,7 @@ class Scheduler:
         self._trims = []
         ops = self.cache.take_ops()
         plan.swap_out, plan.swap_in, plan.register = ops.swap_out, ops.swap_in, ops.registered
+        plan.disk_write, plan.disk_read = ops.disk_write, ops.disk_read
         t = time.perf_counter()
         self.digest.apply(plan)
         self.digest_s = time.perf_counter() - t  # the engine's step record splits it out
@@ -386,10 +404,11 @@ class Scheduler:
         if blocks is None:
             return False
         took = self.cache.num_cached_tokens(seq.seq_id)
-        seq.num_computed = took.num_device_tokens + took.num_host_tokens
+        seq.num_computed = took.num_tokens
         if first:  # accounting is for the prompt as first received
             seq.num_device_cached = took.num_device_tokens
             seq.num_host_cached = took.num_host_tokens
+            seq.num_disk_cached = took.num_disk_tokens
         seq.block_ids = blocks
         seq.status = SeqStatus.RUNNING
         if seq.request.retention:  # again after a preemption: the blocks are new
@@ -526,4 +545,5 @@ class Scheduler:
             error=seq.error if finished else None,
             error_type=seq.error_type if finished else None,
             num_reasoning_tokens=seq.thinking.num_tokens if seq.thinking is not None else 0,
+            num_disk_cached_tokens=seq.num_disk_cached,
         )

@@ -144,7 +144,8 @@ class Telemetry:
             num_output_tokens=num_out, num_device_cached_tokens=seq.num_device_cached,
             num_host_cached_tokens=seq.num_host_cached,
             queue_s=(tracked.admitted or now) - seq.arrival,
-            ttft_s=(first - seq.arrival) if first else 0.0, e2e_s=now - seq.arrival)
+            ttft_s=(first - seq.arrival) if first else 0.0, e2e_s=now - seq.arrival,
+            num_disk_cached_tokens=seq.num_disk_cached)
         self.recent.append(record)
         itl = (now - first) / (num_out - 1) if first and num_out > 1 else 0.0
         log = self.log.warning if out.finish_reason == "error" else self.log.info
@@ -152,6 +153,7 @@ class Telemetry:
             finish_reason=record.finish_reason, prompt_tokens=record.num_prompt_tokens,
             output_tokens=num_out, device_cached_tokens=record.num_device_cached_tokens,
             host_cached_tokens=record.num_host_cached_tokens,
+            disk_cached_tokens=record.num_disk_cached_tokens,
             preemptions=seq.num_preemptions, queue_s=round(record.queue_s, 4),
             ttft_s=round(record.ttft_s, 4), itl_s=round(itl, 5), e2e_s=round(record.e2e_s, 4),
             **({"error": out.error} if out.error else {}))

@@ -137,13 +137,14 @@ def cmd_cache(engine: EngineAddresses, args) -> tuple[Any, list, int]:
     ratios = _table(f"prompt tokens over the last {v.num_requests} requests", "tier",
                     "tokens", "share")
     q = max(1, v.num_queried_tokens)
+    hits = v.num_device_hit_tokens + v.num_host_hit_tokens + v.num_disk_hit_tokens
     for tier, n in (("device", v.num_device_hit_tokens), ("host", v.num_host_hit_tokens),
-                    ("computed", v.num_queried_tokens - v.num_device_hit_tokens
-                     - v.num_host_hit_tokens)):
+                    ("disk", v.num_disk_hit_tokens), ("computed", v.num_queried_tokens - hits)):
         ratios.add_row(tier, f"{n:,}", f"{n / q:.1%}")
     totals = _table("since start", "counter", "value")
     for key, value in v.totals.items():
         totals.add_row(key.removeprefix("num_"), f"{value:,}")
+    # disk: used = writes in flight (committed once every rank wrote them)
     usage = _table("blocks per tier", "tier", "used", "cached", "free", "capacity")
     for tier, u in v.usage.items():
         usage.add_row(tier, *(f"{u.get(k, 0):,}" for k in ("used", "cached", "free", "capacity")))

@@ -4,6 +4,7 @@
     python -m tools.simulate --agents 8 --context-tokens 20000 --turns 4   # small
     python -m tools.simulate --sweep              # host-tier size x write policy
     python -m tools.simulate_retention            # cache_control retention vs plain LRU
+    python -m tools.simulate --disk-tokens 2000000000 --restart-at-s 1200   # disk tier
 
 The scheduler, the prefix cache and the step protocol are the production code. Only
 the ranks are replaced, by `CostModelExecutor`: it mirrors the plans exactly as a rank
@@ -56,6 +57,11 @@ class CostModel:
     decode_s_per_step: float = 0.020  # a decode step's fixed cost (weights read once)
     decode_s_per_seq: float = 0.0002  # plus per running sequence (its KV read)
     swap_s_per_block: float = 2e-6  # a 16-token block over PCIe, per direction
+    # A block read from the disk tier, on the step's path (tools/bench_disk.py measured
+    # 11.4 GB/s from the page cache on the CPU machine; a cold NVMe read is ~3 GB/s):
+    # the ~100 KB a 16-token block moves at PCIe's ~50 GB/s in swap_s_per_block, at 3 GB/s.
+    # Writes run in the background and are not charged.
+    disk_s_per_block: float = 3.3e-5
 
     def chunk_seconds(self, num_tokens: int, start_pos: int) -> float:
         context = num_tokens * start_pos + num_tokens * (num_tokens + 1) // 2
@@ -69,12 +75,14 @@ class CostModelExecutor:
     """The executor interface, answered by a cost model instead of ranks."""
 
     def __init__(self, cost: CostModel, num_device_blocks: int, num_host_blocks: int,
-                 vocab_size: int = 128_000, max_model_len: int = 1_048_576) -> None:
+                 vocab_size: int = 128_000, max_model_len: int = 1_048_576,
+                 num_disk_blocks: int = 0) -> None:
         self.cost = cost
         self.ready = WorkerReady(0, "simulated", EngineLimits(
             vocab_size=vocab_size, max_model_len=max_model_len, eos_token_ids=(),
-            num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks))
-        self.mirror = StateDigest(num_device_blocks, num_host_blocks)
+            num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
+            num_disk_blocks=num_disk_blocks))
+        self.mirror = StateDigest(num_device_blocks, num_host_blocks, num_disk_blocks)
         self._submitted: deque[StepPlan] = deque()  # run in order, each at its collect
         self.clock = 0.0  # virtual seconds
         self.prompt_seconds: dict[int, float] = {}  # seq id -> time computing its prompt
@@ -92,6 +100,7 @@ class CostModelExecutor:
     def step(self, plan: StepPlan) -> list[StepResult]:
         self.mirror.apply(plan)  # exactly what a rank applies
         seconds = (len(plan.swap_out) + len(plan.swap_in)) * self.cost.swap_s_per_block
+        seconds += len(plan.disk_read) * self.cost.disk_s_per_block
         self.swap_seconds += seconds
         decodes = 0
         for c in plan.chunks:
@@ -104,8 +113,10 @@ class CostModelExecutor:
         seconds += self.cost.decode_seconds(decodes)
         self.clock += seconds
         sampled = [(c.seq_id, 1000 + c.seq_id % 5000) for c in plan.chunks if c.sample]
+        # a disk write lands in the background: done by the next result
         return [StepResult(plan.step, 0, self.mirror.value, sampled,
-                           RankTiming(forward_s=seconds))]
+                           RankTiming(forward_s=seconds),
+                           disk_done=[op[0] for op in plan.disk_write])]
 
     def shutdown(self) -> None:
         pass
@@ -133,6 +144,10 @@ class Scenario:
     # Token ids are drawn below this. Ids under 256 are shared small ints in CPython, so
     # hundreds of 450K-token histories fit in memory; block hashes stay distinct.
     vocab_size: int = 256
+    # At this virtual time the engine restarts: the device and host tiers lose what they
+    # cached (what running sequences hold stays: they would be recomputed); the disk tier keeps its
+    # blocks (warm restart). 0: no restart.
+    restart_at_s: float = 0.0
 
 
 @dataclass
@@ -160,11 +175,16 @@ def run_scenario(core: EngineCore, sc: Scenario, clock, progress: tqdm | None = 
                          session_turns=[0] * sc.sessions_per_agent) for _ in range(sc.agents)]
     by_request: dict[str, AgentState] = {}
     ttfts, cpu_per_step = [], []
-    prompt = device = host = 0
+    prompt = device = host = disk = 0
     read_s = 0.0
     sched = core.scheduler
+    restart_pending = sc.restart_at_s > 0
     while any(a.turn < sc.turns for a in agents):
         now = clock()
+        if restart_pending and now >= sc.restart_at_s:
+            restart_pending = False  # RAM is gone; the disk's index is found again
+            sched.cache.device.drop_cached()
+            sched.cache.host.drop_cached()
         for i, a in enumerate(agents):
             if a.request is None and a.turn < sc.turns and a.ready_at <= now:
                 a.request, a.submitted_at, a.output, a.ttft = f"a{i}-t{a.turn}", now, [], None
@@ -194,6 +214,7 @@ def run_scenario(core: EngineCore, sc: Scenario, clock, progress: tqdm | None = 
                 prompt += out.num_prompt_tokens
                 device += out.num_device_cached_tokens
                 host += out.num_host_cached_tokens
+                disk += out.num_disk_cached_tokens
             if out.finished:
                 idle = rng.random() < sc.idle_share
                 a.sessions[a.current] = a.sessions[a.current] + a.output + tok(sc.turn_tokens)
@@ -209,7 +230,8 @@ def run_scenario(core: EngineCore, sc: Scenario, clock, progress: tqdm | None = 
     pct = lambda q: ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))]  # noqa: E731
     return {
         "prompt_tokens": prompt, "device_hit_ratio": device / prompt,
-        "host_hit_ratio": host / prompt, "hit_ratio": (device + host) / prompt,
+        "host_hit_ratio": host / prompt, "disk_hit_ratio": disk / prompt,
+        "hit_ratio": (device + host + disk) / prompt,
         "read_s": read_s,
         "ttft_p50_s": pct(0.5), "ttft_p95_s": pct(0.95), "ttft_p99_s": pct(0.99),
         "steps": len(cpu_per_step),
@@ -226,9 +248,11 @@ def _advance(core: EngineCore, until: float) -> None:
 
 
 def simulate(sc: Scenario, cost: CostModel, device_tokens: int, host_tokens: int,
-             policy: str, caching: bool, max_batched: int, desc: str) -> dict:
+             policy: str, caching: bool, max_batched: int, desc: str,
+             disk_tokens: int = 0) -> dict:
     block = 16
-    executor = CostModelExecutor(cost, device_tokens // block, host_tokens // block)
+    executor = CostModelExecutor(cost, device_tokens // block, host_tokens // block,
+                                 num_disk_blocks=disk_tokens // block)
     config = EngineConfig(model="simulated", block_size=block, kv_write_policy=policy,
                           enable_prefix_caching=caching, max_num_seqs=max(256, sc.agents),
                           max_num_batched_tokens=max_batched,
@@ -265,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument(flag, type=type(value), default=value)
     p.add_argument("--device-tokens", type=int, default=57_000_000)
     p.add_argument("--host-tokens", type=int, default=617_000_000)
+    p.add_argument("--disk-tokens", type=int, default=0,
+                   help="a disk tier below the host tier (0: none); with it, a third run "
+                        "without it for comparison")
     p.add_argument("--write-policy", default="write_back", choices=["write_back",
                                                                     "write_through"])
     p.add_argument("--max-num-batched-tokens", type=int, default=16_384)
@@ -279,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         desc)
     results = {"cache on": run(args["host_tokens"], args["write_policy"], True, "cache on"),
                "cache off": run(args["host_tokens"], args["write_policy"], False, "cache off")}
+    if args["disk_tokens"]:
+        results = {"cache on + disk": simulate(
+            sc, cost, args["device_tokens"], args["host_tokens"], args["write_policy"], True,
+            args["max_num_batched_tokens"], "cache on + disk", args["disk_tokens"]), **results}
     console = Console(width=140)
     _report(console, sc, args, results)
     if args["sweep"]:
@@ -298,14 +329,17 @@ def main(argv: list[str] | None = None) -> int:
 def _report(console: Console, sc: Scenario, args: dict, results: dict) -> None:
     on, off = results["cache on"], results["cache off"]
     table = Table(title=f"simulation: {sc.agents} agents, ~{sc.context_tokens:,}-token contexts, "
-                        f"device {args['device_tokens']:,} / host {args['host_tokens']:,} tokens")
-    for col in ("run", "hit ratio", "device", "host", "read tok/s", "TTFT p50 s", "p95 s",
+                        f"device {args['device_tokens']:,} / host {args['host_tokens']:,} / "
+                        f"disk {args.get('disk_tokens', 0):,} tokens"
+                        + (f", restart at {sc.restart_at_s:g} s" if sc.restart_at_s else ""))
+    for col in ("run", "hit ratio", "device", "host", "disk", "read tok/s", "TTFT p50 s", "p95 s",
                 "p99 s", "sched CPU ms/step", "steps", "peak RSS GiB"):
         table.add_column(col, justify="right")
     for name, r in results.items():
         table.add_row(name, f"{100 * r['hit_ratio']:.1f}%", f"{100 * r['device_hit_ratio']:.1f}%",
-                      f"{100 * r['host_hit_ratio']:.1f}%", f"{r['read_tokens_per_s']:,.0f}",
-                      f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p95_s']:.2f}", f"{r['ttft_p99_s']:.2f}",
+                      f"{100 * r['host_hit_ratio']:.1f}%", f"{100 * r['disk_hit_ratio']:.1f}%",
+                      f"{r['read_tokens_per_s']:,.0f}", f"{r['ttft_p50_s']:.2f}",
+                      f"{r['ttft_p95_s']:.2f}", f"{r['ttft_p99_s']:.2f}",
                       f"{r['scheduler_cpu_ms_per_step']:.2f}", str(r["steps"]),
                       f"{r['peak_rss_gib']:.2f}")
     console.print(table)

@@ -92,6 +92,7 @@ class RequestOutput:
     # invalid_request | overloaded | timeout | unavailable | internal
     error_type: str | None = None
     num_reasoning_tokens: int = 0  # output tokens inside the thinking span so far
+    num_disk_cached_tokens: int = 0  # prompt tokens served from the disk tier
 
 
 @dataclass
@@ -130,3 +131,6 @@ class EngineStats:
     num_digest_mismatches: int = 0
     num_spec_draft_tokens: int = 0  # draft tokens proposed (speculative decoding)
     num_spec_accepted_tokens: int = 0  # of them, kept by the model
+    # the disk tier (empty when off): num_read_blocks, num_committed_writes,
+    # num_dropped_writes, num_pending_writes, queue_depth, found_at_start, torn_at_start
+    disk: dict[str, int] = field(default_factory=dict)

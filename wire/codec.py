@@ -36,7 +36,9 @@ SCHEMA_VERSION = 8  # 2: WorkerConnect carries pid and host_id; 3: guided decodi
 # RankTiming.share_s); 8: every rank samples under overlap (StepResult.sampled_digest,
 # RankTiming.share_s gone), KV events (EngineConfig.kv_events_endpoint,
 # kv_events_replay_endpoint, served_model_name), speculative decoding
-# (EngineConfig.speculative, ScheduledChunk.num_draft, StepPlan.trim)
+# (EngineConfig.speculative, ScheduledChunk.num_draft, StepPlan.trim) and the disk tier
+# (StepPlan.disk_write/disk_read, StepResult.disk_*, EngineConfig.disk_cache_*,
+# EngineLimits.num_disk_blocks, WorkerReady.disk_found, RequestOutput.num_disk_cached_tokens)
 
 
 class ProtocolError(ValueError):

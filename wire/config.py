@@ -74,6 +74,12 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.0  # CUDA only; > 0 sizes the device tier by profiling
     host_cache_memory: int = 0  # bytes per rank for the host tier; 0 disables it
     kv_write_policy: str = "write_back"  # host copy on device eviction, or "write_through"
+    # The disk tier (worker/disk_store.py): a directory (created 0700) and bytes per rank;
+    # "" / 0 disables it. Written through from the host tier, so the host tier must be on.
+    disk_cache_dir: str = ""
+    disk_cache_size: int = 0
+    disk_max_queued_writes: int = 256  # per rank; past it a write is dropped, not waited on
+    disk_write_bytes_per_s: float = 0.0  # per rank; 0: no limit
     enable_prefix_caching: bool = True
     max_retained_fraction: float = 0.5  # of each tier, for retention hints (cache_control)
     max_model_len: int = 0  # 0: take the model's max_position_embeddings
@@ -118,6 +124,12 @@ class EngineConfig:
             raise ValueError("max_retained_fraction must be between 0 and 1")
         if self.kv_write_policy not in ("write_back", "write_through"):
             raise ValueError(f"unknown KV write policy {self.kv_write_policy!r}")
+        if (self.disk_cache_size > 0) != bool(self.disk_cache_dir):
+            raise ValueError("--disk-cache-dir and --disk-cache-size go together")
+        if self.disk_cache_size and not self.host_cache_memory:
+            raise ValueError("the disk tier is fed from the host tier: set --host-cache-memory")
+        if self.disk_cache_size < 0 or self.disk_max_queued_writes < 1:
+            raise ValueError("disk_cache_size must be >= 0 and disk_max_queued_writes >= 1")
         if self.world_size < 1:
             raise ValueError("world_size must be >= 1")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

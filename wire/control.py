@@ -204,6 +204,7 @@ class RequestRecord:
     queue_s: float
     ttft_s: float
     e2e_s: float
+    num_disk_cached_tokens: int = 0
 
 
 @dataclass
@@ -238,6 +239,7 @@ class CacheView:
     sessions: list[SessionCache] = field(default_factory=list)  # top by cached tokens
     prefix_breaks: list[PrefixBreak] = field(default_factory=list)  # most recent last
     recent: list[RequestRecord] = field(default_factory=list)
+    num_disk_hit_tokens: int = 0
 
 
 @dataclass

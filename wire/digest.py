@@ -6,7 +6,9 @@ is caught at the step it happened. It covers
 
 - every live sequence's block table: (sequence, index in table) -> block;
 - which block hash lives in which device block and which host slot (hashes enter
-  through `StepPlan.register` and move with swap_out / swap_in).
+  through `StepPlan.register` and move with swap_out / swap_in);
+- which block hash each disk slot was told to hold (moved by disk_write / disk_read;
+  whether a rank's background write landed is reported apart, StepResult.disk_done).
 
 It is a sum of per-entry hashes mod 2^64, so a step costs O(delta), not O(state):
 a 450K-token block table is never rehashed. Tier contents are numpy arrays, 8 bytes
@@ -85,17 +87,21 @@ class StateDigest:
     SEQ_BLOCK = 1
     DEVICE_HASH = 2
     HOST_HASH = 3
+    DISK_HASH = 4
 
-    def __init__(self, num_device_blocks: int = 0, num_host_blocks: int = 0) -> None:
+    def __init__(self, num_device_blocks: int = 0, num_host_blocks: int = 0,
+                 num_disk_blocks: int = 0) -> None:
         self.value = 0
         self._seq_sums: dict[int, int] = {}
         self._seq_lens: dict[int, int] = {}
         self._block_hash = np.zeros(num_device_blocks, dtype=np.uint64)  # 0: none
         self._slot_hash = np.zeros(num_host_blocks, dtype=np.uint64)
+        self._disk_hash = np.zeros(num_disk_blocks, dtype=np.uint64)
         # plain-int views of the same memory: a decode step registers a few blocks, and
         # numpy's fixed cost per call is then most of the digest's (`_set`)
         self._block_view = memoryview(self._block_hash)
         self._slot_view = memoryview(self._slot_hash)
+        self._disk_view = memoryview(self._disk_hash)
 
     def add_blocks(self, seq_id: int, block_ids: list[int]) -> None:
         n = self._seq_lens.get(seq_id, 0)
@@ -160,6 +166,16 @@ class StateDigest:
             blocks, slots = zip(*plan.swap_out)
             self._set(self.HOST_HASH, self._slot_hash, self._slot_view, list(slots),
                       self._block_hash[np.asarray(blocks, dtype=np.int64)])
+        if plan.disk_write:
+            slots = [op[1] for op in plan.disk_write]
+            self._set(self.DISK_HASH, self._disk_hash, self._disk_view,
+                      [op[2] for op in plan.disk_write],
+                      self._slot_hash[np.asarray(slots, dtype=np.int64)])
+        if plan.disk_read:
+            disk = [op[0] for op in plan.disk_read]
+            self._set(self.HOST_HASH, self._slot_hash, self._slot_view,
+                      [op[1] for op in plan.disk_read],
+                      self._disk_hash[np.asarray(disk, dtype=np.int64)])
         if plan.swap_in:
             slots, blocks = zip(*plan.swap_in)
             self._set(self.DEVICE_HASH, self._block_hash, self._block_view, list(blocks),
@@ -177,6 +193,13 @@ class StateDigest:
             self._set(self.DEVICE_HASH, self._block_hash, self._block_view, list(blocks),
                       list(hashes))
 
+    def restore_disk(self, slots: list[int] | np.ndarray, hashes: list[int] | np.ndarray) -> None:
+        """Warm restart: disk slots found holding these hashes (low 64 bits), on every
+        rank and in the scheduler alike."""
+        if len(slots):
+            self._set(self.DISK_HASH, self._disk_hash, self._disk_view,
+                      [int(s) for s in slots], np.asarray(hashes, dtype=np.uint64))
+
     @property
     def live_seqs(self) -> list[int]:
         return sorted(self._seq_lens)
@@ -190,13 +213,15 @@ class StateDigest:
 
     def tier_hashes(self, tier: str) -> np.ndarray:
         """The hash held by each device block or host slot (0: none); do not modify."""
-        return self._block_hash if tier == "device" else self._slot_hash
+        return {"device": self._block_hash, "host": self._slot_hash,
+                "disk": self._disk_hash}[tier]
 
     def tier_digests(self, chunk: int = 1 << 20) -> dict[str, int]:
         """Per tier, the digest's part for which hash lives in which block or slot
         (in chunks: a full-scale host tier has tens of millions of slots)."""
         out = {}
-        for tier, kind in (("device", self.DEVICE_HASH), ("host", self.HOST_HASH)):
+        for tier, kind in (("device", self.DEVICE_HASH), ("host", self.HOST_HASH),
+                           ("disk", self.DISK_HASH)):
             table, total = self.tier_hashes(tier), 0
             for start in range(0, len(table), chunk):
                 part = table[start:start + chunk].copy()

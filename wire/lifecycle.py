@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -38,6 +38,7 @@ class EngineLimits:
     num_device_blocks: int
     num_host_blocks: int
     kv_bytes_per_block: int = 0
+    num_disk_blocks: int = 0  # disk slots per rank (0: no disk tier)
 
 
 @dataclass
@@ -47,6 +48,11 @@ class WorkerReady:
     rank: int
     device: str
     limits: EngineLimits
+    # Warm restart (worker/disk_store.py): the disk slots every rank holds valid, with the
+    # same block hash, as (slot, hash lo, hash hi); the ranks agreed on them at start-up.
+    disk_found: list[tuple[int, int, int]] = field(default_factory=list)
+    disk_torn: int = 0  # records this rank found damaged, or not valid on every rank
+    disk_identity_mismatch: bool = False  # the directory held another engine's: ignored
 
 
 @dataclass

@@ -99,6 +99,12 @@ class StepPlan:
     # index this step. Ranks mirror them (and carry them through swaps) only so the
     # state digest covers which hash lives in which block or host slot.
     register: list[tuple[int, int]] = field(default_factory=list)
+    # The disk tier, applied after swap_out and before swap_in (cache/manager.py CacheOps):
+    # (write id, host slot, disk slot, hash lo, hash hi): the host slot's KV written to
+    # disk in the background, under its full block hash (a restart finds it by that);
+    # (disk slot, host slot, hash lo, hash hi): a committed record read into the host slot.
+    disk_write: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    disk_read: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -130,6 +136,12 @@ class StepResult:
     sampled: list[tuple[int, int]] = field(default_factory=list)
     timing: RankTiming = field(default_factory=RankTiming)
     error: str | None = None
+    # disk writes this rank finished since its last result (written, or dropped: its
+    # queue was full or the disk failed); the scheduler commits a slot once every rank
+    # wrote it (cache/disk_pool.py)
+    disk_done: list[int] = field(default_factory=list)
+    disk_dropped: list[int] = field(default_factory=list)
+    disk_queue_depth: int = 0
     # Under overlap scheduling every rank samples the same tokens from the same logits and
     # feeds them to its next step (worker/model_runner.py): a digest of what this rank
     # sampled, which the scheduler holds to rank 0's list (0: this rank did not sample).

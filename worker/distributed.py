@@ -95,6 +95,18 @@ class TensorParallelGroup:
             dist.gather(x, parts, dst=0)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
+    def all_agree(self, values: torch.Tensor) -> torch.Tensor:
+        """bool per element: the same int64 value on every rank (min == max). The disk
+        tier's warm restart keeps the slots every rank holds with the same hash."""
+        if self.world_size == 1:
+            return torch.ones(values.shape, dtype=torch.bool)
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        lo, hi = values.to(device).clone(), values.to(device).clone()
+        with self._collective():
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        return (lo == hi).cpu()
+
     def all_min(self, value: int) -> int:
         """The minimum of an integer across ranks (block counts are agreed this way)."""
         if self.world_size == 1:

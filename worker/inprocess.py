@@ -37,13 +37,18 @@ class InProcessExecutor:
 
     def step(self, plan: StepPlan) -> list[StepResult]:
         out = self.runner.execute(plan)
-        return [StepResult(plan.step, 0, out.digest, out.sampled, out.timing)]
+        return [StepResult(plan.step, 0, out.digest, out.sampled, out.timing,
+                           disk_done=out.disk_done, disk_dropped=out.disk_dropped,
+                           disk_queue_depth=out.disk_queue_depth)]
 
     def shutdown(self) -> None:
+        if self.runner is not None and self.runner.disk is not None:
+            self.runner.disk.close()
         self.runner = None
 
 
 def ready_message(runner: ModelRunner, rank: int) -> WorkerReady:
+    disk = runner.disk
     return WorkerReady(rank, str(runner.device), EngineLimits(
         vocab_size=runner.vocab_size,
         max_model_len=runner.max_model_len,
@@ -51,7 +56,10 @@ def ready_message(runner: ModelRunner, rank: int) -> WorkerReady:
         num_device_blocks=runner.num_device_blocks,
         num_host_blocks=runner.num_host_blocks,
         kv_bytes_per_block=runner.kv_bytes_per_block,
-    ))
+        num_disk_blocks=runner.num_disk_blocks,
+    ), disk_found=disk.found if disk is not None else [],
+       disk_torn=disk.num_torn if disk is not None else 0,
+       disk_identity_mismatch=disk.store.stats.identity_mismatch if disk is not None else False)
 
 
 __all__ = ["InProcessExecutor", "ready_message"]

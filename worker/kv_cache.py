@@ -72,6 +72,11 @@ class KVCache:
                 event.record(self._stream)
                 self._layer_events.append(event)
 
+    def sync_copies(self) -> None:
+        """Wait for the tier copies queued so far (CUDA): the host side is read next."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
     def wait_layer(self, layer: int) -> None:
         """Make the compute stream wait for this step's copies of `layer` (CUDA only)."""
         if self._layer_events:
@@ -90,3 +95,23 @@ class KVCache:
             blocks = torch.tensor([b for _, b in swap_in])
             self.k[:, blocks] = self.k_host[:, slots]
             self.v[:, blocks] = self.v_host[:, slots]
+
+    # --- the disk tier (worker/disk_tier.py): one host slot as bytes, K then V ----------
+
+    def host_slot_nbytes(self) -> int:
+        return 2 * self.k_host[:, 0].numel() * self.k_host.element_size() if \
+            self.num_host_blocks else 0
+
+    def host_slot_bytes(self, slot: int) -> bytes:
+        """A copy of a host slot's K and V of every layer (the disk record's payload)."""
+        k = self.k_host[:, slot].contiguous().view(torch.uint8)
+        v = self.v_host[:, slot].contiguous().view(torch.uint8)
+        return k.numpy().tobytes() + v.numpy().tobytes()
+
+    def load_host_slot(self, slot: int, payload: bytes) -> None:
+        """The inverse of `host_slot_bytes`."""
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        half = len(buf) // 2
+        for dst, part in ((self.k_host, buf[:half]), (self.v_host, buf[half:])):
+            view = dst[:, slot].view(torch.uint8)  # [layers, block, kv_heads, head_dim * elem]
+            view.copy_(part.view(view.shape))

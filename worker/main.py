@@ -110,8 +110,7 @@ def serve(sock: zmq.Socket, runner: ModelRunner, rank: int, log,
             msg = codec.decode(frame)
             decode_s = time.perf_counter() - t1
             if isinstance(msg, Shutdown):
-                log.info("worker_shutdown", reason=msg.reason)
-                return 0
+                return _shut_down(runner, log, msg)
             assert isinstance(msg, StepPlan), f"unexpected message {type(msg).__name__}"
             try:
                 step = runner.prepare(msg)
@@ -135,15 +134,24 @@ def serve(sock: zmq.Socket, runner: ModelRunner, rank: int, log,
             out = runner.finish(step)
             if control is not None:
                 control.finished(out.digest)
-            sock.send(codec.encode(StepResult(step.plan.step, rank, out.digest, out.sampled,
-                                              out.timing, sampled_digest=out.sampled_digest)))
+            sock.send(codec.encode(
+                StepResult(step.plan.step, rank, out.digest, out.sampled, out.timing,
+                           sampled_digest=out.sampled_digest, disk_done=out.disk_done,
+                           disk_dropped=out.disk_dropped,
+                           disk_queue_depth=out.disk_queue_depth)))
         except Exception as exc:
             return _fail(sock, rank, log, control, step.plan.step, exc)
         if failed_ahead is not None:
             return _fail(sock, rank, log, control, then.step, failed_ahead)
         if isinstance(then, Shutdown):
-            log.info("worker_shutdown", reason=then.reason)
-            return 0
+            return _shut_down(runner, log, then)
+
+
+def _shut_down(runner: ModelRunner, log, msg: Shutdown) -> int:
+    log.info("worker_shutdown", reason=msg.reason)
+    if runner.disk is not None:  # the queued writes land before the rank exits
+        runner.disk.close()
+    return 0
 
 
 def _next_message(sock: zmq.Socket, runner: ModelRunner) -> tuple[object, float]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from worker.budget import (
     resolve_dtype,
     resolve_max_model_len,
 )
+from worker.disk_tier import RankDiskTier
 from worker.distributed import TensorParallelGroup
 from worker.gguf import load_config
 from worker.kv_cache import KVCache
@@ -43,6 +44,9 @@ class StepOutput:
     timing: RankTiming  # apply, digest, prepare, forward and gap filled in here
     logits: torch.Tensor | None = None  # [num_tokens, vocab] on rank 0 when asked (tests)
     sampled_digest: int = 0  # wire/step.py StepResult.sampled_digest
+    disk_done: list[int] = field(default_factory=list)  # disk writes finished since the last
+    disk_dropped: list[int] = field(default_factory=list)
+    disk_queue_depth: int = 0
 
 
 @dataclass
@@ -128,7 +132,16 @@ class ModelRunner:
         )
         self.block_tables: dict[int, BlockTable] = {}
         self.sampling: dict[int, tuple[SamplingParams, int]] = {}
-        self.digest = StateDigest(self.num_device_blocks, self.num_host_blocks)
+        # the disk tier, below the host tier (worker/disk_tier.py); None when off
+        self.disk: RankDiskTier | None = None
+        if config.disk_cache_size and self.num_host_blocks:
+            self.disk = RankDiskTier(config, tp, self.kv, self.model_config.num_layers,
+                                     m.num_kv_heads, m.head_dim, self.dtype)
+        self.num_disk_blocks = self.disk.num_slots if self.disk is not None else 0
+        self.digest = StateDigest(self.num_device_blocks, self.num_host_blocks,
+                                  self.num_disk_blocks)
+        if self.disk is not None:
+            self.disk.restore_digest(self.digest)
         # Called once a plan's cache ops and table deltas are in, before its forward pass
         # (the rank's control thread marks the step there; test-only faults hook in too).
         self.on_applied: Callable[[StepPlan], None] | None = None
@@ -228,7 +241,7 @@ class ModelRunner:
 
     def finish(self, step: PreparedStep) -> StepOutput:
         if step.batch is None:
-            return StepOutput([], step.digest, step.timing)
+            return self._with_disk(StepOutput([], step.digest, step.timing))
         if isinstance(self.model, NullModel):
             sampled = self.model.finish()
         else:  # reading the tokens waits for the device
@@ -244,7 +257,14 @@ class ModelRunner:
         sampled_digest = samples_digest(sampled) if self.every_rank_samples else 0
         if self.tp.rank != 0:
             sampled = []  # rank 0 answers for the batch
-        return StepOutput(sampled, step.digest, step.timing, step.logits, sampled_digest)
+        return self._with_disk(StepOutput(sampled, step.digest, step.timing, step.logits,
+                                          sampled_digest))
+
+    def _with_disk(self, out: StepOutput) -> StepOutput:
+        """The disk writes finished since the last step, for the scheduler to commit."""
+        if self.disk is not None:
+            out.disk_done, out.disk_dropped, out.disk_queue_depth = self.disk.take_completed()
+        return out
 
     def _resolve_pending(self, step: PreparedStep) -> torch.Tensor:
         """The batch's token ids on the device, each PENDING_TOKEN (only ever a decode's
@@ -299,7 +319,16 @@ class ModelRunner:
         for block, slot in plan.swap_out + [(b, s) for s, b in plan.swap_in]:
             self._check_block(block)
             assert 0 <= slot < self.num_host_blocks, f"host slot {slot} out of range"
-        self.kv.swap(plan.swap_out, plan.swap_in)
+        if plan.disk_write or plan.disk_read:
+            # the plan's order: swap_out, the disk ops (a write copies what swap_out left in
+            # the host slot; a read fills the host slot a swap_in takes), then swap_in
+            assert self.disk is not None, "a disk op without a disk tier"
+            self.kv.swap(plan.swap_out, [])
+            self.kv.sync_copies()
+            self.disk.apply(plan)
+            self.kv.swap([], plan.swap_in)
+        else:
+            self.kv.swap(plan.swap_out, plan.swap_in)
         running = {c.seq_id for c in plan.chunks}
         for seq_id in plan.close:
             # The close-timing rule (scheduler/scheduler.py `Scheduler._close`), checked

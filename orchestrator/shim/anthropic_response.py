@@ -15,7 +15,8 @@ fails mid-stream. Tool calls arrive whole from the parser and are streamed as on
 
 Usage (the three input counts add up to the prompt, as in Anthropic's API):
 
-    cache_read_input_tokens      prompt tokens served from the prefix cache (either tier)
+    cache_read_input_tokens      prompt tokens served from the prefix cache (any tier)
+    cache_read_input_tokens_disk of those, read back from the disk tier (only when > 0)
     cache_creation_input_tokens  prompt tokens computed and written to full blocks, which
                                  later requests can read: full blocks - cached
     input_tokens                 the rest: computed, in the last partial block
@@ -68,12 +69,15 @@ def tool_use_id() -> str:
 def usage(run: ChatRun) -> dict[str, int]:
     gen = run.gen
     created = gen.cache_creation_tokens(run.state.block_size)
-    return {
+    out = {
         "input_tokens": gen.num_prompt_tokens - gen.num_cached - created,
         "cache_creation_input_tokens": created,
         "cache_read_input_tokens": gen.num_cached,
         "output_tokens": len(gen.token_ids),
     }
+    if gen.num_disk_cached:  # of cache_read_input_tokens, those read back from disk
+        out["cache_read_input_tokens_disk"] = gen.num_disk_cached
+    return out
 
 
 def stop_reason(run: ChatRun) -> tuple[str, str | None]:

@@ -68,6 +68,7 @@ class Generation:
         self.token_ids: list[int] = []
         self.num_device_cached = 0
         self.num_host_cached = 0
+        self.num_disk_cached = 0  # of the cached ones, read back from the disk tier
         self.num_reasoning_tokens = 0  # as the engine counts them (request.thinking)
         self.finish_reason: str | None = None
         self.ended_early = False  # end_here(): the client has not seen every token's text
@@ -81,7 +82,7 @@ class Generation:
 
     @property
     def num_cached(self) -> int:
-        return self.num_device_cached + self.num_host_cached
+        return self.num_device_cached + self.num_host_cached + self.num_disk_cached
 
     @property
     def stop_string(self) -> str | None:
@@ -108,9 +109,11 @@ class Generation:
                 # Cached counts may be on any output (the last may never come after a
                 # stop-string abort; a preempted sequence may hit less the second time):
                 # keep the largest seen.
-                if out.num_device_cached_tokens + out.num_host_cached_tokens > self.num_cached:
+                if (out.num_device_cached_tokens + out.num_host_cached_tokens
+                        + out.num_disk_cached_tokens > self.num_cached):
                     self.num_device_cached = out.num_device_cached_tokens
                     self.num_host_cached = out.num_host_cached_tokens
+                    self.num_disk_cached = out.num_disk_cached_tokens
                 self.num_reasoning_tokens = max(self.num_reasoning_tokens,
                                                 out.num_reasoning_tokens)
                 if out.finish_reason == "error":
@@ -162,6 +165,7 @@ class Generation:
             api=self.api,
             prompt_tokens=self.num_prompt_tokens,
             cached_tokens=self.num_cached,
+            disk_cached_tokens=self.num_disk_cached,
             output_tokens=len(self.token_ids),
             reasoning_tokens=self.num_reasoning_tokens,
             finish_reason=finish_reason or self.finish_reason or "abort",

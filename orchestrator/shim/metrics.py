@@ -75,6 +75,7 @@ class EngineCollector:
                                    "Prompt tokens served from cache", labels=["tier"])
         hits.add_metric(["device"], s.cache.get("num_device_hit_tokens", 0))
         hits.add_metric(["host"], s.cache.get("num_host_hit_tokens", 0))
+        hits.add_metric(["disk"], s.cache.get("num_disk_hit_tokens", 0))
         yield hits
         evictions = CounterMetricFamily("deepinfer_kv_evictions",
                                         "Cached blocks reused for other data", labels=["tier"])
@@ -87,6 +88,7 @@ class EngineCollector:
         swapped.add_metric(["in"], s.cache.get("num_swap_in_blocks", 0) * s.kv_bytes_per_block)
         swapped.add_metric(["out"], s.cache.get("num_swap_out_blocks", 0) * s.kv_bytes_per_block)
         yield swapped
+        yield from _disk_metrics(s)
         blocks = GaugeMetricFamily("deepinfer_kv_blocks", "KV blocks by tier and state",
                                    labels=["tier", "state"])
         retained = GaugeMetricFamily(
@@ -155,6 +157,29 @@ def vllm_metrics(s: EngineStats, model_name: str, block_size: int):
     info.add_metric(["0", str(block_size), str(capacity),
                      str(s.usage.get("host", {}).get("capacity", 0))], 1.0)
     yield info
+
+
+def _disk_metrics(s: EngineStats):
+    """The disk tier's own figures (EngineStats.disk, from the ranks' results and the
+    scheduler's disk index); nothing when it is off."""
+    d = s.disk
+    if not d:
+        return
+    io = CounterMetricFamily("deepinfer_disk_bytes", "KV bytes moved to and from the disk "
+                             "tier, per rank", labels=["direction"])
+    io.add_metric(["read"], d.get("num_read_blocks", 0) * s.kv_bytes_per_block)
+    io.add_metric(["written"], d.get("num_committed_writes", 0) * s.kv_bytes_per_block)
+    yield io
+    yield _gauge("deepinfer_disk_write_queue_depth",
+                 "Disk writes queued on the busiest rank", d.get("queue_depth", 0))
+    yield _counter("deepinfer_disk_dropped_writes",
+                   "Disk writes dropped by a rank (queue full or disk error)",
+                   d.get("num_dropped_writes", 0))
+    yield _gauge("deepinfer_disk_blocks_found_after_restart",
+                 "Disk blocks every rank found valid at start-up", d.get("found_at_start", 0))
+    yield _gauge("deepinfer_disk_torn_blocks_dropped",
+                 "Disk blocks dropped at start-up (damaged, or not on every rank)",
+                 d.get("torn_at_start", 0))
 
 
 def _histograms(data: dict[str, HistogramData]):

@@ -42,7 +42,9 @@ def usage(gen: Generation) -> dict[str, Any]:
         "prompt_tokens": num_prompt,
         "completion_tokens": num_completion,
         "total_tokens": num_prompt + num_completion,
-        "prompt_tokens_details": {"cached_tokens": gen.num_cached},
+        # cached_tokens_disk: of cached_tokens, those read back from the disk tier
+        "prompt_tokens_details": {"cached_tokens": gen.num_cached, **(
+            {"cached_tokens_disk": gen.num_disk_cached} if gen.num_disk_cached else {})},
     }
 
 

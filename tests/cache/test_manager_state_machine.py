@@ -25,7 +25,7 @@ from hypothesis.stateful import (
 )
 
 from cache import CacheConfig, KVCacheManager, make_extra_key
-from tests.cache.digest import block_hashes, digest_state
+from tests.cache.digest import block_hashes, digest_state, keys_to_bytes
 
 KEYS = [make_extra_key("m", None), make_extra_key("m", "tenant-b")]
 Content = tuple[bytes, tuple[int, ...]]
@@ -47,14 +47,16 @@ class CacheMachine(RuleBasedStateMachine):
         num_host_blocks=st.sampled_from([0, 3, 8, 12, 40]),
         write_policy=st.sampled_from(["write_back", "write_through"]),
         caching=st.sampled_from([True, True, True, False]),
+        num_disk_blocks=st.sampled_from([0, 0, 4, 30]),
         bases=st.lists(st.lists(st.integers(0, 2), min_size=4, max_size=24),
                        min_size=2, max_size=3),
     )
     def init(self, block_size, num_device_blocks, num_host_blocks, write_policy, caching,
-             bases) -> None:
+             num_disk_blocks, bases) -> None:
         self.cfg = CacheConfig(block_size=block_size, num_device_blocks=num_device_blocks,
                                num_host_blocks=num_host_blocks, write_policy=write_policy,
-                               enable_prefix_caching=caching)
+                               enable_prefix_caching=caching, num_disk_blocks=num_disk_blocks,
+                               num_ranks=2)
         self.m = KVCacheManager(self.cfg)
         self.bs = block_size
         self.bases = bases
@@ -64,6 +66,10 @@ class CacheMachine(RuleBasedStateMachine):
         self.writes: list[tuple[int, int, int]] = []  # (seq, start, stop) this step
         self.device: dict[int, Content] = {}
         self.host: dict[int, Content] = {}
+        # the disk tier on two simulated ranks: what each holds per disk slot, and the
+        # writes each has queued (write id, disk slot, content), finished in any order
+        self.disks: list[dict[int, Content]] = [{}, {}]
+        self.disk_queues: list[list[tuple[int, int, Content]]] = [[], []]
         self.content_of: dict[bytes, Content] = {}  # hash -> the KV it stands for
         self.history: list[tuple[bytes, list[int]]] = []  # closed conversations
 
@@ -149,7 +155,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert self.snapshot() == before and not self.m.has_seq(sid)
             return
         assert self.m.num_cached_tokens(sid) == hit  # nothing changed since lookup
-        event("hit: " + ("host" if hit.num_host_tokens else
+        event("hit: " + ("disk" if hit.num_disk_tokens else "host" if hit.num_host_tokens else
                          "device" if hit.num_device_tokens else "none"))
         n_hit = hit.num_tokens // self.bs
         assert len(blocks) == max(n_hit, -(-num_tokens // self.bs))
@@ -159,7 +165,10 @@ class CacheMachine(RuleBasedStateMachine):
             if refs_before[b] > 0:  # only a device hit may share a live block
                 assert i < n_hit and dev_map[b] == hashes[i]
         loaded = self.m.peek_ops().swap_in[len(ops_before.swap_in):]
-        assert len(loaded) * self.bs == hit.num_host_tokens
+        assert len(loaded) * self.bs == hit.num_host_tokens + hit.num_disk_tokens
+        read = self.m.peek_ops().disk_read[len(ops_before.disk_read):]
+        assert len(read) * self.bs == hit.num_disk_tokens
+        assert [op[1] for op in read] == [s for s, _ in loaded][-len(read):] if read else True
         for _slot, b in loaded:
             assert refs_before[b] == 0 and b in blocks[:n_hit]
         seq.table = list(blocks)
@@ -265,6 +274,40 @@ class CacheMachine(RuleBasedStateMachine):
     def reset(self) -> None:
         self.m.reset_prefix_cache()
 
+    @precondition(lambda self: self.cfg.disk_enabled)
+    @rule(data=st.data())
+    def memory_tiers_forget(self, data) -> None:
+        """The device and host tiers lose their cached blocks (as after a restart; what
+        this step's ops hold stays): a revisit can then only hit the disk."""
+        if data.draw(st.booleans()):  # the disk caught up first
+            self.step_done()
+            for r in (0, 1):
+                for _, slot, content in self.disk_queues[r]:
+                    self.disks[r][slot] = content
+                self.m.report_disk_writes(r, [w for w, _, _ in self.disk_queues[r]], [])
+                self.disk_queues[r] = []
+        self.m.device.drop_cached()
+        self.m.host.drop_cached()
+        if self.history and len(self.seqs) < 8:
+            self.revisit(data)
+
+    @precondition(lambda self: any(self.disk_queues))
+    @rule(data=st.data())
+    def disk_writes_land(self, data) -> None:
+        """Some queued disk writes of one rank finish, or are dropped (queue full)."""
+        r = data.draw(st.sampled_from([r for r in (0, 1) if self.disk_queues[r]]))
+        n = data.draw(st.integers(1, len(self.disk_queues[r])))
+        done, dropped = [], []
+        for wid, slot, content in self.disk_queues[r][:n]:
+            if data.draw(st.integers(0, 4)) == 0:
+                dropped.append(wid)
+                event("disk write dropped")
+            else:
+                self.disks[r][slot] = content
+                done.append(wid)
+        del self.disk_queues[r][:n]
+        self.m.report_disk_writes(r, done, dropped)
+
     @rule()
     def step_done(self) -> None:
         """Drain the ops and apply them the way every worker does."""
@@ -284,6 +327,16 @@ class CacheMachine(RuleBasedStateMachine):
         for b, s in ops.swap_out:
             assert 0 <= b < nd and 0 <= s < nh
             self.host[s] = self.device[b]  # KeyError = copying a never-written block
+        for wid, s, d, _, _ in ops.disk_write:  # a rank copies the slot now, writes later
+            event("step with disk_write")
+            for q in self.disk_queues:
+                q.append((wid, d, self.host[s]))
+        for d, s, lo, hi in ops.disk_read:  # only of slots every rank wrote
+            event("step with disk_read")
+            want = self.content_of[keys_to_bytes(np.array([lo], np.uint64),
+                                                 np.array([hi], np.uint64))[0]]
+            assert self.disks[0].get(d) == self.disks[1].get(d) == want, "a bad disk read"
+            self.host[s] = want
         for s, b in ops.swap_in:
             assert 0 <= b < nd and 0 <= s < nh
             self.device[b] = self.host[s]

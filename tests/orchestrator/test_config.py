@@ -39,3 +39,18 @@ def test_kv_events_are_off_by_default_and_name_the_first_served_model(
             config.served_model_name) == ("5557", "tcp://127.0.0.1:5558", "tiny-llama")
     with pytest.raises(ValueError, match="replay endpoint needs"):
         engine_config("--model", str(default_model), "--kv-events-replay-endpoint", "5558")
+
+
+def test_the_disk_tier_is_off_by_default_and_needs_the_host_tier(default_model: Path,
+                                                                 tmp_path: Path) -> None:
+    config = engine_config("--model", str(default_model))
+    assert config.disk_cache_dir == "" and config.disk_cache_size == 0
+    config = engine_config("--model", str(default_model), "--host-cache-memory", "1000000",
+                           "--disk-cache-dir", str(tmp_path / "d"), "--disk-cache-size", "5000")
+    assert config.disk_cache_dir == str((tmp_path / "d").resolve())
+    assert config.disk_cache_size == 5000
+    with pytest.raises(ValueError, match="host tier"):
+        engine_config("--model", str(default_model), "--disk-cache-dir", str(tmp_path),
+                      "--disk-cache-size", "5000")
+    with pytest.raises(ValueError, match="go together"):
+        engine_config("--model", str(default_model), "--disk-cache-size", "5000")

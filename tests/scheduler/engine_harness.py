@@ -8,7 +8,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
-from scheduler.engine import EngineCore, agree_limits
+from scheduler.engine import EngineCore, agree_limits, restore_disk
 from scheduler.executor import Executor, ZmqExecutor
 from scheduler.scheduler import Scheduler
 from tests.conftest import REPO, fitting_max_model_len, free_port, subprocess_env
@@ -80,8 +80,11 @@ def zmq_engine(model: str, world_size: int, env: dict[str, str] | None = None, *
         ]
         try:
             recorder = RecordingExecutor(executor)
-            limits = agree_limits(recorder.start())
-            yield EngineCore(Scheduler(config, limits), recorder)
+            ready = recorder.start()
+            core = EngineCore(Scheduler(config, agree_limits(ready)), recorder)
+            restore_disk(core.scheduler, ready)  # the disk tier's warm restart, if any
+            core.ready = ready
+            yield core
             executor.shutdown()
             for p in procs:
                 p.wait(timeout=30)
@@ -119,10 +122,14 @@ def inprocess_engine(model: str, scheduler_cls: type[Scheduler] = Scheduler,
 
     kv_cache_memory = overrides.pop("kv_cache_memory", 16 << 20)
     overrides.setdefault("max_model_len", fitting_max_model_len(model, kv_cache_memory))
-    config = EngineConfig(model=str(model), dtype="float32",
+    config = EngineConfig(model=str(model), dtype=overrides.pop("dtype", "float32"),
                           kv_cache_memory=kv_cache_memory,
                           # the full cache check after every step: tests can afford it
                           full_cache_check_every=overrides.pop("full_cache_check_every", 1),
                           **overrides)
     recorder = RecordingExecutor(InProcessExecutor(config))
-    return EngineCore(scheduler_cls(config, agree_limits(recorder.start())), recorder)
+    ready = recorder.start()
+    core = EngineCore(scheduler_cls(config, agree_limits(ready)), recorder)
+    restore_disk(core.scheduler, ready)  # the disk tier's warm restart, if any
+    core.ready = ready
+    return core
