@@ -27,7 +27,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tools.sim_presets import HARDWARE, MODELS, HardwarePreset, ModelPreset
+from tools.sim_presets import (
+    HARDWARE,
+    MODELS,
+    HardwarePreset,
+    ModelPreset,
+    kv_bytes_per_token_per_rank,
+)
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,7 @@ class HardwareCostModel:
     prefill_mfu: float = PREFILL_MFU
     contiguous_copies: bool = False  # True: what a copy of whole blocks would get
     overlap: bool = True
+    attention_dp: bool = False  # see kv_bytes_per_token_per_rank
     calibration: DecodeCalibration = CALIBRATION
 
     # The calibration pair's efficiencies: seconds measured / seconds of pure HBM reads.
@@ -82,9 +89,12 @@ class HardwareCostModel:
             self._weight_efficiency()
 
     @property
+    def kv_bytes_per_token(self) -> float:
+        return kv_bytes_per_token_per_rank(self.model, self.tp, self.attention_dp)
+
+    @property
     def decode_s_per_context_token(self) -> float:
-        return _read_seconds(self.model.kv_bytes_per_token(self.tp), self.hardware) / \
-            self._kv_efficiency()
+        return _read_seconds(self.kv_bytes_per_token, self.hardware) / self._kv_efficiency()
 
     def decode_seconds(self, num_seqs: int, context_tokens: int = 0) -> float:
         """One decode step of `num_seqs` sequences reading `context_tokens` in all."""
@@ -106,8 +116,8 @@ class HardwareCostModel:
         return self.tp * self.hardware.bf16_flops_per_s * mfu
 
     @property
-    def block_bytes_per_rank(self) -> int:
-        return self.block_size * self.model.kv_bytes_per_token(self.tp)
+    def block_bytes_per_rank(self) -> float:
+        return self.block_size * self.kv_bytes_per_token
 
     @property
     def copy_bytes_per_s(self) -> float:

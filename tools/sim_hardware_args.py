@@ -4,6 +4,7 @@ a cost model and tier capacities, printed before the run so the bytes can be che
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from rich.console import Console
 
@@ -25,6 +26,12 @@ def add_hardware_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap", action="store_true",
                    help="the engine's overhead adds to the forward instead of hiding behind it")
     p.add_argument("--no-host-tier", action="store_true")
+    p.add_argument("--tier-scale", type=float, default=1.0,
+                   help="multiply both tiers' capacities (with --agents scaled alike, a "
+                        "smaller run keeps the full-scale ratio of live context to cache)")
+    p.add_argument("--attention-dp", action="store_true",
+                   help="data-parallel attention: each rank holds whole tokens of its own "
+                        "sequences (how MLA models are served)")
 
 
 def hardware_cost(args: dict) -> tuple[HardwareCostModel | None, TierCapacities | None]:
@@ -36,17 +43,21 @@ def hardware_cost(args: dict) -> tuple[HardwareCostModel | None, TierCapacities 
     model = MODELS[args["model_preset"]] if args["model_preset"] else \
         model_from_config(args["model_config"])
     hw = HARDWARE[args["hardware_preset"]]
-    caps = tier_capacities(model, hw, args["tp"])
+    caps = tier_capacities(model, hw, args["tp"], attention_dp=args["attention_dp"])
+    if args["tier_scale"] != 1.0:
+        caps = dataclasses.replace(caps, device_tokens=int(caps.device_tokens * args["tier_scale"]),
+                                   host_tokens=int(caps.host_tokens * args["tier_scale"]))
     cost = HardwareCostModel(model, hw, caps.tp, prefill_mfu=args["prefill_mfu"],
                              contiguous_copies=args["contiguous_copies"],
-                             overlap=not args["no_overlap"])
+                             overlap=not args["no_overlap"], attention_dp=args["attention_dp"])
     return cost, caps
 
 
 def print_capacities(console: Console, cost: HardwareCostModel, caps: TierCapacities) -> None:
     m, hw = cost.model, cost.hardware
     console.print(
-        f"{m.name} on {hw.name} (TP {caps.tp}): {caps.kv_bytes_per_token / 1024:.1f} KiB of KV "
+        f"{m.name} on {hw.name} (TP {caps.tp}{', DP attention' if cost.attention_dp else ''}): "
+        f"{caps.kv_bytes_per_token / 1024:.1f} KiB of KV "
         f"per token per rank, weights {caps.weight_bytes_per_gpu / 1e9:.1f} GB per GPU, "
         f"device tier {caps.device_tier_bytes_per_gpu / 1e9:.1f} GB per GPU = "
         f"{caps.device_tokens:,} tokens, host tier {caps.host_tokens:,} tokens")

@@ -158,10 +158,19 @@ ACTIVATION_RESERVE_SHARE = 0.10
 HOST_TIER_SHARE = 0.80
 
 
+def kv_bytes_per_token_per_rank(model: ModelPreset, tp: int, attention_dp: bool = False) -> float:
+    """One rank's KV bytes per token of the node's cache, on average. Under tensor
+    parallelism every rank holds its shard of every token (all of it for MLA). With
+    data-parallel attention (SGLang's --enable-dp-attention, how MLA models are served)
+    each rank holds whole tokens of its own sequences: 1/tp of the tokens each."""
+    kv = model.kv_bytes_per_token(tp)
+    return kv / tp if attention_dp else kv
+
+
 @dataclass(frozen=True)
 class TierCapacities:
     tp: int
-    kv_bytes_per_token: int  # one rank's
+    kv_bytes_per_token: float  # one rank's, on average (kv_bytes_per_token_per_rank)
     weight_bytes_per_gpu: int
     device_tier_bytes_per_gpu: int  # HBM less weights and the reserve; < 0: does not fit
     device_tokens: int  # every rank holds its shard of every token: one rank's count
@@ -174,15 +183,16 @@ class TierCapacities:
 
 def tier_capacities(model: ModelPreset, hw: HardwarePreset, tp: int | None = None,
                     reserve_share: float = ACTIVATION_RESERVE_SHARE,
-                    host_share: float = HOST_TIER_SHARE) -> TierCapacities:
+                    host_share: float = HOST_TIER_SHARE,
+                    attention_dp: bool = False) -> TierCapacities:
     tp = tp or hw.num_gpus
-    kv = model.kv_bytes_per_token(tp)
+    kv = kv_bytes_per_token_per_rank(model, tp, attention_dp)
     weights = model.weight_bytes_per_gpu(tp)
     room = int(hw.hbm_bytes_per_gpu * (1 - reserve_share)) - weights
-    host = int(hw.host_ram_bytes * host_share) // (kv * tp)
+    host = int(hw.host_ram_bytes * host_share // (kv * tp))
     return TierCapacities(tp=tp, kv_bytes_per_token=kv, weight_bytes_per_gpu=weights,
-                          device_tier_bytes_per_gpu=room, device_tokens=max(0, room // kv),
-                          host_tokens=host)
+                          device_tier_bytes_per_gpu=room,
+                          device_tokens=max(0, int(room // kv)), host_tokens=host)
 
 
 def model_from_config(path: str | Path) -> ModelPreset:

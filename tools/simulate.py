@@ -170,6 +170,10 @@ class AgentState:
     current: int = 0
     session_turns: list[int] = field(default_factory=list)
     session_ids: list[int] = field(default_factory=list)  # bumped when a new one replaces it
+    # The agent's own draws (breaks, switches, new sessions, compactions), so that what
+    # happens to it does not hang on the order in which requests finish: wall clock and
+    # virtual time then give every agent the same history, and the same prompt tokens.
+    rng: random.Random = field(default_factory=random.Random)
     turn: int = 0
     request: str | None = None
     submitted_at: float = 0.0
@@ -187,7 +191,8 @@ def run_scenario(core: EngineCore, sc: Scenario, clock, progress: tqdm | None = 
                           for _ in range(sc.sessions_per_agent)],
                          ready_at=rng.uniform(0, sc.active_wait_s),
                          session_turns=[0] * sc.sessions_per_agent,
-                         session_ids=[0] * sc.sessions_per_agent) for _ in range(sc.agents)]
+                         session_ids=[0] * sc.sessions_per_agent,
+                         rng=random.Random(f"{sc.seed}-{i}")) for i in range(sc.agents)]
     by_request: dict[str, AgentState] = {}
     ttfts, cpu_per_step = [], []
     # Counted two ways: every turn, and without each session's first (cold) turn.
@@ -229,7 +234,7 @@ def run_scenario(core: EngineCore, sc: Scenario, clock, progress: tqdm | None = 
                     t["device"] += out.num_device_cached_tokens
                     t["host"] += out.num_host_cached_tokens
                     t["read_s"] += read_s
-                _next_turn(a, sc, rng, tok, shared, now)
+                _next_turn(a, sc, tok, shared, now)
                 if progress is not None:
                     progress.update(1)
     ttfts.sort()
@@ -247,13 +252,13 @@ def run_scenario(core: EngineCore, sc: Scenario, clock, progress: tqdm | None = 
     }
 
 
-def _next_turn(a: AgentState, sc: Scenario, rng: random.Random, tok, shared: list[int],
-               now: float) -> None:
+def _next_turn(a: AgentState, sc: Scenario, tok, shared: list[int], now: float) -> None:
     """The agent's history grows by the answer and the next turn's tokens, then the
     scenario's events: a break (maybe switching session), a new session, a compaction."""
     a.sessions[a.current] = a.sessions[a.current] + a.output + tok(sc.turn_tokens)
     a.session_turns[a.current] += 1
     a.turn, a.request = a.turn + 1, None
+    rng = a.rng
     idle = rng.random() < sc.idle_share
     if idle:  # back from a break, the developer may pick up another session
         a.current = rng.randrange(sc.sessions_per_agent)
@@ -331,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=16_384)
     p.add_argument("--sweep", action="store_true",
                    help="host-tier size (0, 1/4, 1/2, 1x of --host-tokens) x write policy")
+    p.add_argument("--compare-no-host", action="store_true",
+                   help="also run the cache without its host tier")
     p.add_argument("--json", default=None)
     args = vars(p.parse_args(argv))
     if args["honest"]:
@@ -354,8 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     args["device_tokens"], args["host_tokens"] = device, host
     run = lambda host, policy, caching, desc: simulate(  # noqa: E731
         sc, cost, device, host, policy, caching, args["max_num_batched_tokens"], desc)
-    results = {"cache on": run(host, args["write_policy"], True, "cache on"),
-               "cache off": run(host, args["write_policy"], False, "cache off")}
+    results = {"cache on": run(host, args["write_policy"], True, "cache on")}
+    if args["compare_no_host"] and host:
+        results["cache on, no host tier"] = run(0, args["write_policy"], True, "no host tier")
+    results["cache off"] = run(host, args["write_policy"], False, "cache off")
     _report(console, sc, args, results)
     if args["sweep"]:
         sweep = {}
@@ -389,13 +398,16 @@ def _report(console: Console, sc: Scenario, args: dict, results: dict) -> None:
     console.print(f"hit ratio {100 * on['hit_ratio']:.1f}% (deployment "
                   f"{100 * DEPLOYMENT['hit_ratio']:.0f}%); read rate cache on/off {ratio:.1f}x "
                   f"(deployment {DEPLOYMENT['read_rate_ratio']:.0f}x)")
-    for way in ("with_first_turns", "without_first_turns"):
-        a, b = on[way], off[way]
-        console.print(f"  {way.replace('_', ' ')}: hit ratio {100 * a['hit_ratio']:.1f}% "
-                      f"(device {100 * a['device_hit_ratio']:.1f}%, host "
-                      f"{100 * a['host_hit_ratio']:.1f}%), read rate "
-                      f"{a['read_tokens_per_s']:,.0f} vs {b['read_tokens_per_s']:,.0f} tok/s "
-                      f"cache off: {a['read_tokens_per_s'] / b['read_tokens_per_s']:.1f}x")
+    for name, r in results.items():
+        if name == "cache off":
+            continue
+        for way in ("with_first_turns", "without_first_turns"):
+            a, b = r[way], off[way]
+            console.print(f"  {name}, {way.replace('_', ' ')}: hit ratio "
+                          f"{100 * a['hit_ratio']:.1f}% (device {100 * a['device_hit_ratio']:.1f}%,"
+                          f" host {100 * a['host_hit_ratio']:.1f}%), read rate "
+                          f"{a['read_tokens_per_s']:,.0f} vs {b['read_tokens_per_s']:,.0f} tok/s "
+                          f"cache off: {a['read_tokens_per_s'] / b['read_tokens_per_s']:.1f}x")
 
 
 def _sweep_table(console: Console, sweep: dict) -> None:
