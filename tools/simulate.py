@@ -4,14 +4,18 @@
     python -m tools.simulate --agents 8 --context-tokens 20000 --turns 4   # small
     python -m tools.simulate --sweep              # host-tier size x write policy
     python -m tools.simulate_retention            # cache_control retention vs plain LRU
+    python -m tools.simulate --model-preset llama-3.1-8b --hardware-preset 4xb200 --honest
+    python -m tools.sim_implied                   # what the deployment's figures imply
 
 The scheduler, the prefix cache and the step protocol are the production code. Only
 the ranks are replaced, by `CostModelExecutor`: it mirrors the plans exactly as a rank
 does (its `StateDigest` must match the scheduler's every step, as real ranks must),
 returns a token for every sampled chunk, and charges virtual time for each step from
 a cost model: prefill seconds per computed token, decode seconds per step and per
-sequence, swap seconds per block. Defaults are calibrated on the deployment's raw
-read rate (~200,000 prompt tokens/s across the node).
+sequence, swap seconds per block. Without presets the defaults are calibrated on the
+deployment's raw read rate (~200,000 prompt tokens/s across the node); with
+`--model-preset` and `--hardware-preset` the costs and the tiers' sizes come from bytes
+and FLOPs (`tools/sim_costs.py`, `tools/sim_presets.py`).
 """
 
 from __future__ import annotations
