@@ -22,6 +22,7 @@ from tools.sim_presets import (
     MODELS,
     HardwarePreset,
     ModelPreset,
+    kv_bytes_per_token_per_rank,
     tier_capacities,
 )
 
@@ -38,8 +39,18 @@ def max_kv_bytes_per_token(hw: HardwarePreset, device_tokens: int,
     return hw.num_gpus * per_gpu / device_tokens
 
 
-def node_kv_bytes_per_token(model: ModelPreset, tp: int) -> int:
-    return model.kv_bytes_per_token(tp) * tp
+def max_attention_flops_per_pair(hw: HardwarePreset, tokens_per_s: float, context: int,
+                                 mfu: float = 1.0, linear_flops_per_token: float = 0.0) -> float:
+    """The most attention FLOPs per (query, key) pair that lets a `context`-token prompt be
+    read from scratch at `tokens_per_s` on the node at `mfu` of its peak."""
+    flops_per_token = hw.num_gpus * hw.bf16_flops_per_s * mfu / tokens_per_s
+    mean_pairs_per_token = (context + 1) / 2
+    return (flops_per_token - linear_flops_per_token) / mean_pairs_per_token
+
+
+def node_kv_bytes_per_token(model: ModelPreset, tp: int, attention_dp: bool = False) -> int:
+    """KV bytes per token summed over the ranks (MLA under TP: one copy per rank)."""
+    return int(kv_bytes_per_token_per_rank(model, tp, attention_dp) * tp)
 
 
 def cold_prompt_tokens_per_s(model: ModelPreset, hw: HardwarePreset, context: int,
@@ -56,11 +67,15 @@ def analyse(dep: dict = DEPLOYMENT) -> dict:
         "max_kv_bytes_per_token_hbm_only": max_kv_bytes_per_token(hw, dep["device_tokens"]),
         "max_kv_bytes_per_token_with_reserve": max_kv_bytes_per_token(
             hw, dep["device_tokens"], reserve_share=ACTIVATION_RESERVE_SHARE),
+        "max_attention_flops_per_pair_at_peak": max_attention_flops_per_pair(
+            hw, dep["raw_read_tokens_per_s"], dep["context_tokens"]),
         "models": {},
     }
-    for name, m in MODELS.items():
-        caps = tier_capacities(m, hw)
-        kv = node_kv_bytes_per_token(m, caps.tp)
+    layouts = [(name, m, False) for name, m in MODELS.items()]
+    layouts += [(f"{name} DP-attn", m, True) for name, m in MODELS.items() if m.is_mla]
+    for name, m, dp in layouts:
+        caps = tier_capacities(m, hw, attention_dp=dp)
+        kv = node_kv_bytes_per_token(m, caps.tp, dp)
         out["models"][name] = {
             "node_kv_bytes_per_token": kv,
             "hbm_for_device_tokens_gb": kv * dep["device_tokens"] / 1e9,
@@ -78,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                             formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     a, dep = analyse(), DEPLOYMENT
     hw = HARDWARE[dep["hardware"]]
-    console = Console(width=140)
+    console = Console(width=160)
     console.print(
         f"deployment: {dep['device_tokens'] / 1e6:.0f}M device-tier and "
         f"{dep['host_tokens'] / 1e6:.0f}M host-tier tokens on {hw.name} "
@@ -88,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         f"  the HBM allows at most {a['max_kv_bytes_per_token_hbm_only']:,.0f} B of KV per "
         f"token (whole node, no weights, no reserve); "
         f"{a['max_kv_bytes_per_token_with_reserve']:,.0f} B with vLLM's 10% reserve")
-    table = Table(title="the deployment's figures against real models on 4x B200 (TP 4)")
+    table = Table(title="the deployment's figures against real models on 4x B200 (TP 4; "
+                        "DP-attn: MLA with data-parallel attention)")
     for col in ("model", "KV B/token (node)", "max KV B/token after weights",
                 "HBM for 57M tokens GB", "RAM for 617M tokens TB", "device tier tokens",
                 "host tier tokens", "cold 450K prompt tok/s at 100% peak"):
@@ -100,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['ram_for_host_tokens_tb']:,.1f}", f"{r['device_tokens']:,}",
                       f"{r['host_tokens']:,}", f"{r['cold_450k_tok_s_at_peak']:,.0f}")
     console.print(table)
-    console.print(f"  raw read rate reported: {dep['raw_read_tokens_per_s']:,} tok/s")
+    console.print(
+        f"  raw read rate reported: {dep['raw_read_tokens_per_s']:,} tok/s at "
+        f"~{dep['context_tokens']:,}-token contexts: at 100% of the node's BF16 peak that "
+        f"allows at most {a['max_attention_flops_per_pair_at_peak']:,.0f} attention FLOPs per "
+        f"(query, key) pair, before any linear layer (Llama-3.1-8B: "
+        f"{MODELS['llama-3.1-8b'].attention_flops_per_pair():,})")
     return 0
 
 
