@@ -199,7 +199,7 @@ def run_scenario(core: EngineCore, sc: Scenario, clock, progress: tqdm | None = 
                          rng=random.Random(f"{sc.seed}-{i}")) for i in range(sc.agents)]
     by_request: dict[str, AgentState] = {}
     ttfts, cpu_per_step = [], []
-    # Counted two ways: every turn, and without each session's first (cold) turn.
+    # Counted two ways: every turn, and without the warm-up (`first` below).
     tally = {k: {"prompt": 0, "device": 0, "host": 0, "read_s": 0.0} for k in ("all", "steady")}
     sched = core.scheduler
     while any(a.turn < sc.turns for a in agents):
@@ -220,7 +220,9 @@ def run_scenario(core: EngineCore, sc: Scenario, clock, progress: tqdm | None = 
         now = clock()
         for out in outputs:
             a = by_request[out.request_id]
-            first = a.session_turns[a.current] == 0
+            # the warm-up: the first turn of a session alive at the start (a brand-new
+            # session's first turn is traffic a running deployment has, and counts)
+            first = a.session_turns[a.current] == 0 and a.session_ids[a.current] == 0
             counted = not first or sc.count_first_turn
             if a.ttft is None and out.token_ids:
                 a.ttft = now - a.submitted_at
@@ -249,7 +251,7 @@ def run_scenario(core: EngineCore, sc: Scenario, clock, progress: tqdm | None = 
             for k, t in tally.items()}
     return {
         **ways["all" if sc.count_first_turn else "steady"],
-        "with_first_turns": ways["all"], "without_first_turns": ways["steady"],
+        "with_first_turns": ways["all"], "without_warmup": ways["steady"],
         "ttft_p50_s": pct(0.5), "ttft_p95_s": pct(0.95), "ttft_p99_s": pct(0.99),
         "steps": len(cpu_per_step),
         "scheduler_cpu_ms_per_step": 1000 * sum(cpu_per_step) / max(1, len(cpu_per_step)),
@@ -308,7 +310,7 @@ def simulate(sc: Scenario, cost: CostModel | HardwareCostModel, device_tokens: i
     # spent reading them: computing the missed tokens, plus every tier copy of the run
     # (charged in full to the counted turns). Decode time is left out: it is the same
     # with the cache on or off.
-    for r in (result, result["with_first_turns"], result["without_first_turns"]):
+    for r in (result, result["with_first_turns"], result["without_warmup"]):
         r["read_tokens_per_s"] = r["prompt_tokens"] / max(1e-12, r["read_s"] +
                                                           executor.swap_seconds)
     result["swap_s"] = executor.swap_seconds
@@ -405,7 +407,7 @@ def _report(console: Console, sc: Scenario, args: dict, results: dict) -> None:
     for name, r in results.items():
         if name == "cache off":
             continue
-        for way in ("with_first_turns", "without_first_turns"):
+        for way in ("with_first_turns", "without_warmup"):
             a, b = r[way], off[way]
             console.print(f"  {name}, {way.replace('_', ' ')}: hit ratio "
                           f"{100 * a['hit_ratio']:.1f}% (device {100 * a['device_hit_ratio']:.1f}%,"

@@ -55,9 +55,9 @@ def test_hardware_cost_model_and_real_engine_agree_with_new_sessions_and_compact
     cost = HardwareCostModel(MODELS["llama-3.1-8b"], HARDWARE["4xb200"], tp=4)
     sim = simulate(HONEST_SMALL, cost, blocks * 16, 0, "write_back", True, 512, "sim")
     assert real["prompt_tokens"] == sim["prompt_tokens"]
-    for way in ("with_first_turns", "without_first_turns"):
+    for way in ("with_first_turns", "without_warmup"):
         assert abs(real[way]["hit_ratio"] - sim[way]["hit_ratio"]) < 0.05, (way, real, sim)
-    assert sim["without_first_turns"]["hit_ratio"] > sim["with_first_turns"]["hit_ratio"]
+    assert sim["without_warmup"]["hit_ratio"] > sim["with_first_turns"]["hit_ratio"]
 
 
 def test_compaction_breaks_the_prefix_after_the_shared_tokens():
@@ -69,11 +69,11 @@ def test_compaction_breaks_the_prefix_after_the_shared_tokens():
     compacted = simulate(Scenario(**base, compaction_share=1.0, compacted_tokens=1_000), cost,
                          200_000, 0, "write_back", True, 4096, "compacted")
     # every later turn follows a compaction: only the shared 512 tokens (32 blocks) hit
-    steady = compacted["without_first_turns"]
+    steady = compacted["without_warmup"]
     turns = 2 * 3
     assert steady["prompt_tokens"] == turns * (512 + 1_000)
     assert steady["hit_ratio"] == pytest.approx(512 / (512 + 1_000))
-    assert plain["without_first_turns"]["hit_ratio"] > 0.9
+    assert plain["without_warmup"]["hit_ratio"] > 0.9
     assert compacted["read_tokens_per_s"] < plain["read_tokens_per_s"]
 
 
@@ -84,4 +84,4 @@ def test_simulation_from_presets_prints_the_capacities(capsys):
                  "--tier-scale", "0.01", "--compare-no-host"]) == 0
     out = capsys.readouterr().out
     assert "32.0 KiB of KV per token per rank" in out and "48,213 tokens" in out
-    assert "no host tier" in out and "without first turns" in out
+    assert "no host tier" in out and "without warmup" in out
