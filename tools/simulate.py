@@ -161,9 +161,9 @@ class Scenario:
 
 
 # The shares `--honest` sets; no published figure gives them for Claude Code, so they are
-# stated assumptions: 1 turn in 20 opens a new session, 1 in 30 follows a compaction (a
-# ~450K context compacts every ~30 turns of ~2K new tokens... once it nears the window),
-# 1 pause in 20 is two hours.
+# stated assumptions: 1 turn in 20 opens a new session (vLLM's agent study has a median
+# of 43 turns a session), 1 in 30 follows a compaction (a context near the window is
+# compacted every few dozen turns), 1 pause in 20 is two hours.
 HONEST = {"new_session_share": 0.05, "compaction_share": 1 / 30, "long_idle_share": 0.05}
 
 
