@@ -85,3 +85,9 @@ def test_simulation_from_presets_prints_the_capacities(capsys):
     out = capsys.readouterr().out
     assert "32.0 KiB of KV per token per rank" in out and "48,213 tokens" in out
     assert "no host tier" in out and "without warmup" in out
+
+
+def test_a_model_that_does_not_fit_the_node_is_refused(capsys):
+    assert main(["--model-preset", "deepseek-v3", "--hardware-preset", "4xb200",
+                 "--agents", "1", "--context-tokens", "1000", "--shared-tokens", "100"]) == 1
+    assert "do not leave room for a device tier" in capsys.readouterr().out
