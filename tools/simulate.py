@@ -4,6 +4,8 @@
     python -m tools.simulate --agents 8 --context-tokens 20000 --turns 4   # small
     python -m tools.simulate --sweep              # host-tier size x write policy
     python -m tools.simulate_retention            # cache_control retention vs plain LRU
+    python -m tools.simulate --model-preset llama-3.1-8b --hardware-preset 4xb200 --honest
+    python -m tools.sim_implied                   # what the deployment's figures imply
     python -m tools.simulate --disk-tokens 2000000000 --restart-at-s 1200   # disk tier
 
 The scheduler, the prefix cache and the step protocol are the production code. Only
@@ -11,8 +13,10 @@ the ranks are replaced, by `CostModelExecutor`: it mirrors the plans exactly as 
 does (its `StateDigest` must match the scheduler's every step, as real ranks must),
 returns a token for every sampled chunk, and charges virtual time for each step from
 a cost model: prefill seconds per computed token, decode seconds per step and per
-sequence, swap seconds per block. Defaults are calibrated on the deployment's raw
-read rate (~200,000 prompt tokens/s across the node).
+sequence, swap seconds per block. Without presets the defaults are calibrated on the
+deployment's raw read rate (~200,000 prompt tokens/s across the node); with
+`--model-preset` and `--hardware-preset` the costs and the tiers' sizes come from bytes
+and FLOPs (`tools/sim_costs.py`, `tools/sim_presets.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from tqdm import tqdm
 
 from scheduler.engine import EngineCore, agree_limits
 from scheduler.scheduler import Scheduler
+from tools.sim_costs import HardwareCostModel
+from tools.sim_hardware_args import add_hardware_args, hardware_cost, print_capacities
 from wire.client import GenerateRequest
 from wire.config import EngineConfig
 from wire.digest import StateDigest
@@ -60,23 +66,27 @@ class CostModel:
     # A block read from the disk tier, on the step's path (tools/bench_disk.py measured
     # 11.4 GB/s from the page cache on the CPU machine; a cold NVMe read is ~3 GB/s):
     # the ~100 KB a 16-token block moves at PCIe's ~50 GB/s in swap_s_per_block, at 3 GB/s.
-    # Writes run in the background and are not charged.
+    # Writes run in the background and are not charged. (The presets' cost model takes it
+    # from the hardware's disk bandwidth: tools/sim_costs.py.)
     disk_s_per_block: float = 3.3e-5
 
     def chunk_seconds(self, num_tokens: int, start_pos: int) -> float:
         context = num_tokens * start_pos + num_tokens * (num_tokens + 1) // 2
         return num_tokens * self.prefill_s_per_token + context * self.prefill_s_per_token_context
 
-    def decode_seconds(self, num_seqs: int) -> float:
+    def decode_seconds(self, num_seqs: int, context_tokens: int = 0) -> float:
         return self.decode_s_per_step + num_seqs * self.decode_s_per_seq if num_seqs else 0.0
+
+    def step_seconds(self, forward_s: float, num_seqs: int) -> float:
+        return forward_s  # no engine overhead in the token-calibrated model
 
 
 class CostModelExecutor:
     """The executor interface, answered by a cost model instead of ranks."""
 
-    def __init__(self, cost: CostModel, num_device_blocks: int, num_host_blocks: int,
-                 vocab_size: int = 128_000, max_model_len: int = 1_048_576,
-                 num_disk_blocks: int = 0) -> None:
+    def __init__(self, cost: CostModel | HardwareCostModel, num_device_blocks: int,
+                 num_host_blocks: int, vocab_size: int = 128_000,
+                 max_model_len: int = 1_048_576, num_disk_blocks: int = 0) -> None:
         self.cost = cost
         self.ready = WorkerReady(0, "simulated", EngineLimits(
             vocab_size=vocab_size, max_model_len=max_model_len, eos_token_ids=(),
@@ -102,15 +112,17 @@ class CostModelExecutor:
         seconds = (len(plan.swap_out) + len(plan.swap_in)) * self.cost.swap_s_per_block
         seconds += len(plan.disk_read) * self.cost.disk_s_per_block
         self.swap_seconds += seconds
-        decodes = 0
+        decodes = context = 0
         for c in plan.chunks:
             if len(c.token_ids) == 1 and c.start_pos > 0 and c.sample:
                 decodes += 1
+                context += c.start_pos + 1
                 continue
             t = self.cost.chunk_seconds(len(c.token_ids), c.start_pos)
             self.prompt_seconds[c.seq_id] = self.prompt_seconds.get(c.seq_id, 0.0) + t
             seconds += t
-        seconds += self.cost.decode_seconds(decodes)
+        seconds += self.cost.decode_seconds(decodes, context)
+        seconds = self.cost.step_seconds(seconds, len(plan.chunks))
         self.clock += seconds
         sampled = [(c.seq_id, 1000 + c.seq_id % 5000) for c in plan.chunks if c.sample]
         # a disk write lands in the background: done by the next result
@@ -144,10 +156,30 @@ class Scenario:
     # Token ids are drawn below this. Ids under 256 are shared small ints in CPython, so
     # hundreds of 450K-token histories fit in memory; block hashes stay distinct.
     vocab_size: int = 256
+    # What the deployment's traffic has and the default scenario lacks (`--honest` sets
+    # them): after a turn, a share of agents opens a brand-new session (the shared prefix
+    # and `new_session_tokens` of its own, a first turn: a miss but for the prefix)...
+    new_session_share: float = 0.0
+    new_session_tokens: int = 30_000
+    # ...Claude Code compacts a share of histories: the conversation is replaced by a
+    # summary, so the prefix breaks after the shared system prompt and tools...
+    compaction_share: float = 0.0
+    compacted_tokens: int = 40_000
+    # ...and a share of pauses are long (overnight, a meeting): everyone else's traffic
+    # in between pushes the session down the tiers.
+    long_idle_share: float = 0.0
+    long_idle_s: float = 7_200.0
     # At this virtual time the engine restarts: the device and host tiers lose what they
-    # cached (what running sequences hold stays: they would be recomputed); the disk tier keeps its
-    # blocks (warm restart). 0: no restart.
+    # cached (what running sequences hold stays: they would be recomputed); the disk tier
+    # keeps its blocks (warm restart). 0: no restart.
     restart_at_s: float = 0.0
+
+
+# The shares `--honest` sets; no published figure gives them for Claude Code, so they are
+# stated assumptions: 1 turn in 20 opens a new session (vLLM's agent study has a median
+# of 43 turns a session), 1 in 30 follows a compaction (a context near the window is
+# compacted every few dozen turns), 1 pause in 20 is two hours.
+HONEST = {"new_session_share": 0.05, "compaction_share": 1 / 30, "long_idle_share": 0.05}
 
 
 @dataclass
@@ -156,6 +188,11 @@ class AgentState:
     ready_at: float
     current: int = 0
     session_turns: list[int] = field(default_factory=list)
+    session_ids: list[int] = field(default_factory=list)  # bumped when a new one replaces it
+    # The agent's own draws (breaks, switches, new sessions, compactions), so that what
+    # happens to it does not hang on the order in which requests finish: wall clock and
+    # virtual time then give every agent the same history, and the same prompt tokens.
+    rng: random.Random = field(default_factory=random.Random)
     turn: int = 0
     request: str | None = None
     submitted_at: float = 0.0
@@ -172,11 +209,14 @@ def run_scenario(core: EngineCore, sc: Scenario, clock, progress: tqdm | None = 
     agents = [AgentState([shared + tok(sc.context_tokens - sc.shared_tokens)
                           for _ in range(sc.sessions_per_agent)],
                          ready_at=rng.uniform(0, sc.active_wait_s),
-                         session_turns=[0] * sc.sessions_per_agent) for _ in range(sc.agents)]
+                         session_turns=[0] * sc.sessions_per_agent,
+                         session_ids=[0] * sc.sessions_per_agent,
+                         rng=random.Random(f"{sc.seed}-{i}")) for i in range(sc.agents)]
     by_request: dict[str, AgentState] = {}
     ttfts, cpu_per_step = [], []
-    prompt = device = host = disk = 0
-    read_s = 0.0
+    # Counted two ways: every turn, and without the warm-up (`first` below).
+    tally = {k: {"prompt": 0, "device": 0, "host": 0, "disk": 0, "read_s": 0.0}
+             for k in ("all", "steady")}
     sched = core.scheduler
     restart_pending = sc.restart_at_s > 0
     while any(a.turn < sc.turns for a in agents):
@@ -191,7 +231,7 @@ def run_scenario(core: EngineCore, sc: Scenario, clock, progress: tqdm | None = 
                 by_request[a.request] = a
                 sched.add_request(GenerateRequest(
                     a.request, list(a.sessions[a.current]), sc.output_tokens, ignore_eos=True,
-                    session_id=f"agent{i}-s{a.current}"))
+                    session_id=f"agent{i}-s{a.current}-{a.session_ids[a.current]}"))
         if not core.has_work():  # everyone is thinking: jump to the next arrival
             _advance(core, min(a.ready_at for a in agents if a.turn < sc.turns))
             continue
@@ -201,42 +241,69 @@ def run_scenario(core: EngineCore, sc: Scenario, clock, progress: tqdm | None = 
         now = clock()
         for out in outputs:
             a = by_request[out.request_id]
-            counted = a.session_turns[a.current] > 0 or sc.count_first_turn
+            # the warm-up: the first turn of a session alive at the start (a brand-new
+            # session's first turn is traffic a running deployment has, and counts)
+            first = a.session_turns[a.current] == 0 and a.session_ids[a.current] == 0
+            counted = not first or sc.count_first_turn
             if a.ttft is None and out.token_ids:
                 a.ttft = now - a.submitted_at
                 if counted:
                     ttfts.append(a.ttft)
             a.output += out.token_ids
-            if out.finished and counted:
-                seq = sched.sequence(out.request_id)
-                if isinstance(core.executor, CostModelExecutor) and seq is not None:
-                    read_s += core.executor.prompt_seconds.pop(seq.seq_id, 0.0)
-                prompt += out.num_prompt_tokens
-                device += out.num_device_cached_tokens
-                host += out.num_host_cached_tokens
-                disk += out.num_disk_cached_tokens
             if out.finished:
-                idle = rng.random() < sc.idle_share
-                a.sessions[a.current] = a.sessions[a.current] + a.output + tok(sc.turn_tokens)
-                a.session_turns[a.current] += 1
-                a.turn, a.request = a.turn + 1, None
-                if idle:  # back from a break, the developer may pick up another session
-                    a.current = rng.randrange(sc.sessions_per_agent)
-                wait = sc.idle_wait_s if idle else sc.active_wait_s
-                a.ready_at = now + rng.expovariate(1 / wait)
+                seq = sched.sequence(out.request_id)
+                read_s = 0.0
+                if isinstance(core.executor, CostModelExecutor) and seq is not None:
+                    read_s = core.executor.prompt_seconds.pop(seq.seq_id, 0.0)
+                for key in ("all",) if first else ("all", "steady"):
+                    t = tally[key]
+                    t["prompt"] += out.num_prompt_tokens
+                    t["device"] += out.num_device_cached_tokens
+                    t["host"] += out.num_host_cached_tokens
+                    t["disk"] += out.num_disk_cached_tokens
+                    t["read_s"] += read_s
+                _next_turn(a, sc, tok, shared, now)
                 if progress is not None:
                     progress.update(1)
     ttfts.sort()
-    pct = lambda q: ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))]  # noqa: E731
+    pct = lambda q: ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else 0.0  # noqa: E731
+    ways = {k: {"prompt_tokens": t["prompt"],
+                "hit_ratio": (t["device"] + t["host"] + t["disk"]) / max(1, t["prompt"]),
+                "device_hit_ratio": t["device"] / max(1, t["prompt"]),
+                "host_hit_ratio": t["host"] / max(1, t["prompt"]),
+                "disk_hit_ratio": t["disk"] / max(1, t["prompt"]), "read_s": t["read_s"]}
+            for k, t in tally.items()}
     return {
-        "prompt_tokens": prompt, "device_hit_ratio": device / prompt,
-        "host_hit_ratio": host / prompt, "disk_hit_ratio": disk / prompt,
-        "hit_ratio": (device + host + disk) / prompt,
-        "read_s": read_s,
+        **ways["all" if sc.count_first_turn else "steady"],
+        "with_first_turns": ways["all"], "without_warmup": ways["steady"],
         "ttft_p50_s": pct(0.5), "ttft_p95_s": pct(0.95), "ttft_p99_s": pct(0.99),
         "steps": len(cpu_per_step),
         "scheduler_cpu_ms_per_step": 1000 * sum(cpu_per_step) / max(1, len(cpu_per_step)),
     }
+
+
+def _next_turn(a: AgentState, sc: Scenario, tok, shared: list[int], now: float) -> None:
+    """The agent's history grows by the answer and the next turn's tokens, then the
+    scenario's events: a break (maybe switching session), a new session, a compaction."""
+    a.sessions[a.current] = a.sessions[a.current] + a.output + tok(sc.turn_tokens)
+    a.session_turns[a.current] += 1
+    a.turn, a.request = a.turn + 1, None
+    rng = a.rng
+    idle = rng.random() < sc.idle_share
+    if idle:  # back from a break, the developer may pick up another session
+        a.current = rng.randrange(sc.sessions_per_agent)
+    wait = sc.idle_wait_s if idle else sc.active_wait_s
+    if sc.long_idle_share and rng.random() < sc.long_idle_share:
+        wait = sc.long_idle_s
+    if sc.new_session_share and rng.random() < sc.new_session_share:
+        # a brand-new session takes the place of one of the agent's sessions
+        a.current = rng.randrange(sc.sessions_per_agent)
+        a.sessions[a.current] = shared + tok(sc.new_session_tokens)
+        a.session_turns[a.current] = 0
+        a.session_ids[a.current] += 1
+    elif sc.compaction_share and rng.random() < sc.compaction_share:
+        a.sessions[a.current] = shared + tok(sc.compacted_tokens)  # the prefix breaks here
+    a.ready_at = now + rng.expovariate(1 / wait)
 
 
 def _advance(core: EngineCore, until: float) -> None:
@@ -247,8 +314,8 @@ def _advance(core: EngineCore, until: float) -> None:
         time.sleep(max(0.0, min(0.05, until - time.monotonic())))
 
 
-def simulate(sc: Scenario, cost: CostModel, device_tokens: int, host_tokens: int,
-             policy: str, caching: bool, max_batched: int, desc: str,
+def simulate(sc: Scenario, cost: CostModel | HardwareCostModel, device_tokens: int,
+             host_tokens: int, policy: str, caching: bool, max_batched: int, desc: str,
              disk_tokens: int = 0) -> dict:
     block = 16
     executor = CostModelExecutor(cost, device_tokens // block, host_tokens // block,
@@ -269,8 +336,10 @@ def simulate(sc: Scenario, cost: CostModel, device_tokens: int, host_tokens: int
     # spent reading them: computing the missed tokens, plus every tier copy of the run
     # (charged in full to the counted turns). Decode time is left out: it is the same
     # with the cache on or off.
-    result["read_tokens_per_s"] = result["prompt_tokens"] / (
-        result["read_s"] + executor.swap_seconds)
+    for r in (result, result["with_first_turns"], result["without_warmup"]):
+        r["read_tokens_per_s"] = r["prompt_tokens"] / max(1e-12, r["read_s"] +
+                                                          executor.swap_seconds)
+    result["swap_s"] = executor.swap_seconds
     result["virtual_s"] = executor.clock
     result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     result["rss_growth_gib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 2**20
@@ -287,37 +356,61 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument(flag, action="store_true")
         else:
             p.add_argument(flag, type=type(value), default=value)
-    p.add_argument("--device-tokens", type=int, default=57_000_000)
-    p.add_argument("--host-tokens", type=int, default=617_000_000)
+    p.add_argument("--honest", action="store_true",
+                   help=f"new sessions, compactions and long idle gaps: {HONEST}")
+    add_hardware_args(p)
+    p.add_argument("--device-tokens", type=int, default=None,
+                   help="override (default: from the presets, else the deployment's 57M)")
+    p.add_argument("--host-tokens", type=int, default=None,
+                   help="override (default: from the presets, else the deployment's 617M)")
     p.add_argument("--disk-tokens", type=int, default=0,
-                   help="a disk tier below the host tier (0: none); with it, a third run "
-                        "without it for comparison")
+                   help="a disk tier below the host tier (0: none); with it, a run without "
+                        "it follows for comparison")
     p.add_argument("--write-policy", default="write_back", choices=["write_back",
                                                                     "write_through"])
     p.add_argument("--max-num-batched-tokens", type=int, default=16_384)
     p.add_argument("--sweep", action="store_true",
                    help="host-tier size (0, 1/4, 1/2, 1x of --host-tokens) x write policy")
+    p.add_argument("--compare-no-host", action="store_true",
+                   help="also run the cache without its host tier")
     p.add_argument("--json", default=None)
     args = vars(p.parse_args(argv))
+    if args["honest"]:
+        args.update(HONEST)
     sc = Scenario(**{k: args[k] for k in asdict(sc)})
-    cost = CostModel(**{k: args[k] for k in asdict(cost)})
+    console = Console(width=140)
+    hw_cost, caps = hardware_cost(args)
+    if hw_cost is not None:
+        cost = hw_cost
+        print_capacities(console, hw_cost, caps)
+        if not caps.fits:
+            console.print("the weights do not leave room for a device tier: nothing to run")
+            return 1
+    else:
+        cost = CostModel(**{k: args[k] for k in asdict(cost)})
+    device = args["device_tokens"] or (caps.device_tokens if caps else 57_000_000)
+    host = args["host_tokens"] if args["host_tokens"] is not None else (
+        caps.host_tokens if caps else 617_000_000)
+    if args["no_host_tier"]:
+        host = 0
+    args["device_tokens"], args["host_tokens"] = device, host
     run = lambda host, policy, caching, desc: simulate(  # noqa: E731
-        sc, cost, args["device_tokens"], host, policy, caching, args["max_num_batched_tokens"],
-        desc)
-    results = {"cache on": run(args["host_tokens"], args["write_policy"], True, "cache on"),
-               "cache off": run(args["host_tokens"], args["write_policy"], False, "cache off")}
+        sc, cost, device, host, policy, caching, args["max_num_batched_tokens"], desc)
+    results = {"cache on": run(host, args["write_policy"], True, "cache on")}
     if args["disk_tokens"]:
         results = {"cache on + disk": simulate(
-            sc, cost, args["device_tokens"], args["host_tokens"], args["write_policy"], True,
-            args["max_num_batched_tokens"], "cache on + disk", args["disk_tokens"]), **results}
-    console = Console(width=140)
+            sc, cost, device, host, args["write_policy"], True, args["max_num_batched_tokens"],
+            "cache on + disk", args["disk_tokens"]), **results}
+    if args["compare_no_host"] and host:
+        results["cache on, no host tier"] = run(0, args["write_policy"], True, "no host tier")
+    results["cache off"] = run(host, args["write_policy"], False, "cache off")
     _report(console, sc, args, results)
     if args["sweep"]:
         sweep = {}
         for frac in (0.0, 0.25, 0.5, 1.0):
             for policy in ("write_back", "write_through"):
-                host = int(args["host_tokens"] * frac)
-                sweep[f"host {frac:g}x {policy}"] = run(host, policy, True, f"{frac}x {policy}")
+                h = int(host * frac)
+                sweep[f"host {frac:g}x {policy}"] = run(h, policy, True, f"{frac}x {policy}")
         _sweep_table(console, sweep)
         results["sweep"] = sweep
     if args["json"]:
@@ -347,6 +440,16 @@ def _report(console: Console, sc: Scenario, args: dict, results: dict) -> None:
     console.print(f"hit ratio {100 * on['hit_ratio']:.1f}% (deployment "
                   f"{100 * DEPLOYMENT['hit_ratio']:.0f}%); read rate cache on/off {ratio:.1f}x "
                   f"(deployment {DEPLOYMENT['read_rate_ratio']:.0f}x)")
+    for name, r in results.items():
+        if name == "cache off":
+            continue
+        for way in ("with_first_turns", "without_warmup"):
+            a, b = r[way], off[way]
+            console.print(f"  {name}, {way.replace('_', ' ')}: hit ratio "
+                          f"{100 * a['hit_ratio']:.1f}% (device {100 * a['device_hit_ratio']:.1f}%,"
+                          f" host {100 * a['host_hit_ratio']:.1f}%), read rate "
+                          f"{a['read_tokens_per_s']:,.0f} vs {b['read_tokens_per_s']:,.0f} tok/s "
+                          f"cache off: {a['read_tokens_per_s'] / b['read_tokens_per_s']:.1f}x")
 
 
 def _sweep_table(console: Console, sweep: dict) -> None:
