@@ -103,6 +103,12 @@ class RetainingLru:
         ids = np.asarray(ids, dtype=np.int32)
         if len(ids) == 0:
             return
+        if len(ids) <= 8 and not self._any_retained(ids):  # a decode step's few, plain
+            self.remove(ids)
+            self.plain.push(ids)
+            self.present[ids] = True
+            self.count += len(ids)
+            return
         self.remove(ids)
         keep = self.until[ids] > self.policy.clock()
         room = self.max_retained - self.num_retained
@@ -126,12 +132,17 @@ class RetainingLru:
         if len(ids) == 0:
             return
         self.plain.remove(ids)
-        for q in self.retained.values():
-            before = q.count
-            q.remove(ids)
-            self.num_retained -= before - q.count
+        if self.num_retained:
+            for q in self.retained.values():
+                before = q.count
+                q.remove(ids)
+                self.num_retained -= before - q.count
         self.present[ids] = False
         self.count -= len(ids)
+
+    def _any_retained(self, ids: np.ndarray) -> bool:
+        """Whether a push of ``ids`` would retain any of them (their TTL runs)."""
+        return self.max_retained > 0 and bool((self.until[ids] > self.policy.clock()).any())
 
     def pop(self, k: int, skip: np.ndarray | None = None,
             retained: bool = True) -> np.ndarray:

@@ -97,14 +97,16 @@ def test_hash_index_mass_removal_takes_the_vectorised_path() -> None:
 
 
 @settings(max_examples=150, deadline=None)
+# Batches of up to 8 ids take the plain-int path (cache/lru.py `_FEW`), longer ones the
+# vectorised one: both, interleaved, against one model.
 @given(st.lists(st.tuples(st.sampled_from(["push", "remove", "pop"]),
-                          st.lists(st.integers(0, 9), max_size=6, unique=True),
-                          st.integers(0, 5), st.booleans()),
+                          st.lists(st.integers(0, 19), max_size=16, unique=True),
+                          st.integers(0, 12), st.booleans()),
                 max_size=60))
 def test_lru_matches_ordered_dict(ops) -> None:
-    lru = LruQueue(10)
+    lru = LruQueue(20)
     model: OrderedDict[int, None] = OrderedDict()
-    skip = np.zeros(10, dtype=bool)
+    skip = np.zeros(20, dtype=bool)
     skip[[2, 5]] = True
     for op, ids, k, use_skip in ops:
         if op == "push":
