@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cache.tier import Tier
+from cache.tier import PinnedTier
 
 
 @dataclass
@@ -32,15 +32,13 @@ class _PendingWrite:
     dropped: bool = False
 
 
-class DiskPool(Tier):
+class DiskPool(PinnedTier):
     def __init__(self, num_slots: int, num_ranks: int = 1) -> None:
         assert num_slots >= 0 and num_ranks >= 1
         super().__init__(num_slots)
         self.num_slots = num_slots
         self.num_ranks = num_ranks
-        self.pinned = np.zeros(num_slots, dtype=bool)
         self.pending = np.zeros(num_slots, dtype=bool)
-        self._pinned: list[np.ndarray] = []
         self._writes: dict[int, _PendingWrite] = {}
         self._pending_keys: dict[tuple[int, int], int] = {}  # (lo, hi) -> write id
         self._next_write_id = 0
@@ -139,18 +137,8 @@ class DiskPool(Tier):
     def pin(self, slots: np.ndarray) -> None:
         """Read by this step's ops: kept until `unpin_all`, and a use (most recent)."""
         slots = np.asarray(slots, dtype=np.int32)
-        if len(slots) == 0:
-            return
         assert self.index.is_registered(slots).all(), "reading a disk slot not committed"
-        new = slots[~self.pinned[slots]]
-        self.pinned[new] = True
-        self._pinned.append(new)
-        self.lru.push(slots)
-
-    def unpin_all(self) -> None:
-        for slots in self._pinned:
-            self.pinned[slots] = False
-        self._pinned = []
+        super().pin(slots)
 
     # --- start-up -------------------------------------------------------------------
 

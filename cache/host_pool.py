@@ -15,17 +15,14 @@ from __future__ import annotations
 import numpy as np
 
 from cache.retention import RetentionPolicy
-from cache.tier import Tier
+from cache.tier import PinnedTier
 
 
-class HostPool(Tier):
+class HostPool(PinnedTier):
     def __init__(self, num_slots: int, retention: RetentionPolicy | None = None) -> None:
         assert num_slots >= 0
         super().__init__(num_slots, retention)  # the LRU holds exactly the registered slots
         self.num_slots = num_slots
-        self.pinned = np.zeros(num_slots, dtype=bool)
-        self.num_pinned = 0
-        self._pinned: list[np.ndarray] = []
 
     def held(self) -> np.ndarray:
         return self.pinned
@@ -36,23 +33,6 @@ class HostPool(Tier):
 
     def find(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         return self.index.find(lo, hi)
-
-    def pin(self, slots: np.ndarray) -> None:
-        """Pin for this step and mark most recently used (a hit or a fresh copy)."""
-        slots = np.asarray(slots, dtype=np.int32)
-        if len(slots) == 0:
-            return
-        new = slots[~self.pinned[slots]]
-        self.pinned[new] = True
-        self.num_pinned += len(new)
-        self._pinned.append(new)
-        self.lru.push(slots)
-
-    def unpin_all(self) -> None:
-        for slots in self._pinned:
-            self.pinned[slots] = False
-        self._pinned = []
-        self.num_pinned = 0
 
     def take(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Up to ``k`` slots to write: free ones, then the least recently used unpinned

@@ -49,3 +49,31 @@ class Tier:
         self.index.insert(ids, lo, hi)
         self.lru.push(ids)
         return ids
+
+
+class PinnedTier(Tier):
+    """A tier of slots that this step's ops pin (host slots copied to or from, disk slots
+    read): pinned until the ops are drained (`unpin_all`), and each pin a use."""
+
+    def __init__(self, num_items: int, retention: RetentionPolicy | None = None) -> None:
+        super().__init__(num_items, retention)
+        self.pinned = np.zeros(num_items, dtype=bool)
+        self.num_pinned = 0
+        self._pinned: list[np.ndarray] = []
+
+    def pin(self, slots: np.ndarray) -> None:
+        """Pin for this step and mark most recently used (a hit or a fresh copy)."""
+        slots = np.asarray(slots, dtype=np.int32)
+        if len(slots) == 0:
+            return
+        new = slots[~self.pinned[slots]]
+        self.pinned[new] = True
+        self.num_pinned += len(new)
+        self._pinned.append(new)
+        self.lru.push(slots)
+
+    def unpin_all(self) -> None:
+        for slots in self._pinned:
+            self.pinned[slots] = False
+        self._pinned = []
+        self.num_pinned = 0
