@@ -447,7 +447,8 @@ def _report(console: Console, sc: Scenario, args: dict, results: dict) -> None:
             a, b = r[way], off[way]
             console.print(f"  {name}, {way.replace('_', ' ')}: hit ratio "
                           f"{100 * a['hit_ratio']:.1f}% (device {100 * a['device_hit_ratio']:.1f}%,"
-                          f" host {100 * a['host_hit_ratio']:.1f}%), read rate "
+                          f" host {100 * a['host_hit_ratio']:.1f}%, disk "
+                          f"{100 * a['disk_hit_ratio']:.1f}%), read rate "
                           f"{a['read_tokens_per_s']:,.0f} vs {b['read_tokens_per_s']:,.0f} tok/s "
                           f"cache off: {a['read_tokens_per_s'] / b['read_tokens_per_s']:.1f}x")
 

@@ -57,7 +57,7 @@ def test_check_names_the_rank_and_block_and_stacks_show_the_stall(engine):
     assert sorted(main) == [0, 1, 2, 3]
     assert "time.sleep" in main[1] or "on_applied" in main[1]
     for rank in (0, 2, 3):
-        assert "execute" in main[rank]  # inside the forward pass, waiting for rank 1
+        assert "in launch" in main[rank]  # inside the forward pass, waiting for rank 1
     assert "executor.py" in stacks["scheduler"]["threads"]["MainThread"]
 
     status, check = engine.inspect_json("check")
