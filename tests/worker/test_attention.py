@@ -108,10 +108,14 @@ PATH_CASES = [
     [(1, 20), (1, 90), (7, 7), (16, 33)],
     [(1, 129)],
     [(64, 64), (16, 48)],
-    # drafted decodes (speculative decoding): short chunks behind a prefix run as one
-    # decode per query row; at the size limit, past it (a prefill), and with no prefix
+    # drafted decodes (speculative decoding): short chunks behind a prefix run as decodes
+    # of several query rows (plain torch: one decode per row); at the size limit, past it
+    # (a prefill), and with no prefix
     [(5, 40), (1, 17), (8, 100), (2, 16), (9, 60), (3, 3)],
     [(4, 33)],
+    # the kernel's context splits (256 keys): rows on either side of a split's edge, and
+    # a row whose last split it does not see at all
+    [(6, 260), (8, 513), (1, 257), (3, 258)],
 ]
 
 

@@ -73,15 +73,19 @@ class _Decode:
 
 @dataclass
 class _KernelDecode:
-    """The compiled kernel's inputs for the step's decodes (one query each)."""
+    """The compiled kernel's inputs for the step's decodes: per sequence its first query
+    row and query count (1, or the rows of a short chunk behind a prefix: a speculative
+    verify), read together over one pass of its pages."""
 
-    rows: torch.Tensor  # [B] int64, their query rows
+    rows: torch.Tensor  # [B] int64, each one's first query row
+    n_q: torch.Tensor  # [B] int64, its query rows (causal: each sees one key more)
     page_start: torch.Tensor  # [B] int64, where each one's pages begin in kv_indices
-    kv_lens: torch.Tensor  # [B] int64
+    kv_lens: torch.Tensor  # [B] int64, the keys its last query row sees
     kv_indices: torch.Tensor  # [num_pages] int32, the step's whole page list
 
 
-# Chunks of at most this many queries behind a prefix run as decodes, one per query row.
+# Chunks of at most this many queries behind a prefix run as decodes: in the compiled
+# kernel as one sequence of several query rows; in plain torch one decode per query row.
 MAX_ROWS_AS_DECODES = 8
 
 
@@ -114,10 +118,13 @@ class TorchAttentionBackend:
         self._prefills = []
         # one query row each: (row, its first page in kv_indices, its page count, keys)
         decodes: list[tuple[int, int, int, int]] = []
+        # the kernel's: one per sequence, (first row, query rows, first page, keys)
+        grouped: list[tuple[int, int, int, int]] = []
         for i in range(meta.num_seqs):
             q_len, kv_len = qo[i + 1] - qo[i], kv_lens[i]
             assert 0 < q_len <= kv_len, f"seq {i}: {q_len} queries over {kv_len} keys"
             if q_len == 1 or (q_len <= MAX_ROWS_AS_DECODES and q_len < kv_len):
+                grouped.append((qo[i], q_len, kv[i], kv_len))
                 for j in range(q_len):  # row j sees the keys up to its own position
                     n = kv_len - q_len + 1 + j
                     decodes.append((qo[i] + j, kv[i], -(-n // page), n))
@@ -125,11 +132,11 @@ class TorchAttentionBackend:
             self._prefills.append(_Prefill(
                 qo[i], q_len, kv_len, _pages(indices[kv[i] : kv[i + 1]], self.device)))
         self._decode, self._kernel_decode = None, None
-        if self.kernels is not None and decodes:
-            long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+        if self.kernels is not None and grouped:
+            long = lambda k: torch.tensor([g[k] for g in grouped], dtype=torch.long)  # noqa: E731
             self._kernel_decode = _KernelDecode(
-                long([d[0] for d in decodes]), long([d[1] for d in decodes]),
-                long([d[3] for d in decodes]), meta.kv_indices.to(torch.int32).contiguous())
+                long(0), long(1), long(2), long(3),
+                meta.kv_indices.to(torch.int32).contiguous())
         else:
             self._decode = self._plan_decode(decodes, indices, page)
 
@@ -181,8 +188,8 @@ class TorchAttentionBackend:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for p in self._prefills:
             out[p.start : p.start + p.q_len] = self._run_prefill(p, q, k_cache, v_cache)
-        self.kernels.paged_decode(out, q, k_cache, v_cache, kd.rows, kd.page_start, kd.kv_lens,
-                                  kd.kv_indices, 1.0 / math.sqrt(self.head_dim))
+        self.kernels.paged_decode(out, q, k_cache, v_cache, kd.rows, kd.n_q, kd.page_start,
+                                  kd.kv_lens, kd.kv_indices, 1.0 / math.sqrt(self.head_dim))
         return out
 
     def _run_prefill(self, p: _Prefill, q: torch.Tensor, k_cache: torch.Tensor,
