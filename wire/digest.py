@@ -62,11 +62,11 @@ def _entries_sum(kind: int, ids: np.ndarray, hashes: np.ndarray) -> int:
 
 def samples_digest(sampled: list[tuple[int, int]]) -> int:
     """A rank's sampled (seq id, token) pairs as one number (StepResult.sampled_digest);
-    never 0, so 0 can mean "did not sample"."""
-    s = 0
-    for seq_id, token in sampled:
-        s = _mix64(s ^ _mix64((seq_id << 32) ^ (token & 0xFFFFFFFF)))
-    return s or 1
+    never 0, so 0 can mean "did not sample". Python's own tuple hash: for ints it is the
+    same in every process (PYTHONHASHSEED salts only str and bytes), and it runs in C --
+    this sits between a rank's forward and its next, where mixing each pair in Python
+    cost ~0.3 ms at batch 256."""
+    return hash(tuple(sampled)) or 1
 
 
 def table_digest(seq_id: int, block_ids: list[int] | np.ndarray, start: int = 0) -> int:
