@@ -11,7 +11,7 @@ from cache.hashing import BlockHashChain
 from scheduler.guided import Guide
 from scheduler.speculation import NgramIndex
 from scheduler.thinking import ThinkingBudget
-from wire.client import GenerateRequest
+from wire.client import GenerateRequest, RequestOutput
 
 
 class SeqStatus(enum.Enum):
@@ -93,3 +93,41 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self._tokens)
+
+    def stop_reason(self, token: int, max_model_len: int) -> str | None:
+        """Why `token`, just appended, ends the sequence (None: it goes on); a grammar or
+        thinking span takes the token in here."""
+        if token in self.stop_token_ids:  # the end, inside a span or not: not reasoning
+            return "stop"
+        spanned = self.thinking is not None and self.thinking.accept(token)
+        if self.guide is not None and not spanned:  # the grammar holds the answer only
+            if not self.guide.accept(token):  # rank 0 sampled outside the mask it was sent
+                self.error_type = "internal"
+                self.error = f"token {token} broke the request's grammar: {self.guide.error}"
+                return "error"
+            if self.guide.complete:  # the grammar allows nothing more: the answer is whole
+                return "stop"
+        # max_tokens, or before it the room the context leaves after the prompt
+        if (len(self.output) >= self.request.max_tokens
+                or self.num_tokens >= max_model_len):
+            return "length"
+        return None
+
+    def take_output(self) -> RequestOutput:
+        """The output to stream now: the tokens not sent yet, and the end if it came."""
+        new = self.output[self.num_emitted:]
+        self.num_emitted = len(self.output)
+        finished = self.status is SeqStatus.FINISHED
+        return RequestOutput(
+            request_id=self.request_id,
+            token_ids=new,
+            finished=finished,
+            finish_reason=self.finish_reason if finished else None,
+            num_prompt_tokens=len(self.prompt),
+            num_device_cached_tokens=self.num_device_cached,
+            num_host_cached_tokens=self.num_host_cached,
+            error=self.error if finished else None,
+            error_type=self.error_type if finished else None,
+            num_reasoning_tokens=self.thinking.num_tokens if self.thinking is not None else 0,
+            num_disk_cached_tokens=self.num_disk_cached,
+        )

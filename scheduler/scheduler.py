@@ -124,11 +124,11 @@ class Scheduler:
             self.queue.remove(request_id)
             del self._by_request[request_id]
             seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
-            return self._output(seq)
+            return seq.take_output()
         if self._awaiting.pop(seq.seq_id, None) is None:
             self.running.remove(seq)
         self._finish(seq, reason)  # an awaiting one is closed already: its token is dropped
-        return self._output(seq)
+        return seq.take_output()
 
     def _expire(self, now: float) -> None:
         """End every live request whose deadline has passed, through the abort path
@@ -256,7 +256,7 @@ class Scheduler:
             elif len(self.running) == 1:  # alone and still out of room: it can never fit
                 self.running.pop(i)
                 self._finish(seq, "length")
-                self._pending_outputs.append(self._output(seq))
+                self._pending_outputs.append(seq.take_output())
             else:
                 self._preempt(seq, plan)
 
@@ -276,7 +276,7 @@ class Scheduler:
             if seq.num_preemptions == 0 and seq.num_computed + num_new < seq.num_tokens:
                 # a prefill of several steps: tell the requester its cached share now (an
                 # output without tokens), not only with the first token
-                self._pending_outputs.append(self._output(seq))
+                self._pending_outputs.append(seq.take_output())
             self.running.append(seq)
             self._schedule(plan, seq, num_new)
             budget -= num_new
@@ -389,7 +389,7 @@ class Scheduler:
             self.queue.pop()
             seq.error_type, seq.error = "invalid_request", str(exc)
             self._finish(seq, "error")
-            self._pending_outputs.append(self._output(seq))
+            self._pending_outputs.append(seq.take_output())
         return True
 
     def _admit(self, seq: Sequence, budget: int) -> bool:
@@ -478,7 +478,7 @@ class Scheduler:
                 assert len(tokens) == 1, f"seq {seq_id}: {len(tokens)} tokens, no drafts"
             for token in tokens:
                 seq.append_output(token)
-                reason = self._stop_reason(seq, token)
+                reason = seq.stop_reason(token, self.limits.max_model_len)
                 if reason is not None:  # the accepted tokens after it are dropped
                     self.running.remove(seq)
                     self._finish(seq, reason)
@@ -486,7 +486,7 @@ class Scheduler:
             else:
                 if drafted:
                     self._trim(seq)
-            outputs.append(self._output(seq))
+            outputs.append(seq.take_output())
         return outputs
 
     def _trim(self, seq: Sequence) -> None:
@@ -508,42 +508,7 @@ class Scheduler:
         seq.num_pending -= 1
         seq.append_output(token)
         seq.first_token_time = seq.first_token_time or now
-        reason = self._stop_reason(seq, token)
+        reason = seq.stop_reason(token, self.limits.max_model_len)
         assert reason is not None, f"seq {seq.seq_id} was closed ahead of a token not its last"
         self._finish(seq, reason)  # closed already: it only leaves
-        return self._output(seq)
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        if token in seq.stop_token_ids:  # the end, inside a span or not: not reasoning
-            return "stop"
-        spanned = seq.thinking is not None and seq.thinking.accept(token)
-        if seq.guide is not None and not spanned:  # the grammar holds the answer only
-            if not seq.guide.accept(token):  # rank 0 sampled outside the mask it was sent
-                seq.error_type = "internal"
-                seq.error = f"token {token} broke the request's grammar: {seq.guide.error}"
-                return "error"
-            if seq.guide.complete:  # the grammar allows nothing more: the answer is whole
-                return "stop"
-        # max_tokens, or before it the room the context leaves after the prompt
-        if (len(seq.output) >= seq.request.max_tokens
-                or seq.num_tokens >= self.limits.max_model_len):
-            return "length"
-        return None
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        new = seq.output[seq.num_emitted:]
-        seq.num_emitted = len(seq.output)
-        finished = seq.status is SeqStatus.FINISHED
-        return RequestOutput(
-            request_id=seq.request_id,
-            token_ids=new,
-            finished=finished,
-            finish_reason=seq.finish_reason if finished else None,
-            num_prompt_tokens=len(seq.prompt),
-            num_device_cached_tokens=seq.num_device_cached,
-            num_host_cached_tokens=seq.num_host_cached,
-            error=seq.error if finished else None,
-            error_type=seq.error_type if finished else None,
-            num_reasoning_tokens=seq.thinking.num_tokens if seq.thinking is not None else 0,
-            num_disk_cached_tokens=seq.num_disk_cached,
-        )
+        return seq.take_output()
