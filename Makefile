@@ -21,7 +21,7 @@ install: $(INSTALLED) $(TINY)/deepinfer_tiny.json $(SMOLLM2) cpu-kernels
 # ~/.cache/torch_extensions, named after the CPU's flags; a second run only loads it).
 # Without a C++ compiler the engine runs its plain-torch path, a few times slower.
 cpu-kernels: $(INSTALLED)
-	@$(PY) -m worker.attention.cpu_kernels || \
+	@$(PY) -m worker.cpu_kernels || \
 		echo "warning: the CPU attention kernel did not build (is a C++ compiler installed?)"
 
 # On a CUDA machine the venv sees the system's CUDA torch; elsewhere a CPU

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.distributed import TensorParallelGroup
+from worker.linear import Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,15 +66,16 @@ class ParallelLMHead:
     `everywhere` every rank does."""
 
     def __init__(self, weight: torch.Tensor, rows_per_rank: int, vocab_size: int,
-                 tp: TensorParallelGroup, everywhere: bool = False):
+                 tp: TensorParallelGroup, linear: Linear, everywhere: bool = False):
         self.weight = weight  # [rows on this rank, hidden]
+        self.linear = linear
         self.rows_per_rank = rows_per_rank
         self.vocab_size = vocab_size
         self.tp = tp
         self.everywhere = everywhere
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = hidden @ self.weight.t()  # [B, rows on this rank]
+        logits = self.linear(hidden, self.weight)  # [B, rows on this rank]
         pad = self.rows_per_rank - logits.shape[-1]
         if pad:  # the last rank's shard may be short; gather needs equal sizes
             logits = F.pad(logits, (0, pad))

@@ -17,6 +17,7 @@ from worker.distributed import TensorParallelGroup
 from worker.gguf import open_checkpoint
 from worker.kv_cache import KVCache
 from worker.layers import ParallelLMHead, Rotary, VocabParallelEmbedding, rms_norm
+from worker.linear import Linear
 from worker.model_config import ModelConfig
 from worker.weights import CheckpointReader
 
@@ -48,6 +49,7 @@ class LlamaModel:
         self.num_kv_heads = config.num_kv_heads // tp.world_size
         self.head_dim = config.head_dim
         self.rotary = Rotary(config.inv_freq(), device)
+        self.linear = Linear(device)  # the few-row CPU kernel where it pays, else torch
         self.layers: list[LayerWeights] = []
 
     # --- loading ---------------------------------------------------------------
@@ -61,7 +63,7 @@ class LlamaModel:
         self.embed = VocabParallelEmbedding(self._dev(embed), v0, cfg.vocab_size, self.tp)
         head = embed if cfg.tie_word_embeddings else reader.rows("lm_head.weight", v0, v1)
         self.lm_head = ParallelLMHead(self._dev(head), vocab_rows, cfg.vocab_size, self.tp,
-                                      self.logits_everywhere)
+                                      self.linear, self.logits_everywhere)
         self.norm = self._dev(reader.full("model.norm.weight"))
         self.layers = [self._load_layer(reader, i) for i in range(cfg.num_layers)]
         reader.close()
@@ -138,7 +140,7 @@ class LlamaModel:
                    sin: torch.Tensor, slots: torch.Tensor, kv: KVCache,
                    attn: AttentionBackend) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        qkv = F.linear(x, w.qkv, w.qkv_bias)
+        qkv = self.linear(x, w.qkv, w.qkv_bias)
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
         v = v.view(t, self.num_kv_heads, d)
         if w.q_norm is not None:  # Qwen3: RMSNorm over each head before rotary
@@ -153,9 +155,9 @@ class LlamaModel:
         kv.wait_layer(i)  # this layer's tier copies (CUDA side stream) are done
         kv.write(i, k, v, slots)
         o = attn.forward(q, kv.k[i], kv.v[i])  # [T, heads on this rank, head_dim]
-        out = self.tp.all_reduce(F.linear(o.reshape(t, -1), w.o))
+        out = self.tp.all_reduce(self.linear(o.reshape(t, -1), w.o))
         return out if w.o_bias is None else out + w.o_bias
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
-        return self.tp.all_reduce(F.linear(F.silu(gate) * up, w.down))
+        gate, up = self.linear(x, w.gate_up).chunk(2, dim=-1)
+        return self.tp.all_reduce(self.linear(F.silu(gate) * up, w.down))

@@ -13,7 +13,8 @@ import shutil
 import pytest
 import torch
 
-from worker.attention import AttentionMetadata, cpu_kernels, create_backend
+from worker import cpu_kernels
+from worker.attention import AttentionMetadata, create_backend
 
 PAGE = 16
 CASES = [

@@ -30,7 +30,7 @@ def create_backend(name: str, num_qo_heads: int, num_kv_heads: int, head_dim: in
             num_qo_heads, num_kv_heads, head_dim, page_size, dtype, device
         )
     if name == "torch":
-        from worker.attention import cpu_kernels
+        from worker import cpu_kernels
         from worker.attention.torch_backend import TorchAttentionBackend
 
         kernels = cpu_kernels.load() if device.type == "cpu" else None

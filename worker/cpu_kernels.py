@@ -1,17 +1,20 @@
-"""The torch backend's compiled CPU kernel: paged decode attention read in place.
+"""The compiled CPU kernels: paged decode attention and the few-row linear layer.
 
-Decoding is memory-bound on CPU: each step reads every sequence's whole context
-once per layer. Gathering the pages into a padded copy first (all plain torch can
-do) reads and writes that context twice more; at 16 sequences of 3,000 tokens the
-gather cost several times the attention itself. `csrc/paged_decode.cpp` reads the
-pages where they are.
+Decoding is memory-bound on CPU, and plain torch reads memory badly in both places:
+- Attention reads every sequence's whole context once per layer. Gathering the pages
+  into a padded copy first (all plain torch can do) reads and writes that context twice
+  more; at 16 sequences of 3,000 tokens the gather cost several times the attention
+  itself. `csrc/paged_decode.cpp` reads the pages where they are.
+- A linear layer over a few rows (a decode batch, a speculative verify) is a read of
+  its weights; torch's GEMM reads them at a fraction of the memory's rate.
+  `csrc/small_linear.cpp` streams them once (worker/linear.py picks it).
 
 It is compiled once per machine by torch's extension builder (`make install` does
-it: `python -m worker.attention.cpu_kernels`), for this CPU's instruction set: the
+it: `python -m worker.cpu_kernels`), for this CPU's instruction set: the
 build's name carries a digest of the CPU flags, so a checkout that moves to another
 processor builds anew instead of loading instructions the CPU lacks. Without a C++
-compiler, or with DEEPINFER_CPU_KERNELS=0, the backend keeps its plain-torch path
-(the reference the kernel is tested against).
+compiler, or with DEEPINFER_CPU_KERNELS=0, the engine keeps plain torch
+(the reference the kernels are tested against).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import structlog
 
 from worker.budget import cpu_flags
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+SOURCES = [Path(__file__).with_name("csrc") / name
+           for name in ("module.cpp", "paged_decode.cpp", "small_linear.cpp")]
 ENV_SWITCH = "DEEPINFER_CPU_KERNELS"
 
 log = structlog.get_logger("deepinfer.worker")
@@ -37,7 +41,7 @@ _failed: str | None = None
 
 def build_name() -> str:
     digest = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:10]
-    return f"deepinfer_paged_decode_{digest}"
+    return f"deepinfer_cpu_kernels_{digest}"
 
 
 def enabled() -> bool:
@@ -56,20 +60,20 @@ def load(verbose: bool = False) -> ModuleType | None:
             from torch.utils.cpp_extension import load as build
 
             _loaded = build(
-                name=build_name(), sources=[str(SOURCE)],
+                name=build_name(), sources=[str(p) for p in SOURCES],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=verbose)
         except Exception as e:  # no compiler, no ninja, a build error: keep plain torch
             _failed = f"{type(e).__name__}: {e}"
             log.warning("cpu_kernels_unavailable", error=_failed[:500],
-                        fallback="plain-torch paged attention (gathered pages)")
+                        fallback="plain torch (gathered pages, torch GEMM)")
         return _loaded
 
 
 def main() -> None:
     module = load(verbose=True)
     if module is None:
-        raise SystemExit(f"the CPU attention kernel did not build: {_failed}")
+        raise SystemExit(f"the CPU kernels did not build: {_failed}")
     print(f"built {build_name()} ({module.__file__})")
 
 

@@ -12,6 +12,8 @@
 // it one key fewer (causal). Query head h reads KV head h / G (G = H / Hkv), as HF's
 // repeat_kv does.
 
+#include "kernels.h"
+
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -203,6 +205,8 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
   });
 }
 
+}  // namespace
+
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                   torch::Tensor v_cache, torch::Tensor rows, torch::Tensor n_q,
                   torch::Tensor page_start, torch::Tensor kv_lens, torch::Tensor kv_indices,
@@ -240,12 +244,4 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
     case at::kHalf: run(c10::Half(0.f)); break;
     default: TORCH_CHECK(false, "paged_decode takes float32, bfloat16 or float16, not ", q.scalar_type());
   }
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode,
-        "paged decode attention, a few causal queries per sequence, read in place from the "
-        "KV pages");
 }

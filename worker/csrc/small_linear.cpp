@@ -1,0 +1,142 @@
+// x [M, K] @ w [N, K]^T for a few rows of x: the linear layers of a decode step (one
+// row per sequence) or a speculative verify (1 + K rows).
+//
+// With few rows a linear layer is a read of its weights: M rows do 2M FLOPs per weight
+// read. torch's CPU GEMM reads them at 8-10 GB/s for one row and, from two rows up, at
+// 2-5 GB/s (it packs the weights for a GEMM whose M is tiny), where the machine's memory
+// gives 20+ GB/s. Here every weight row is loaded once per block of up to 8 rows of x and
+// multiplied into all of them from registers, so the weights stream from memory once
+// and the rows of x stay in L1.
+//
+// Weights float32 or bfloat16 (widened in registers: bf16 is float32's top half); x of the
+// weights' dtype, computed in float32, the result rounded to that dtype once (as torch
+// accumulates in float32). The vector width is the machine's: 16 floats with AVX-512,
+// 8 without; register blocking is sized to that register file.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
+constexpr int kAccumulators = 24;  // of 32 vector registers: the rest hold w and x
+#else
+constexpr int kLanes = 8;
+constexpr int kAccumulators = 10;  // of 16
+#endif
+constexpr int kRowsOfX = 8;        // rows of x a weight load is multiplied into
+constexpr int64_t kRowsOfW = 32;   // weight rows a work item covers
+
+typedef float vfloat __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t vbits16 __attribute__((vector_size(2 * kLanes)));
+typedef uint32_t vbits32 __attribute__((vector_size(4 * kLanes)));
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline vfloat load(const c10::BFloat16* p) {
+  vbits16 half;
+  std::memcpy(&half, p, sizeof half);
+  const vbits32 wide = __builtin_convertvector(half, vbits32) << 16;
+  vfloat v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
+inline float widen(float w) { return w; }
+inline float widen(c10::BFloat16 w) { return static_cast<float>(w); }
+
+inline float horizontal_sum(vfloat v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// y[a, n0 + b] for a < MB, b < NB: MB rows of x against NB weight rows, MB * NB
+// accumulators in registers.
+template <int MB, int NB, typename W>
+inline void tile(const float* x, const W* w, int64_t k, float* y, int64_t n, int64_t n0) {
+  vfloat acc[MB][NB] = {};
+  const int64_t k_vec = k / kLanes * kLanes;
+  for (int64_t i = 0; i < k_vec; i += kLanes) {
+    vfloat wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = load(w + (n0 + b) * k + i);
+    for (int a = 0; a < MB; ++a) {
+      const vfloat xv = load(x + a * k + i);
+      for (int b = 0; b < NB; ++b) acc[a][b] += xv * wv[b];
+    }
+  }
+  for (int a = 0; a < MB; ++a)
+    for (int b = 0; b < NB; ++b) {
+      float s = horizontal_sum(acc[a][b]);
+      for (int64_t i = k_vec; i < k; ++i) s += x[a * k + i] * widen(w[(n0 + b) * k + i]);
+      y[a * n + n0 + b] = s;
+    }
+}
+
+template <int MB, typename W>
+void weight_rows(const float* x, const W* w, int64_t k, float* y, int64_t n, int64_t n0,
+                 int64_t n1) {
+  constexpr int NB = std::max(1, std::min(8, kAccumulators / MB));
+  int64_t at = n0;
+  for (; at + NB <= n1; at += NB) tile<MB, NB>(x, w, k, y, n, at);
+  for (; at < n1; ++at) tile<MB, 1>(x, w, k, y, n, at);
+}
+
+template <typename W>
+void rows_of_x(const float* x, int64_t m, const W* w, int64_t k, float* y, int64_t n,
+               int64_t n0, int64_t n1) {
+  for (int64_t a = 0; a < m; a += kRowsOfX) {
+    const float* xa = x + a * k;
+    float* ya = y + a * n;
+    switch (std::min<int64_t>(kRowsOfX, m - a)) {
+      case 1: weight_rows<1>(xa, w, k, ya, n, n0, n1); break;
+      case 2: weight_rows<2>(xa, w, k, ya, n, n0, n1); break;
+      case 3: weight_rows<3>(xa, w, k, ya, n, n0, n1); break;
+      case 4: weight_rows<4>(xa, w, k, ya, n, n0, n1); break;
+      case 5: weight_rows<5>(xa, w, k, ya, n, n0, n1); break;
+      case 6: weight_rows<6>(xa, w, k, ya, n, n0, n1); break;
+      case 7: weight_rows<7>(xa, w, k, ya, n, n0, n1); break;
+      default: weight_rows<8>(xa, w, k, ya, n, n0, n1); break;
+    }
+  }
+}
+
+template <typename W>
+void run(const float* x, int64_t m, const W* w, int64_t n, int64_t k, float* y) {
+  // Split along the weight rows, so every thread streams its own part of w once.
+  const int64_t items = (n + kRowsOfW - 1) / kRowsOfW;
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    rows_of_x(x, m, w, k, y, n, i0 * kRowsOfW, std::min(n, i1 * kRowsOfW));
+  });
+}
+
+}  // namespace
+
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "small_linear: x [M, K] and w [N, K]");
+  TORCH_CHECK(w.is_contiguous(), "small_linear: w must be contiguous");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "small_linear: x and w must share a dtype");
+  const auto xf = x.to(at::kFloat).contiguous();
+  const int64_t m = xf.size(0), k = xf.size(1), n = w.size(0);
+  auto y = torch::empty({m, n}, xf.options());
+  switch (w.scalar_type()) {
+    case at::kFloat:
+      run(xf.data_ptr<float>(), m, w.data_ptr<float>(), n, k, y.data_ptr<float>());
+      return y;
+    case at::kBFloat16:
+      run(xf.data_ptr<float>(), m, w.data_ptr<c10::BFloat16>(), n, k, y.data_ptr<float>());
+      return y.to(at::kBFloat16);
+    default:
+      TORCH_CHECK(false, "small_linear takes float32 or bfloat16 weights, not ", w.scalar_type());
+  }
+}
