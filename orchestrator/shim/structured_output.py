@@ -102,7 +102,9 @@ def tool_call_grammar(tools: list[dict[str, Any]], name: str | None,
 
 # A string value, with the newline and `</parameter>` that end it: one terminal, so the
 # lexer cannot end the value early; it holds neither closing tag (the parser would end
-# the value, or the call, there).
+# the value, or the call, there). A string's minLength / maxLength are not held: a bounded
+# repeat inside this intersection makes llguidance's lexer give up ("ParserTooComplex")
+# from about 200 characters.
 _XML_TEXT = (r'XML_TEXT: /(?s:.*)\n<\/parameter>/'
              r' & ~/(?s:.*(<\/parameter>|<\/tool_call>).*\n<\/parameter>)/')
 

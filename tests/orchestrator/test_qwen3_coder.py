@@ -265,3 +265,48 @@ def test_a_forced_call_names_only_the_requests_tools(guides, tiny_tokenizer) -> 
     grammar = tool_call_grammar(TOOLS, None, p.opening, p.call_format)
     assert not follows(guides, grammar, tiny_tokenizer, "Other>\n</function>")
     assert follows(guides, grammar, tiny_tokenizer, "Anything>\n</function>")
+
+
+# --- the real engine under the grammar -------------------------------------------------
+
+PICK = [tool("Pick", {"color": {"enum": ["red", "green", "blue"]},
+                      "n": {"type": "integer", "minimum": 1, "maximum": 9},
+                      "ok": {"type": "boolean"}}, ["color", "n", "ok"],
+             additionalProperties=False),
+        tool("Done", {}, additionalProperties=False)]
+
+
+@pytest.mark.slow  # the engine's start: seconds alone, a minute on a loaded 2-core machine
+def test_the_random_model_writes_a_forced_call_the_parser_reads(default_model,
+                                                                tiny_tokenizer) -> None:
+    """The scheduler masks the random-weight model's tokens with the grammar (greedy and
+    sampled): its answer, after the opening, is a call the parser reads whole (the
+    grammar's end is `</function>`, then EOS: no closing tag)."""
+    from tests.scheduler.engine_harness import inprocess_engine, run_until_done
+    from wire.client import GenerateRequest, SamplingParams
+
+    requests, openings = [], {}
+    for name, seed in (("Pick", None), (None, 1)):
+        p = make_tool_parser("qwen3_coder", PICK)
+        grammar = tool_call_grammar(PICK, name, p.opening, p.call_format)
+        prompt = tiny_tokenizer.encode("<|im_start|>user\nPick one.<|im_end|>\n"
+                                       "<|im_start|>assistant\n" + p.opening(name)).ids
+        rid = f"{name}-{seed}"
+        openings[rid] = p.opening(name)
+        sampling = SamplingParams() if seed is None else SamplingParams(temperature=1.0,
+                                                                        seed=seed)
+        requests.append(GenerateRequest(rid, prompt, max_tokens=48, grammar=grammar,
+                                        sampling=sampling))
+    out = run_until_done(inprocess_engine(default_model, full_cache_check_every=0), requests)
+    for rid, opening in openings.items():
+        assert out[rid]["finish_reason"] == "stop", out[rid]
+        reader = make_tool_parser("qwen3_coder", PICK)
+        text = tiny_tokenizer.decode(out[rid]["tokens"])
+        [event] = reader.feed(opening) + reader.feed(text) + reader.finish()
+        assert isinstance(event, ToolCall), text
+        if event.name == "Pick":
+            args = event.arguments
+            assert set(args) == {"color", "n", "ok"} and args["color"] in ("red", "green", "blue")
+            assert type(args["n"]) is int and 1 <= args["n"] <= 9 and type(args["ok"]) is bool
+        else:
+            assert rid.startswith("None") and (event.name, event.arguments) == ("Done", {})
