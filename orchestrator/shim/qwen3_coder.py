@@ -13,9 +13,11 @@ A value is raw text: the template writes `str(value)` (JSON for objects and arra
 between a newline after `<parameter=P>` and one before `</parameter>`, so those two
 newlines are dropped and the rest is typed by the parameter's JSON schema, as vLLM's
 qwen3_coder parser does: a string stays the text; integer, number, boolean, null, object
-and array are read as JSON (booleans in any case: the template writes Python's "True"),
-and a value that does not read as its type stays the text. A parameter the schema does
-not name, or a tool the request does not have, keeps its text.
+and array are read as JSON (booleans in any case: the template writes Python's "True";
+"null" is None unless the value can only be a string), and a value that does not read
+as its type stays the text (vLLM tries Python literals too; arguments here are JSON
+only). A parameter the schema does not name, or a tool the request does not have, keeps
+its text.
 
 A call must be whole to count: every parameter closed, then `</function>` (the closing
 `</tool_call>` may be missing where the answer ended at EOS, as after a forced call's
