@@ -122,13 +122,14 @@ def forced_call(state: ServerState, req: ChatRequest) -> ForcedCall:
     choice = req.tool_choice
     if choice.mode not in ("required", "named"):
         return ForcedCall()
-    parser = make_tool_parser(state.options.tool_call_parser)
+    parser = make_tool_parser(state.options.tool_call_parser, req.tools)
     opening = parser.opening(choice.name)
     if opening is None:
         raise ApiError("tool_choice cannot require a tool call: this server does not parse "
                        f"them (--tool-call-parser {state.options.tool_call_parser})",
                        param="tool_choice")
-    return ForcedCall(opening, tool_call_grammar(req.tools, choice.name, parser.opening))
+    return ForcedCall(opening, tool_call_grammar(req.tools, choice.name, parser.opening,
+                                                 parser.call_format))
 
 
 async def render_prompt(state: ServerState, req: ChatRequest) -> str:
@@ -247,8 +248,7 @@ class ChatRun:
             self.gen.log_fields["tenant"] = hints.tenant
         parse_calls = req.tools and req.tool_choice.mode != "none" and not formatted
         self.parser: ToolParser = make_tool_parser(
-            state.options.tool_call_parser if parse_calls else "none",
-            [t["function"]["name"] for t in req.tools])
+            state.options.tool_call_parser if parse_calls else "none", req.tools)
         # the model's answer continues the forced opening: the parser reads it first (and
         # holds it, as the start of a call)
         self.parser.feed(prompt.forced)

@@ -91,7 +91,10 @@ def add_shim_arguments(p: argparse.ArgumentParser) -> None:
                         "(0: only the context limits it)")
     p.add_argument("--tool-call-parser", default=ShimOptions.tool_call_parser,
                    choices=TOOL_CALL_PARSERS,
-                   help="how the shim reads tool calls back from the model's output")
+                   help="how the shim reads tool calls back from the model's output: "
+                        "'hermes' (<tool_call>{JSON}</tool_call>: Hermes, Qwen 2.5 / 3), "
+                        "'qwen3_coder' (<tool_call><function=NAME><parameter=P>...: "
+                        "Qwen3-Coder), 'llama3_json' (Llama 3.1+), 'none'")
     p.add_argument("--reasoning-parser", default=ShimOptions.reasoning_parser,
                    choices=REASONING_PARSERS,
                    help="'think' (also 'qwen3', 'deepseek_r1'): the <think>...</think> span "

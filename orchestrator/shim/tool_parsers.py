@@ -7,40 +7,38 @@ never an error: the client sees exactly what the model wrote.
 
     hermes       Hermes / Qwen 2.5 / Qwen 3:
                  <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+    qwen3_coder  Qwen3-Coder: <tool_call><function=NAME><parameter=P>value</parameter>
+                 </function></tool_call>, values typed by the tool's schema (qwen3_coder.py)
     llama3_json  Llama 3.1+: the whole answer is {"name": ..., "parameters": {...}}
                  (optionally after <|python_tag|>, several separated by ";")
     none         no tool calls: everything is text
 
-Text right before a Hermes call loses its trailing whitespace: chat templates put their
-own newline before `<tool_call>` when the conversation is rendered back, so the next
-prompt reproduces the model's output exactly (the prefix cache keeps hitting).
+The tagged formats (hermes, qwen3_coder) share one scanner (tagged_calls.py): text
+before a call loses its trailing whitespace, as chat templates render it back.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from orchestrator.shim.errors import ApiError
-from orchestrator.shim.json_body import check_value
-
-
-@dataclass
-class TextEvent:
-    text: str
-
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: dict[str, Any] = field(default_factory=dict)
-
-
-Event = TextEvent | ToolCall
+from orchestrator.shim.qwen3_coder import Qwen3CoderParser
+from orchestrator.shim.tagged_calls import (  # noqa: F401  (the events: re-exported)
+    Event,
+    TaggedCallParser,
+    TextEvent,
+    ToolCall,
+    partial_suffix,
+    sendable,
+)
 
 
 class ToolParser(Protocol):
+    # What a forced call's grammar holds after `opening(name)` (structured_output.py):
+    # "json" (the arguments object, then "}") or "xml" (Qwen3-Coder's parameters, then
+    # "</function>"); "" where the format has no calls.
+    call_format: str
+
     def feed(self, text: str) -> list[Event]: ...
     def finish(self) -> list[Event]: ...
 
@@ -52,16 +50,19 @@ class ToolParser(Protocol):
         ...
 
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "none")
+TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "none")
 
 
-def make_tool_parser(name: str, tool_names: list[str] | None = None) -> ToolParser:
-    """`tool_names`: the request's tools. A Llama 3 answer is a call only if it names one
-    of them (it has no tag: an answer that is JSON with a "name" is not a call)."""
+def make_tool_parser(name: str, tools: list[dict[str, Any]] | None = None) -> ToolParser:
+    """`tools`: the request's tools (HF format). A Llama 3 answer is a call only if it
+    names one of them (it has no tag: an answer that is JSON with a "name" is not a
+    call); Qwen3-Coder's values are typed by their schemas."""
     if name == "hermes":
         return HermesParser()
+    if name == "qwen3_coder":
+        return Qwen3CoderParser(tools or [])
     if name == "llama3_json":
-        return Llama3JsonParser(tool_names)
+        return Llama3JsonParser(None if tools is None else [t["function"]["name"] for t in tools])
     if name == "none":
         return PlainText()
     raise ValueError(f"unknown tool call parser {name!r} (choose from {TOOL_CALL_PARSERS})")
@@ -81,21 +82,9 @@ def _call_from_json(obj: Any) -> ToolCall | None:
             return None
     if args is None:
         args = {}
-    if not isinstance(args, dict):
-        return None
-    try:
-        check_value([obj["name"], args], "a tool call")
-    except ApiError:
+    if not isinstance(args, dict) or not sendable(obj["name"], args):
         return None
     return ToolCall(obj["name"], args)
-
-
-def partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for k in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0
 
 
 def _json_opening(name: str | None, args_key: str) -> str:
@@ -105,6 +94,8 @@ def _json_opening(name: str | None, args_key: str) -> str:
 
 
 class PlainText:
+    call_format = ""
+
     def feed(self, text: str) -> list[Event]:
         return [TextEvent(text)] if text else []
 
@@ -115,71 +106,24 @@ class PlainText:
         return None
 
 
-class HermesParser:
-    OPEN = "<tool_call>"
-    CLOSE = "</tool_call>"
-
-    def __init__(self) -> None:
-        self._inside = False
-        self._buf = ""  # outside: held text (a partial tag, trailing whitespace); inside: the call
-        self._num_calls = 0
-        self._space = ""
+class HermesParser(TaggedCallParser):
+    call_format = "json"
 
     def opening(self, name: str | None) -> str | None:
         # as the Hermes / Qwen templates render a call back: "<tool_call>\n{...}\n</tool_call>"
         return self.OPEN + "\n" + _json_opening(name, "arguments")
 
-    def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        events: list[Event] = []
-        while True:
-            if self._inside:
-                end = self._buf.find(self.CLOSE)
-                if end < 0:
-                    return events
-                events.append(self._parse(self._buf[:end], closed=True))
-                self._buf = self._buf[end + len(self.CLOSE):]
-                self._inside = False
-                continue
-            start = self._buf.find(self.OPEN)
-            if start >= 0:
-                before = self._buf[:start].rstrip()
-                if before:
-                    events.append(TextEvent(before))
-                self._space = self._buf[len(before):start]  # given back if the call is bad
-                self._buf = self._buf[start + len(self.OPEN):]
-                self._inside = True
-                continue
-            # Hold a possible partial tag, and trailing whitespace (dropped if a call follows).
-            keep = partial_suffix(self._buf, self.OPEN)
-            head, held = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
-            stripped = head.rstrip()
-            if stripped:
-                events.append(TextEvent(stripped))
-            self._buf = head[len(stripped):] + held
-            return events
-
-    def finish(self) -> list[Event]:
-        if self._inside:
-            body, self._buf, self._inside = self._buf, "", False
-            return [self._parse(body, closed=False)]
-        rest, self._buf = self._buf, ""
-        if self._num_calls and not rest.strip():
-            return []  # whitespace after the last call: the template renders its own
-        return [TextEvent(rest)] if rest else []
-
-    def _parse(self, body: str, *, closed: bool) -> Event:
+    def calls_in(self, body: str, *, closed: bool) -> list[ToolCall] | None:
+        # complete JSON counts without the closing tag: the model stopped at EOS
         try:
             call = _call_from_json(json.loads(body))
         except (ValueError, RecursionError):
-            call = None
-        if call is not None:
-            self._num_calls += 1
-            return call
-        return TextEvent(self._space + self.OPEN + body + (self.CLOSE if closed else ""))
+            return None
+        return None if call is None else [call]
 
 
 class Llama3JsonParser:
+    call_format = "json"
     PYTHON_TAG = "<|python_tag|>"
 
     def __init__(self, tool_names: list[str] | None = None) -> None:

@@ -163,6 +163,7 @@ def test_llama3_json_calls_only_the_requests_tools() -> None:
     """Llama 3 calls have no tag: JSON naming no tool of the request is the answer."""
     for text, calls in (('{"name": "get_weather", "parameters": {}}', True),
                         ('{"name": "Bob", "parameters": {"age": 3}}', False)):
-        p = make_tool_parser("llama3_json", ["get_weather"])
+        p = make_tool_parser("llama3_json", [{"type": "function",
+                                              "function": {"name": "get_weather"}}])
         events = p.feed(text) + p.finish()
         assert events == ([ToolCall("get_weather", {})] if calls else [TextEvent(text)])
