@@ -117,6 +117,8 @@ PATH_CASES = [
     # the kernel's context splits (256 keys): rows on either side of a split's edge, and
     # a row whose last split it does not see at all
     [(6, 260), (8, 513), (1, 257), (3, 258)],
+    # the kernel's limit (16 rows: 1 + 15 drafts), past it, and plain torch's (8) between
+    [(16, 300), (17, 80), (12, 257), (9, 9)],
 ]
 
 
@@ -141,12 +143,12 @@ def test_torch_backend_takes_the_fused_kernel(torch_path):
         backend.forward(q, k_cache, v_cache)
     ops = [e.key for e in prof.key_averages()]
     assert "aten::_scaled_dot_product_attention_math" not in ops
-    # one call for the plain prefill, two for the one behind a cached prefix (over the
-    # prefix, then causal over its own keys), one for the three batched decodes unless
-    # the kernel has them
+    # one call for the plain prefill; in plain torch two for the 12 queries behind a cached
+    # prefix (over the prefix, then causal over its own keys) and one for the three
+    # batched decodes; the kernel takes both of those (12 rows: a verify's size)
     assert [e.count for e in prof.key_averages()
             if e.key == "aten::_scaled_dot_product_flash_attention_for_cpu"] == (
-                [3] if torch_path == "kernel" else [4])
+                [1] if torch_path == "kernel" else [4])
 
 
 @pytest.mark.parametrize("lens", [[(3, 21)], [(1, 21)], [(1, 40), (1, 21)]])

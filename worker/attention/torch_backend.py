@@ -85,8 +85,11 @@ class _KernelDecode:
 
 
 # Chunks of at most this many queries behind a prefix run as decodes: in the compiled
-# kernel as one sequence of several query rows; in plain torch one decode per query row.
+# kernel as one sequence of several query rows (a verify of 1 + K tokens reads its
+# context once, for K up to 15 as the few-row linear kernel takes them); in plain torch
+# one decode per query row.
 MAX_ROWS_AS_DECODES = 8
+MAX_ROWS_IN_KERNEL = 16
 
 
 def _pages(indices: list[int], device: torch.device) -> _Pages:
@@ -120,10 +123,11 @@ class TorchAttentionBackend:
         decodes: list[tuple[int, int, int, int]] = []
         # the kernel's: one per sequence, (first row, query rows, first page, keys)
         grouped: list[tuple[int, int, int, int]] = []
+        max_rows = MAX_ROWS_IN_KERNEL if self.kernels is not None else MAX_ROWS_AS_DECODES
         for i in range(meta.num_seqs):
             q_len, kv_len = qo[i + 1] - qo[i], kv_lens[i]
             assert 0 < q_len <= kv_len, f"seq {i}: {q_len} queries over {kv_len} keys"
-            if q_len == 1 or (q_len <= MAX_ROWS_AS_DECODES and q_len < kv_len):
+            if q_len == 1 or (q_len <= max_rows and q_len < kv_len):
                 grouped.append((qo[i], q_len, kv[i], kv_len))
                 for j in range(q_len):  # row j sees the keys up to its own position
                     n = kv_len - q_len + 1 + j
