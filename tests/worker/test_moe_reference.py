@@ -1,0 +1,124 @@
+"""Mixture-of-experts models and long-context rope scalings equal HF transformers.
+
+The tiny Qwen3-MoE (q/k norm, norm_topk_prob, a dense layer among the sparse ones) and
+Mixtral, float32, at world sizes 1, 2 and 4 on gloo: prompt logits within 1e-3 of the
+logits' scale, 32 identical greedy tokens, one digest. Then YaRN, linear and dynamic NTK
+configured over a small original context (64) and a 100-token prompt: logits equal HF's
+at the positions past the original length, and so do the greedy tokens after them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.worker.gguf_files import run_engine
+from tests.worker.ranks import run_ranks
+from tests.worker.test_reference import NEW_TOKENS, hf_reference, make_prompt  # noqa: F401
+from worker.gguf import load_config
+from worker.moe import MoEWeights, moe_forward
+
+ORIGINAL_MAX = 64
+LONG_PROMPT = 100
+ROPE_TOKENS = 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("model_name", ["qwen3_moe_model", "mixtral_model"])
+def test_moe_logits_and_greedy_tokens_match_hf(model_name, world_size, hf_reference, request,
+                                               tmp_path):
+    model_dir = str(request.getfixturevalue(model_name))
+    prompt, ref_logits, ref_tokens = hf_reference(model_dir)
+    out = run_ranks(world_size, tmp_path / "out.st", model=model_dir, dtype="float32",
+                    prompt=prompt, chunk=len(prompt), new_tokens=NEW_TOKENS)
+    scale = ref_logits.abs().max().item()
+    diff = (out["logits"] - ref_logits).abs().max().item()
+    assert diff < 1e-3 * scale, f"max |logits - HF| = {diff:.3g}, scale {scale:.3g}"
+    assert out["tokens"].tolist() == ref_tokens
+    assert len(out["digests"]) == 1, "ranks ended with different cache state"
+
+
+def test_config_reads_the_sparse_layers(qwen3_moe_model, mixtral_model):
+    q, m = load_config(qwen3_moe_model), load_config(mixtral_model)
+    assert (q.num_experts, q.num_experts_per_tok, q.moe_layers, q.norm_topk_prob) == (
+        8, 2, (0, 2, 3), True)  # mlp_only_layers=[1]
+    assert q.qk_norm and not m.qk_norm
+    assert m.moe_layers == (0, 1) and m.moe_intermediate_size == m.intermediate_size
+
+
+def test_grouped_experts_equal_a_per_token_loop():
+    """The grouped matmuls give what each token's own top-k experts give, weighted."""
+    g = torch.Generator().manual_seed(0)
+    e, h, m, t = 6, 16, 8, 40
+    w = MoEWeights(router=torch.randn(e, h, generator=g), gate_up=torch.randn(e, 2 * m, h,
+                   generator=g), down=torch.randn(e, h, m, generator=g), top_k=2,
+                   norm_topk_prob=False)
+    x = torch.randn(t, h, generator=g)
+    probs = torch.softmax(x @ w.router.t(), -1)
+    expected = torch.zeros(t, h)
+    for i in range(t):
+        top = probs[i].topk(2)
+        for p, j in zip(top.values, top.indices):
+            gate, up = (w.gate_up[j] @ x[i]).chunk(2)
+            expected[i] += p * (w.down[j] @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(moe_forward(x, w), expected, rtol=1e-5, atol=1e-5)
+
+
+# --- long-context rope scaling ---------------------------------------------------------
+
+ROPE_CONFIGS = {
+    "yarn": ({"rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
+              "original_max_position_embeddings": ORIGINAL_MAX}, 4 * ORIGINAL_MAX),
+    "yarn-mscale": ({"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.5,
+                     "original_max_position_embeddings": ORIGINAL_MAX}, 4 * ORIGINAL_MAX),
+    "linear": ({"rope_type": "linear", "factor": 4.0}, ORIGINAL_MAX),
+    "dynamic": ({"rope_type": "dynamic", "factor": 4.0}, ORIGINAL_MAX),
+}
+
+
+def scaled_copy(model_dir: Path, out: Path, scaling: dict, max_pos: int) -> Path:
+    shutil.copytree(model_dir, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(rope_scaling=scaling, max_position_embeddings=max_pos)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def hf_cached_greedy(model_dir: Path, prompt: list[int], n: int) -> tuple[torch.Tensor, list]:
+    """HF's prompt logits and greedy tokens with its KV cache (as `generate` runs): for
+    dynamic NTK the cached keys keep the frequencies they were written with."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), use_cache=True)
+        logits, past, tokens = out.logits[0], out.past_key_values, []
+        for _ in range(n):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = hf(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+    return logits, tokens
+
+
+@pytest.mark.parametrize("kind", sorted(ROPE_CONFIGS))
+def test_rope_scaling_matches_hf_past_the_original_context(kind, qwen3_moe_model, tmp_path):
+    scaling, max_pos = ROPE_CONFIGS[kind]
+    model = scaled_copy(qwen3_moe_model, tmp_path / kind, scaling, max_pos)
+    prompt = make_prompt(8192, LONG_PROMPT, seed=1)
+    ref_logits, ref_tokens = hf_cached_greedy(model, prompt, ROPE_TOKENS)
+    logits, tokens = run_engine(model, prompt, ROPE_TOKENS)
+    scale = ref_logits.abs().max().item()
+    past = slice(ORIGINAL_MAX, None)  # the positions the scaling is for
+    diff = (logits[past] - ref_logits[past]).abs().max().item()
+    assert diff < 1e-3 * scale, f"{kind}: max |logits - HF| = {diff:.3g}, scale {scale:.3g}"
+    assert (logits - ref_logits).abs().max().item() < 1e-3 * scale
+    assert tokens == ref_tokens
+    # and the scaling did something: unscaled rope gives other logits past the original
+    plain = scaled_copy(qwen3_moe_model, tmp_path / "plain", None, 4 * ORIGINAL_MAX)
+    unscaled, _ = run_engine(plain, prompt, 1)
+    assert (unscaled[past] - ref_logits[past]).abs().max().item() > 1e-2 * scale
