@@ -91,6 +91,20 @@ class ModelConfig:
         return self.rope()[0]
 
     @property
+    def max_context(self) -> int:
+        """The longest context the model serves: max_position_embeddings, stretched by the
+        rope scaling's factor where the config states the original length instead (as
+        vLLM derives it): yarn over original_max_position_embeddings, linear and dynamic
+        over max_position_embeddings; llama3 configs already state the extended length."""
+        s, kind = self.rope_scaling or {}, rope_type(self.rope_scaling)
+        if kind in ("linear", "dynamic"):
+            return int(self.max_position_embeddings * s["factor"])
+        if kind == "yarn" and s.get("factor"):
+            original = s.get("original_max_position_embeddings") or self.max_position_embeddings
+            return max(self.max_position_embeddings, int(original * s["factor"]))
+        return self.max_position_embeddings
+
+    @property
     def dynamic_rope(self) -> tuple[int, float, float, int] | None:
         """(head_dim, theta, factor, original length) under dynamic NTK scaling, else None."""
         if rope_type(self.rope_scaling) != "dynamic":
