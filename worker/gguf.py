@@ -148,10 +148,19 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str, tensors: set[str]) -> dict
         raise UnsupportedModelError("GGUF rope scaling as a rope_freqs tensor is not supported")
     if kind == "none":
         return None
+    factor = _float32_value(_field(reader, f"{arch}.rope.scaling.factor"))
     if kind == "linear":
-        return {"rope_type": "linear", "factor": _float32_value(
-            _field(reader, f"{arch}.rope.scaling.factor"))}
-    raise UnsupportedModelError(f"GGUF rope scaling {kind!r} is not supported (none, linear)")
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":  # as llama.cpp's converter writes a config.json's yarn rope_scaling
+        out = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": int(
+            _field(reader, f"{arch}.rope.scaling.original_context_length"))}
+        for key in ("beta_fast", "beta_slow"):
+            value = _field(reader, f"{arch}.rope.scaling.yarn_{key}")
+            if value is not None:
+                out[key] = _float32_value(value)
+        return out
+    raise UnsupportedModelError(
+        f"GGUF rope scaling {kind!r} is not supported (none, linear, yarn)")
 
 
 def _checkpoint_dtype(reader: gguf.GGUFReader) -> str:

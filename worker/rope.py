@@ -87,7 +87,8 @@ def _yarn(dim: int, theta: float, s: dict, max_pos: int) -> tuple[list[float], f
     pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp  # share of the unscaled frequency, per dimension
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    inv_freq = ((1.0 / (factor * pos_freqs)) * (1 - extrapolation)
+                + (1.0 / pos_freqs) * extrapolation)
     return inv_freq.tolist(), float(attention)
 
 

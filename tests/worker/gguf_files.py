@@ -94,6 +94,11 @@ def write_gguf(model_dir: Path, out: Path, qtype: Q = Q.F32, arch: str | None = 
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_file_type(0)
+    rope = cfg.get("rope_scaling") or {}
+    if rope.get("rope_type") == "yarn":  # llama.cpp's keys for a yarn rope_scaling
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     if experts:
         w.add_expert_count(experts)

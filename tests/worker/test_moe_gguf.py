@@ -16,6 +16,7 @@ import torch
 
 from tests.worker.gguf_files import run_engine, write_gguf
 from tests.worker.ranks import run_ranks
+from tests.worker.test_moe_reference import scaled_copy
 from tests.worker.test_reference import make_prompt
 from worker.gguf import GGUFCheckpointReader, load_gguf_config
 from worker.model_config import load_model_config
@@ -51,6 +52,22 @@ def test_gguf_gives_the_hf_dir_logits_and_tokens(model_name, gguf_of, request):
     prompt = make_prompt(8192, 40)
     ref_logits, ref_tokens = run_engine(model_dir, prompt, 8)
     logits, tokens = run_engine(gguf_of(model_dir), prompt, 8)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
+    assert tokens == ref_tokens
+
+
+def test_yarn_gguf_equals_the_hf_dir(qwen3_moe_model, tmp_path):
+    """A yarn rope_scaling crosses into GGUF metadata and back, logits past the original
+    context included."""
+    model = scaled_copy(qwen3_moe_model, tmp_path / "yarn", {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, 256)
+    path = write_gguf(model, tmp_path / "yarn.gguf")
+    hf = load_model_config(model)
+    assert hf.rope_scaling["rope_type"] == "yarn"
+    assert load_gguf_config(path) == dataclasses.replace(hf, torch_dtype="float32")
+    prompt = make_prompt(8192, 100, seed=1)
+    ref_logits, ref_tokens = run_engine(model, prompt, 4)
+    logits, tokens = run_engine(path, prompt, 4)
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
     assert tokens == ref_tokens
 

@@ -18,7 +18,7 @@ import torch
 
 from tests.worker.gguf_files import run_engine
 from tests.worker.ranks import run_ranks
-from tests.worker.test_reference import NEW_TOKENS, hf_reference, make_prompt  # noqa: F401
+from tests.worker.test_reference import NEW_TOKENS, make_prompt
 from worker.gguf import load_config
 from worker.moe import MoEWeights, moe_forward
 
