@@ -26,7 +26,10 @@ class Rotary:
     the length its sequence has at the end of this step's chunk: a prompt prefilled in
     one chunk gets HF's frequencies for that length at every position, and each decode
     step those of its new length, while the keys already cached keep the rotation they
-    were written with, which is what HF's `generate` with its KV cache does too.
+    were written with, which is what HF's `generate` with its KV cache does too. Two
+    consequences, as in HF fed the same pieces: a prompt prefilled in several chunks gets
+    each chunk's own length, and keys reused from the prefix cache keep the rotation of
+    the sequence that wrote them (tests/worker/test_moe_reference.py checks one chunk).
     """
 
     def __init__(self, inv_freq: list[float], device: torch.device, scaling: float = 1.0,
