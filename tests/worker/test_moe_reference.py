@@ -69,6 +69,24 @@ def test_grouped_experts_equal_a_per_token_loop():
     torch.testing.assert_close(moe_forward(x, w), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_unnormalised_top_k_and_sparse_step_match_hf(default_model, tmp_path):
+    """norm_topk_prob=false (HF's Qwen3-MoE default: the top-k softmax weights as they
+    are) and decoder_sparse_step=2 with no mlp_only_layers: layers 1 and 3 sparse."""
+    from tools.make_tiny_model import make_tiny_model
+
+    made = make_tiny_model(tmp_path / "made", arch="qwen3_moe", mlp_only_layers=(0, 2),
+                           tokenizer_from=default_model, quiet=True)
+    model = config_copy(made, tmp_path / "m", norm_topk_prob=False, decoder_sparse_step=2,
+                        mlp_only_layers=[])
+    cfg = load_config(model)
+    assert cfg.moe_layers == (1, 3) and not cfg.norm_topk_prob
+    prompt = make_prompt(8192, 40, seed=2)
+    ref_logits, ref_tokens = hf_cached_greedy(model, prompt, ROPE_TOKENS)
+    logits, tokens = run_engine(model, prompt, ROPE_TOKENS)
+    assert (logits - ref_logits).abs().max().item() < 1e-3 * ref_logits.abs().max().item()
+    assert tokens == ref_tokens
+
+
 # --- long-context rope scaling ---------------------------------------------------------
 
 ROPE_CONFIGS = {
@@ -81,12 +99,16 @@ ROPE_CONFIGS = {
 }
 
 
-def scaled_copy(model_dir: Path, out: Path, scaling: dict, max_pos: int) -> Path:
+def config_copy(model_dir: Path, out: Path, **changes) -> Path:
     shutil.copytree(model_dir, out)
     cfg = json.loads((out / "config.json").read_text())
-    cfg.update(rope_scaling=scaling, max_position_embeddings=max_pos)
+    cfg.update(changes)
     (out / "config.json").write_text(json.dumps(cfg))
     return out
+
+
+def scaled_copy(model_dir: Path, out: Path, scaling: dict | None, max_pos: int) -> Path:
+    return config_copy(model_dir, out, rope_scaling=scaling, max_position_embeddings=max_pos)
 
 
 def hf_cached_greedy(model_dir: Path, prompt: list[int], n: int) -> tuple[torch.Tensor, list]:
