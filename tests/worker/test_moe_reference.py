@@ -20,6 +20,7 @@ from tests.worker.gguf_files import run_engine
 from tests.worker.ranks import run_ranks
 from tests.worker.test_reference import NEW_TOKENS, make_prompt
 from worker.gguf import load_config
+from worker.model_config import UnsupportedModelError
 from worker.moe import MoEWeights, moe_forward
 
 ORIGINAL_MAX = 64
@@ -49,6 +50,17 @@ def test_config_reads_the_sparse_layers(qwen3_moe_model, mixtral_model):
         8, 2, (0, 2, 3), True)  # mlp_only_layers=[1]
     assert q.qk_norm and not m.qk_norm
     assert m.moe_layers == (0, 1) and m.moe_intermediate_size == m.intermediate_size
+
+
+def test_what_cannot_be_split_or_served_is_refused(qwen3_moe_model, tmp_path):
+    cfg = load_config(config_copy(qwen3_moe_model, tmp_path / "odd", moe_intermediate_size=66))
+    cfg.check_tensor_parallel(2)
+    with pytest.raises(UnsupportedModelError, match="moe_intermediate_size=66 does not divide"):
+        cfg.check_tensor_parallel(4)
+    shared = config_copy(qwen3_moe_model, tmp_path / "shared",
+                         shared_expert_intermediate_size=64)
+    with pytest.raises(UnsupportedModelError, match="shared expert"):
+        load_config(shared)
 
 
 def test_grouped_experts_equal_a_per_token_loop():
