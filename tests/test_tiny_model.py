@@ -325,3 +325,26 @@ def test_rejects_bad_shapes(tmp_path: Path) -> None:
     with pytest.raises(TypeError):
         make_tiny_model(tmp_path / "c", hidden=3, quiet=True)
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_models_are_deterministic_and_route_to_every_expert(
+        arch: str, llama_dir: Path, tmp_path: Path) -> None:
+    a = make_tiny_model(tmp_path / "a", arch=arch, tokenizer_from=llama_dir, quiet=True)
+    b = make_tiny_model(tmp_path / "b", arch=arch, tokenizer_from=llama_dir, quiet=True)
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert sha256(a / name) == sha256(b / name), name
+    spec = json.loads((a / STAMP_NAME).read_text())["args"]["spec"]
+    assert spec["num_experts"] == 8 and spec["num_experts_per_tok"] == 2
+    # a dense model's stamp has no MoE fields: the stamps made before MoE still match
+    assert "num_experts" not in json.loads((llama_dir / STAMP_NAME).read_text())["args"]["spec"]
+    # the router spreads tokens over all experts with clear choices (a wrong routing
+    # would show in the logits, not hide in a tie)
+    router = next(t for n, t in load_file(str(a / "model.safetensors")).items()
+                  if n.endswith(".gate.weight")).float()
+    x = torch.nn.functional.rms_norm(torch.randn(512, router.shape[1],
+                                                 generator=torch.Generator().manual_seed(0)),
+                                     (router.shape[1],))
+    top = torch.softmax(x @ router.t(), -1).topk(3, dim=-1)
+    assert top.indices[:, :2].unique().numel() == 8
+    assert ((top.values[:, 1] - top.values[:, 2]) > 1e-4).float().mean() > 0.95

@@ -261,11 +261,13 @@ def rank_main(args: BenchArgs) -> None:
 # --- the parent ---------------------------------------------------------------------
 
 
-def run_world(args: BenchArgs, world_size: int, timeout: float) -> dict:
-    """Start `world_size` ranks, wait for all, and return rank 0's parsed result."""
+def run_world(args: BenchArgs, world_size: int, timeout: float,
+              module: str = "tools.bench_worker") -> dict:
+    """Start `world_size` ranks (`python -m module --rank-args ...`: this module's, or one
+    that prints its result after the same MARKER), wait for all, return rank 0's result."""
     port = free_port()
     env = repo_env()
-    cmd = [sys.executable, "-m", "tools.bench_worker", "--rank-args",
+    cmd = [sys.executable, "-m", module, "--rank-args",
            json.dumps(dataclasses.asdict(args))]
     procs, logs = [], []
     for r in range(world_size):

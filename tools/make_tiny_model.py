@@ -110,6 +110,32 @@ def model_config(spec: TinySpec, ids: dict[str, int]) -> dict[str, Any]:
             sliding_window=None,
             max_window_layers=spec.num_layers,
         )
+    elif spec.arch == "qwen3_moe":
+        cfg.update(
+            head_dim=spec.head_dim,
+            attention_bias=False,
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=spec.num_layers,
+            decoder_sparse_step=1,
+            mlp_only_layers=list(spec.mlp_only_layers),
+            moe_intermediate_size=spec.moe_intermediate_size,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            norm_topk_prob=True,
+            output_router_logits=False,
+            router_aux_loss_coef=0.001,
+        )
+    elif spec.arch == "mixtral":
+        cfg.update(
+            head_dim=spec.head_dim,
+            sliding_window=None,
+            num_local_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            router_jitter_noise=0.0,
+            output_router_logits=False,
+            router_aux_loss_coef=0.02,
+        )
     elif spec.arch == "qwen2":
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.num_layers)
     return cfg
@@ -177,10 +203,18 @@ def _tokenizer_source(tokenizer_from: Path | None) -> dict[str, Any]:
     }
 
 
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "mlp_only_layers")
+
+
 def _stamp_args(spec: TinySpec, tok_source: dict[str, Any]) -> dict[str, Any]:
+    fields = dataclasses.asdict(spec)
+    if spec.num_experts:  # JSON has no tuples: a list, so the stamp compares equal re-read
+        fields["mlp_only_layers"] = list(spec.mlp_only_layers)
+    else:  # a dense model's stamp is what it was before the MoE fields
+        fields = {k: v for k, v in fields.items() if k not in MOE_FIELDS}
     return {
         "format_version": FORMAT_VERSION,
-        "spec": dataclasses.asdict(spec),
+        "spec": fields,
         "tokenizer": tok_source,
     }
 

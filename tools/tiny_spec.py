@@ -33,10 +33,19 @@ class TinySpec:
     rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool
+    # Mixture of experts (qwen3_moe, mixtral); 0 experts: dense. Left out of the stamp when
+    # dense, so the dense models' stamps (and files) are what they were before MoE.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    mlp_only_layers: tuple[int, ...] = ()  # qwen3_moe: layers with a dense MLP
 
     @property
     def qk_norm(self) -> bool:
-        return self.arch == "qwen3"
+        return self.arch in ("qwen3", "qwen3_moe")
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i not in self.mlp_only_layers
 
     @property
     def qkv_bias(self) -> bool:
@@ -85,12 +94,50 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
     ),
+    # Shapes that split over 1, 2 and 4 ranks (heads, kv heads, every MLP width divisible
+    # by 4): 8 experts, 2 per token; layer 1 dense, as `mlp_only_layers` allows.
+    "qwen3_moe": dict(
+        num_layers=4,
+        hidden_size=128,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=32,
+        intermediate_size=256,
+        vocab_size=8192,
+        max_position_embeddings=8192,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        mlp_only_layers=(1,),
+    ),
+    # Mixtral's experts are its MLP: intermediate_size is each expert's width.
+    "mixtral": dict(
+        num_layers=2,
+        hidden_size=128,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=16,
+        intermediate_size=64,
+        vocab_size=8192,
+        max_position_embeddings=8192,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+    ),
 }
 
 HF_ARCH = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
 }
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -108,6 +155,9 @@ def resolve_spec(arch: str, seed: int, overrides: dict[str, Any]) -> TinySpec:
     values.update({k: v for k, v in overrides.items() if v is not None})
     if arch == "qwen2" and overrides.get("head_dim") is None:
         values["head_dim"] = values["hidden_size"] // values["num_heads"]
+    if arch == "mixtral":  # one width: the experts are the MLP
+        values["moe_intermediate_size"] = values["intermediate_size"]
+    values["mlp_only_layers"] = tuple(values.get("mlp_only_layers", ()))
     spec = TinySpec(arch=arch, seed=int(seed), **values)
     _validate(spec)
     return spec
@@ -127,6 +177,8 @@ def _validate(spec: TinySpec) -> None:
     ):
         if getattr(spec, name) < 1:
             raise ValueError(f"{name} must be positive")
+    if spec.num_experts and not 0 < spec.num_experts_per_tok <= spec.num_experts:
+        raise ValueError("num_experts_per_tok must be in 1..num_experts")
     if spec.num_heads % spec.num_kv_heads:
         raise ValueError("num_heads must be a multiple of num_kv_heads")
     if spec.head_dim % 2:
@@ -182,12 +234,30 @@ def _tensor_plan(spec: TinySpec) -> Iterator[tuple[str, tuple[int, ...], str, fl
             yield (f"{p}.self_attn.k_norm.weight", (d,), "norm", NORM_NOISE_STD)
         yield linear(f"{p}.self_attn.o_proj.weight", h, q_out)
         yield (f"{p}.post_attention_layernorm.weight", (h,), "norm", NORM_NOISE_STD)
+        if spec.is_moe_layer(i):
+            yield from _moe_plan(spec, i)
+            continue
         yield linear(f"{p}.mlp.gate_proj.weight", spec.intermediate_size, h)
         yield linear(f"{p}.mlp.up_proj.weight", spec.intermediate_size, h)
         yield linear(f"{p}.mlp.down_proj.weight", h, spec.intermediate_size)
     yield ("model.norm.weight", (h,), "norm", NORM_NOISE_STD)
     if not spec.tie_word_embeddings:
         yield linear("lm_head.weight", spec.vocab_size, h, LOGIT_STD)
+
+
+def _moe_plan(spec: TinySpec, i: int) -> Iterator[tuple[str, tuple[int, ...], str, float]]:
+    # The router at unit gain: logits of std ~1 over 8 experts route tokens to varied
+    # experts with clear top-k choices, so a wrong routing shows in the logits.
+    h, m = spec.hidden_size, spec.moe_intermediate_size
+    if spec.arch == "mixtral":
+        p, gate, up, down = f"model.layers.{i}.block_sparse_moe", "w1", "w3", "w2"
+    else:
+        p, gate, up, down = f"model.layers.{i}.mlp", "gate_proj", "up_proj", "down_proj"
+    yield (f"{p}.gate.weight", (spec.num_experts, h), "normal", 1 / math.sqrt(h))
+    for e in range(spec.num_experts):
+        yield (f"{p}.experts.{e}.{gate}.weight", (m, h), "normal", 1 / math.sqrt(h))
+        yield (f"{p}.experts.{e}.{up}.weight", (m, h), "normal", 1 / math.sqrt(h))
+        yield (f"{p}.experts.{e}.{down}.weight", (h, m), "normal", 1 / math.sqrt(m))
 
 
 def make_weights(spec: TinySpec) -> dict[str, torch.Tensor]:

@@ -67,7 +67,7 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> tor
 def resolve_max_model_len(config: EngineConfig, model: ModelConfig) -> int:
     """The context length served: the model's, or a shorter one asked for; a longer one
     is refused (it would read positions the model was never trained on)."""
-    limit, why = model.max_position_embeddings, "its max_position_embeddings"
+    limit, why = model.max_context, "its max_position_embeddings (times its rope factor)"
     if model.sliding_window and model.sliding_window < limit:
         # Sliding-window attention is not implemented; up to the window it is plain
         # causal attention, so the context is capped there.

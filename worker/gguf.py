@@ -37,7 +37,8 @@ SUPPORTED_TYPES = frozenset({
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
 })
 # GGUF `general.architecture` -> (HF architecture, Q/K rows permuted by the converter).
-ARCHITECTURES = {"llama": ("LlamaForCausalLM", True)}
+# llama.cpp writes Mixtral as "llama" with experts (then: MixtralForCausalLM).
+ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen3moe": ("Qwen3MoeForCausalLM", False)}
 _DTYPE_OF_TYPE = {Q.F32: "float32", Q.F16: "float16", Q.BF16: "bfloat16"}
 
 # HF tensor name (as the model loader asks) -> GGUF tensor name.
@@ -56,18 +57,37 @@ _LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp",  # the router (Qwen3-MoE)
+    "block_sparse_moe.gate": "ffn_gate_inp",  # the router (Mixtral)
 }
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+# One expert's matrix, HF name -> its expert index in the stacked GGUF tensor.
+_EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                        r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                 "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
+
+
+def gguf_location(hf_name: str) -> tuple[str, int | None] | None:
+    """(GGUF name, expert index or None) of an HF tensor name; None when GGUF has no such
+    tensor. llama.cpp stacks a layer's experts into one 3-D tensor per matrix."""
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name], None
+    m = _EXPERT_RE.fullmatch(hf_name)
+    if m is not None:
+        return f"blk.{m.group(1)}.{_EXPERT_NAMES[m.group(3)]}.weight", int(m.group(2))
+    m = _LAYER_RE.fullmatch(hf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        return None
+    return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}", None
 
 
 def gguf_name(hf_name: str) -> str | None:
     """The GGUF name of an HF tensor name, or None when GGUF has no such tensor."""
-    if hf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[hf_name]
-    m = _LAYER_RE.fullmatch(hf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
-        return None
-    return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    loc = gguf_location(hf_name)
+    return None if loc is None else loc[0]
 
 
 def is_gguf_path(path: str | Path) -> bool:
@@ -128,10 +148,19 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str, tensors: set[str]) -> dict
         raise UnsupportedModelError("GGUF rope scaling as a rope_freqs tensor is not supported")
     if kind == "none":
         return None
+    factor = _float32_value(_field(reader, f"{arch}.rope.scaling.factor"))
     if kind == "linear":
-        return {"rope_type": "linear", "factor": _float32_value(
-            _field(reader, f"{arch}.rope.scaling.factor"))}
-    raise UnsupportedModelError(f"GGUF rope scaling {kind!r} is not supported (none, linear)")
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":  # as llama.cpp's converter writes a config.json's yarn rope_scaling
+        out = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": int(
+            _field(reader, f"{arch}.rope.scaling.original_context_length"))}
+        for key in ("beta_fast", "beta_slow"):
+            value = _field(reader, f"{arch}.rope.scaling.yarn_{key}")
+            if value is not None:
+                out[key] = _float32_value(value)
+        return out
+    raise UnsupportedModelError(
+        f"GGUF rope scaling {kind!r} is not supported (none, linear, yarn)")
 
 
 def _checkpoint_dtype(reader: gguf.GGUFReader) -> str:
@@ -154,8 +183,6 @@ def config_from_reader(reader: gguf.GGUFReader) -> ModelConfig:
             raise UnsupportedModelError(f"GGUF metadata {arch}.{key} is missing")
         return value
 
-    if get("expert_count", 0):
-        raise UnsupportedModelError("GGUF mixture-of-experts models are not supported")
     hidden, heads = get("embedding_length"), get("attention.head_count")
     tokens = reader.get_field("tokenizer.ggml.tokens")
     embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
@@ -164,6 +191,9 @@ def config_from_reader(reader: gguf.GGUFReader) -> ModelConfig:
     head_dim = _field(reader, f"{arch}.attention.key_length") or _field(
         reader, f"{arch}.rope.dimension_count") or hidden // heads
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    moe = _moe_fields(reader, arch, tensors)
+    if arch == "llama" and moe:
+        hf_arch = "MixtralForCausalLM"
     return ModelConfig(
         architecture=hf_arch,
         vocab_size=int(vocab),
@@ -180,10 +210,33 @@ def config_from_reader(reader: gguf.GGUFReader) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
         o_bias="blk.0.attn_output.bias" in tensors,
-        qk_norm=False,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
         sliding_window=None,
         eos_token_ids=(int(eos),) if eos is not None else (),
         torch_dtype=_checkpoint_dtype(reader),
+        **moe,
+    )
+
+
+def _moe_fields(reader: gguf.GGUFReader, arch: str, tensors: set[str]) -> dict:
+    """The experts' hyperparameters; a layer is MoE where it has a router (ffn_gate_inp)."""
+    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    if not experts:
+        if arch == "qwen3moe":
+            raise UnsupportedModelError("GGUF qwen3moe without expert_count")
+        return {}
+    if _field(reader, f"{arch}.expert_shared_count", 0):
+        raise UnsupportedModelError("GGUF shared experts are not supported")
+    layers = int(_field(reader, f"{arch}.block_count"))
+    width = _field(reader, f"{arch}.expert_feed_forward_length") or _field(
+        reader, f"{arch}.feed_forward_length")
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count")),
+        moe_intermediate_size=int(width),
+        # llama.cpp renormalises the top-k weights of qwen3moe and Mixtral unless told
+        norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", True)),
+        moe_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors),
     )
 
 
@@ -226,11 +279,14 @@ class GGUFCheckpointReader:
         return gguf_name(name) in self._tensors
 
     def _tensor(self, name: str):
-        gname = gguf_name(name)
-        if gname not in self._tensors:
-            raise KeyError(f"tensor {name!r} ({gname}) missing from GGUF {self.path}")
+        """(the GGUF tensor, its data: one expert's [rows, ...] of a stacked one)."""
+        loc = gguf_location(name)
+        if loc is None or loc[0] not in self._tensors:
+            raise KeyError(f"tensor {name!r} ({loc and loc[0]}) missing from GGUF {self.path}")
         self._progress.update(1)
-        return self._tensors[gname]
+        t = self._tensors[loc[0]]
+        # memory-mapped: indexing one expert reads none of the others' bytes
+        return t, (t.data if loc[1] is None else t.data[loc[1]])
 
     def _to_torch(self, arr: np.ndarray) -> torch.Tensor:
         # np.array copies: F32 data is a read-only view of the memory-mapped file.
@@ -243,31 +299,32 @@ class GGUFCheckpointReader:
         return out
 
     def full(self, name: str) -> torch.Tensor:
-        t = self._tensor(name)
-        return self._to_torch(self._dequantized(t, t.data))
+        t, data = self._tensor(name)
+        return self._to_torch(self._dequantized(t, data))
 
     def rows(self, name: str, start: int, end: int) -> torch.Tensor:
-        """Rows [start, end) of a 1-D or 2-D tensor; only those rows are dequantized."""
-        t = self._tensor(name)
-        if t.data.ndim == 1 and t.tensor_type not in (Q.F32, Q.F16):
+        """Rows [start, end) of a 1-D or 2-D tensor (or of one expert's matrix); only those
+        rows are dequantized."""
+        t, data = self._tensor(name)
+        if data.ndim == 1 and t.tensor_type not in (Q.F32, Q.F16):
             # a 1-D quantized tensor is a run of blocks, not of rows
-            return self._to_torch(self._dequantized(t, t.data)[start:end])
+            return self._to_torch(self._dequantized(t, data)[start:end])
         if t.name in self._rotary:
             assert start % self._head_dim == 0 and end % self._head_dim == 0, (
                 f"{name}: rows {start}:{end} split a head")
-        return self._to_torch(self._dequantized(t, t.data[start:end]))
+        return self._to_torch(self._dequantized(t, data[start:end]))
 
     def cols(self, name: str, start: int, end: int) -> torch.Tensor:
-        """Columns [start, end) of a 2-D tensor: a byte range of each row when the range is
-        block-aligned, else the whole tensor dequantized and cut."""
-        t = self._tensor(name)
+        """Columns [start, end) of a 2-D tensor (or of one expert's matrix): a byte range of
+        each row when the range is block-aligned, else the whole matrix dequantized and cut."""
+        t, data = self._tensor(name)
         block, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
         if start % block or end % block or t.name in self._rotary:
-            return self._to_torch(self._dequantized(t, t.data)[:, start:end])
-        if t.data.dtype == np.uint8:  # quantized or BF16: raw bytes per row
-            raw = t.data[:, start // block * type_size : end // block * type_size]
+            return self._to_torch(self._dequantized(t, data)[:, start:end])
+        if data.dtype == np.uint8:  # quantized or BF16: raw bytes per row
+            raw = data[:, start // block * type_size : end // block * type_size]
         else:  # F32 / F16: the reader gives typed elements
-            raw = t.data[:, start:end]
+            raw = data[:, start:end]
         return self._to_torch(self._dequantized(t, raw))
 
     def close(self) -> None:

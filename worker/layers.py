@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from worker.distributed import TensorParallelGroup
 from worker.linear import Linear
+from worker.rope import dynamic_inv_freq
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -19,15 +20,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Rotary:
-    """Rotary position embedding (HF's rotate-half layout)."""
+    """Rotary position embedding (HF's rotate-half layout).
 
-    def __init__(self, inv_freq: list[float], device: torch.device) -> None:
+    `scaling` multiplies cos and sin (YaRN's attention factor). With `dynamic` (dynamic
+    NTK: head_dim, theta, factor, original length) the frequencies are per token, from
+    the length its sequence has at the end of this step's chunk: a prompt prefilled in
+    one chunk gets HF's frequencies for that length at every position, and each decode
+    step those of its new length, while the keys already cached keep the rotation they
+    were written with, which is what HF's `generate` with its KV cache does too. Two
+    consequences, as in HF fed the same pieces: a prompt prefilled in several chunks gets
+    each chunk's own length, and keys reused from the prefix cache keep the rotation of
+    the sequence that wrote them (tests/worker/test_moe_reference.py checks one chunk).
+    """
+
+    def __init__(self, inv_freq: list[float], device: torch.device, scaling: float = 1.0,
+                 dynamic: tuple[int, float, float, int] | None = None) -> None:
         self.inv_freq = torch.tensor(inv_freq, dtype=torch.float32, device=device)
+        self.scaling = scaling
+        self.dynamic = dynamic
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        if self.dynamic is not None:
+            lens = positions + 1 if seq_lens is None else seq_lens
+            freqs = positions.float()[:, None] * dynamic_inv_freq(*self.dynamic, lens)
+        else:
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,8 @@
 Split (Megatron style): QKV and gate/up are column-parallel (each rank computes
 its heads and its MLP columns), O and down are row-parallel and all-reduced.
 Embedding and LM head are vocab-parallel. Each rank reads only its slices.
+A mixture-of-experts layer (Qwen3-MoE, Mixtral) splits each expert the same way as the
+dense MLP (worker/moe.py), so its all-reduce is the same one.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from worker.kv_cache import KVCache
 from worker.layers import ParallelLMHead, Rotary, VocabParallelEmbedding, rms_norm
 from worker.linear import Linear
 from worker.model_config import ModelConfig
+from worker.moe import MoEWeights, load_moe_weights, moe_forward
 from worker.weights import CheckpointReader
 
 
@@ -32,8 +35,9 @@ class LayerWeights:
     o: torch.Tensor  # [hidden, q_heads * head_dim on this rank]
     o_bias: torch.Tensor | None  # added after the all-reduce, so once
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate on this rank, hidden]
-    down: torch.Tensor  # [hidden, intermediate on this rank]
+    gate_up: torch.Tensor | None  # [2 * intermediate on this rank, hidden]; None: MoE
+    down: torch.Tensor | None  # [hidden, intermediate on this rank]
+    moe: MoEWeights | None = None  # the layer's experts, in place of gate_up / down
 
 
 class LlamaModel:
@@ -48,7 +52,8 @@ class LlamaModel:
         self.num_heads = config.num_heads // tp.world_size
         self.num_kv_heads = config.num_kv_heads // tp.world_size
         self.head_dim = config.head_dim
-        self.rotary = Rotary(config.inv_freq(), device)
+        inv_freq, scaling = config.rope()
+        self.rotary = Rotary(inv_freq, device, scaling, config.dynamic_rope)
         self.linear = Linear(device)  # the few-row CPU kernel where it pays, else torch
         self.layers: list[LayerWeights] = []
 
@@ -88,10 +93,17 @@ class LlamaModel:
                 reader.rows(attn + "k_proj.bias", k0, k1),
                 reader.rows(attn + "v_proj.bias", k0, k1),
             ])
-        gate_up = torch.cat([
-            reader.rows(mlp + "gate_proj.weight", m0, m1),
-            reader.rows(mlp + "up_proj.weight", m0, m1),
-        ])
+        moe, gate_up, down = None, None, None
+        if i in cfg.moe_layers:
+            moe = load_moe_weights(reader, cfg, i, r, self.tp.world_size)
+            moe.router, moe.gate_up, moe.down = map(self._dev, (moe.router, moe.gate_up,
+                                                                  moe.down))
+        else:
+            gate_up = torch.cat([
+                reader.rows(mlp + "gate_proj.weight", m0, m1),
+                reader.rows(mlp + "up_proj.weight", m0, m1),
+            ])
+            down = reader.cols(mlp + "down_proj.weight", m0, m1)
         return LayerWeights(
             input_norm=self._dev(reader.full(p + "input_layernorm.weight")),
             qkv=self._dev(qkv),
@@ -102,7 +114,8 @@ class LlamaModel:
             o_bias=self._dev(reader.full(attn + "o_proj.bias")) if cfg.o_bias else None,
             post_norm=self._dev(reader.full(p + "post_attention_layernorm.weight")),
             gate_up=self._dev(gate_up),
-            down=self._dev(reader.cols(mlp + "down_proj.weight", m0, m1)),
+            down=self._dev(down),
+            moe=moe,
         )
 
     def _dev(self, t: torch.Tensor | None) -> torch.Tensor | None:
@@ -112,13 +125,15 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                kv: KVCache, attn: AttentionBackend) -> torch.Tensor:
+                kv: KVCache, attn: AttentionBackend,
+                seq_lens: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions, slots: [T]. Returns final hidden states [T, hidden].
 
         `attn.plan(...)` has been called for this step; each layer writes its new
-        K/V into the pages first, then attends over the full context.
+        K/V into the pages first, then attends over the full context. seq_lens [T]: each
+        token's sequence length at the end of its chunk (dynamic NTK rope needs it).
         """
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        cos, sin = self.rotary.cos_sin(positions, self.dtype, seq_lens)
         h = self.embed(input_ids)  # [T, hidden]
         for i, layer in enumerate(self.layers):
             h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, self._eps), cos, sin,
@@ -159,5 +174,7 @@ class LlamaModel:
         return out if w.o_bias is None else out + w.o_bias
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        if w.moe is not None:
+            return self.tp.all_reduce(moe_forward(x, w.moe, self.linear))
         gate, up = self.linear(x, w.gate_up).chunk(2, dim=-1)
         return self.tp.all_reduce(self.linear(F.silu(gate) * up, w.down))

@@ -1,25 +1,29 @@
 """The model's architecture, read from a Hugging Face `config.json`.
 
-Only the Llama family is served: Llama 2/3 (llama3 rope scaling included),
-Mistral, Qwen2/2.5 (q/k/v bias) and Qwen3 dense (per-head q/k RMSNorm, explicit
-head_dim). Anything else is refused here, at load, with a clear message rather
+The Llama family is served: Llama 2/3, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 dense
+(per-head q/k RMSNorm, explicit head_dim), and the mixture-of-experts Qwen3-MoE and
+Mixtral (worker/moe.py); rope scalings linear, llama3, yarn and dynamic NTK
+(worker/rope.py). Anything else is refused here, at load, with a clear message rather
 than producing wrong logits later.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
+
+from worker.rope import ROPE_TYPES, rope_frequencies, rope_type
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ROPE_TYPES
 
 
 class UnsupportedModelError(ValueError):
@@ -47,6 +51,18 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+    # Mixture of experts (0 experts: a dense model). Each MoE layer routes every token to
+    # `num_experts_per_tok` experts of width `moe_intermediate_size`; the layers in
+    # `moe_layers` are MoE, the others a dense MLP of `intermediate_size`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def check_tensor_parallel(self, world_size: int) -> None:
         """Refuse a split that does not divide evenly (heads and MLP columns per rank)."""
@@ -54,6 +70,7 @@ class ModelConfig:
             ("num_attention_heads", self.num_heads),
             ("num_key_value_heads", self.num_kv_heads),
             ("intermediate_size", self.intermediate_size),
+            ("moe_intermediate_size", self.moe_intermediate_size),
         ):
             if count % world_size:
                 raise UnsupportedModelError(
@@ -65,36 +82,55 @@ class ModelConfig:
         """KV bytes one rank stores per token (K and V, every layer, its heads)."""
         return 2 * self.num_layers * (self.num_kv_heads // world_size) * self.head_dim * elem_size
 
+    def rope(self) -> tuple[list[float], float]:
+        """(rotary inverse frequencies, attention scaling of cos/sin), scaling applied."""
+        return rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling,
+                                self.max_position_embeddings)
+
     def inv_freq(self) -> list[float]:
-        """Rotary inverse frequencies, with llama3/linear scaling applied."""
-        d = self.head_dim
-        base = [1.0 / (self.rope_theta ** (i / d)) for i in range(0, d, 2)]
-        scaling = self.rope_scaling or {}
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind == "linear":
-            return [f / scaling["factor"] for f in base]
-        if kind == "llama3":
-            return _llama3_inv_freq(base, scaling)
-        return base
+        return self.rope()[0]
+
+    @property
+    def max_context(self) -> int:
+        """The longest context the model serves: max_position_embeddings, stretched by the
+        rope scaling's factor where the config states the original length instead (as
+        vLLM derives it): yarn over original_max_position_embeddings, linear and dynamic
+        over max_position_embeddings; llama3 configs already state the extended length."""
+        s, kind = self.rope_scaling or {}, rope_type(self.rope_scaling)
+        if kind in ("linear", "dynamic"):
+            return int(self.max_position_embeddings * s["factor"])
+        if kind == "yarn" and s.get("factor"):
+            original = s.get("original_max_position_embeddings") or self.max_position_embeddings
+            return max(self.max_position_embeddings, int(original * s["factor"]))
+        return self.max_position_embeddings
+
+    @property
+    def dynamic_rope(self) -> tuple[int, float, float, int] | None:
+        """(head_dim, theta, factor, original length) under dynamic NTK scaling, else None."""
+        if rope_type(self.rope_scaling) != "dynamic":
+            return None
+        return (self.head_dim, self.rope_theta, float(self.rope_scaling["factor"]),
+                self.max_position_embeddings)
 
 
-def _llama3_inv_freq(base: list[float], s: dict) -> list[float]:
-    # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, and
-    # the band between is interpolated smoothly.
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_len = s["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    out = []
-    for f in base:
-        wavelen = 2 * math.pi / f
-        if wavelen < high_wavelen:
-            out.append(f)
-        elif wavelen > low_wavelen:
-            out.append(f / factor)
-        else:
-            smooth = (old_len / wavelen - low) / (high - low)
-            out.append((1 - smooth) * f / factor + smooth * f)
-    return out
+def _moe_fields(raw: dict, family: str) -> dict:
+    """The MoE part of a config.json, as transformers reads it."""
+    if family == "mixtral":  # every layer sparse; top-k renormalised; experts are the MLP
+        n = raw.get("num_local_experts", 8)
+        return dict(num_experts=n, num_experts_per_tok=raw.get("num_experts_per_tok", 2),
+                    moe_intermediate_size=raw["intermediate_size"], norm_topk_prob=True,
+                    moe_layers=tuple(range(raw["num_hidden_layers"])))
+    if family == "qwen3_moe":
+        if raw.get("shared_expert_intermediate_size"):
+            raise UnsupportedModelError("a shared expert is not supported (Qwen3-MoE has none)")
+        n, step = raw.get("num_experts", 128), raw.get("decoder_sparse_step", 1)
+        dense = set(raw.get("mlp_only_layers") or [])
+        layers = tuple(i for i in range(raw["num_hidden_layers"])
+                       if i not in dense and n > 0 and (i + 1) % step == 0)
+        return dict(num_experts=n, num_experts_per_tok=raw.get("num_experts_per_tok", 8),
+                    moe_intermediate_size=raw.get("moe_intermediate_size", 768),
+                    norm_topk_prob=bool(raw.get("norm_topk_prob", False)), moe_layers=layers)
+    return {}
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
@@ -118,10 +154,10 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     # transformers 5 moved rope_theta and rope_scaling into `rope_parameters`.
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    kind = rope_type(rope)
+    if kind not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
-            f"rope scaling {rope_type!r} is not supported ({', '.join(SUPPORTED_ROPE_TYPES)})"
+            f"rope scaling {kind!r} is not supported ({', '.join(SUPPORTED_ROPE_TYPES)})"
         )
 
     heads = raw["num_attention_heads"]
@@ -141,12 +177,13 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
         rope_theta=rope_theta,
-        rope_scaling=rope if rope_type != "default" else None,
+        rope_scaling=rope if kind != "default" else None,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or attention_bias,
-        o_bias=family in ("llama", "mistral", "qwen3") and attention_bias,
-        qk_norm=family == "qwen3",
+        o_bias=family in ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral") and attention_bias,
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         sliding_window=sliding,
         eos_token_ids=eos_ids,
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+        **_moe_fields(raw, family),
     )

@@ -59,6 +59,7 @@ class BatchInputs:
     meta: AttentionMetadata
     sample_rows: list[int]
     pending: list[tuple[int, ScheduledChunk]]  # (row of token_ids, its chunk)
+    seq_lens: torch.Tensor | None = None  # [T] context at the chunk's end: dynamic NTK only
 
 
 @dataclass
@@ -285,7 +286,7 @@ class ModelRunner:
         asked, every row's logits). On a GPU nothing here waits for the device."""
         b, plan = step.batch, step.plan
         self.attn.plan(b.meta)
-        hidden = self.model.forward(ids, b.positions, b.slots, self.kv, self.attn)
+        hidden = self.model.forward(ids, b.positions, b.slots, self.kv, self.attn, b.seq_lens)
         rows = torch.tensor(b.sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.logits(hidden if return_logits else hidden[rows])
         sampled = None
@@ -399,6 +400,8 @@ class ModelRunner:
                          for row in range(end - 1 - c.num_draft, end)],
             pending=[(end - 1, c) for end, c in zip(ends, chunks)
                      if c.token_ids[-1] == PENDING_TOKEN],
+            seq_lens=(torch.from_numpy(np.repeat(ctx, n_tok).astype(np.int64)).to(dev)
+                      if self.model_config.dynamic_rope else None),
         )
 
     def _refuse_chunks(self, chunks, ctx: np.ndarray, num_pages: np.ndarray,

@@ -34,7 +34,16 @@ LAYER_PARTS = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
 }
+# An expert's matrix -> the stacked tensor llama.cpp's converter puts it in.
+EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
+GGUF_ARCH = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama",
+             "Qwen3MoeForCausalLM": "qwen3moe"}
 
 
 def to_gguf_name(hf: str) -> str:
@@ -46,16 +55,33 @@ def to_gguf_name(hf: str) -> str:
     return f"blk.{layer}.{LAYER_PARTS[rest]}"
 
 
+def stack_experts(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF's per-expert matrices -> GGUF-named tensors, each layer's experts stacked
+    [num_experts, rows, cols] in expert order; every other tensor by its GGUF name."""
+    out, experts = {}, {}
+    for name, a in weights.items():
+        parts = name.split(".")
+        if "experts" in parts:  # model.layers.L.<block>.experts.E.<kind>.weight
+            layer, e, kind = parts[2], int(parts[5]), parts[6]
+            experts.setdefault(f"blk.{layer}.{EXPERT_PARTS[kind]}.weight", {})[e] = a
+        else:
+            out[to_gguf_name(name)] = a
+    for gname, by_index in experts.items():
+        out[gname] = np.stack([by_index[e] for e in sorted(by_index)])
+    return out
+
+
 def permute_for_llama_cpp(w: np.ndarray, heads: int) -> np.ndarray:
     """HF rotary halves -> llama.cpp's interleaved pairs, per head (what its converter does)."""
     d = w.shape[0] // heads
     return w.reshape(heads, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model_dir: Path, out: Path, qtype: Q = Q.F32, arch: str = "llama",
+def write_gguf(model_dir: Path, out: Path, qtype: Q = Q.F32, arch: str | None = None,
                tokenizer: bool = True) -> Path:
     cfg = json.loads((model_dir / "config.json").read_text())
     weights = load_file(str(model_dir / "model.safetensors"))
+    arch = arch or GGUF_ARCH[cfg["architectures"][0]]
     w = gguf.GGUFWriter(str(out), arch)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -68,20 +94,34 @@ def write_gguf(model_dir: Path, out: Path, qtype: Q = Q.F32, arch: str = "llama"
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_file_type(0)
+    rope = cfg.get("rope_scaling") or {}
+    if rope.get("rope_type") == "yarn":  # llama.cpp's keys for a yarn rope_scaling
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if "moe_intermediate_size" in cfg:
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if tokenizer:
         add_tokenizer(w, model_dir)
     else:
         w.add_eos_token_id(cfg["eos_token_id"])
+    arrays = {}
     for name in sorted(weights):
         a = weights[name].float().numpy()
-        if name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):  # qwen3moe: no permutation
             a = permute_for_llama_cpp(a, cfg["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             a = permute_for_llama_cpp(a, cfg["num_key_value_heads"])
-        if a.ndim == 1 or qtype == Q.F32:  # llama.cpp keeps norms in F32 too
-            w.add_tensor(to_gguf_name(name), a)
+        arrays[name] = a
+    for gname, a in sorted(stack_experts(arrays).items()):
+        if a.ndim == 1 or qtype == Q.F32 or "ffn_gate_inp" in gname:  # norms, router: F32
+            w.add_tensor(gname, a)
         else:
-            w.add_tensor(to_gguf_name(name), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+            w.add_tensor(gname, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -21,29 +21,6 @@ def make_prompt(vocab: int, n: int = PROMPT_LEN, seed: int = 0) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
-@pytest.fixture(scope="module")
-def hf_reference(request):
-    """(prompt, prompt logits, greedy tokens) from transformers, per model dir, float32."""
-    import transformers
-
-    cache = {}
-
-    def get(model_dir):
-        if model_dir not in cache:
-            hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-            hf.eval()
-            prompt = make_prompt(hf.config.vocab_size)
-            ids = list(prompt)
-            with torch.no_grad():
-                logits = hf(torch.tensor([ids])).logits[0]
-                for _ in range(NEW_TOKENS):  # plain argmax: no EOS suppression or stopping
-                    ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-            cache[model_dir] = (prompt, logits, ids[len(prompt):])
-        return cache[model_dir]
-
-    return get
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("model_name", ["default_model", "qwen3_model"])

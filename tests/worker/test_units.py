@@ -84,8 +84,8 @@ def test_unknown_architecture_is_refused(tmp_path):
 
 
 def test_unsupported_rope_scaling_is_refused(tmp_path):
-    with pytest.raises(UnsupportedModelError, match="yarn"):
-        load_model_config(write_config(tmp_path, rope_scaling={"rope_type": "yarn",
+    with pytest.raises(UnsupportedModelError, match="longrope"):
+        load_model_config(write_config(tmp_path, rope_scaling={"rope_type": "longrope",
                                                                 "factor": 4.0}))
 
 
