@@ -8,6 +8,8 @@ Decoding is memory-bound on CPU, and plain torch reads memory badly in both plac
 - A linear layer over a few rows (a decode batch, a speculative verify) is a read of
   its weights; torch's GEMM reads them at a fraction of the memory's rate.
   `csrc/small_linear.cpp` streams them once (worker/linear.py picks it).
+- The elementwise passes of a layer (RMSNorm after the residual add, SiLU * up) are
+  one pass each in `csrc/elementwise.cpp`, not four to six torch ops.
 
 It is compiled once per machine by torch's extension builder (`make install` does
 it: `python -m worker.cpu_kernels`), for this CPU's instruction set: the
@@ -30,7 +32,7 @@ import structlog
 from worker.budget import cpu_flags
 
 SOURCES = [Path(__file__).with_name("csrc") / name
-           for name in ("module.cpp", "paged_decode.cpp", "small_linear.cpp")]
+           for name in ("module.cpp", "paged_decode.cpp", "small_linear.cpp", "elementwise.cpp")]
 ENV_SWITCH = "DEEPINFER_CPU_KERNELS"
 
 log = structlog.get_logger("deepinfer.worker")

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from worker.attention import AttentionBackend
 from worker.distributed import TensorParallelGroup
+from worker.elementwise import Elementwise
 from worker.gguf import open_checkpoint
 from worker.kv_cache import KVCache
 from worker.layers import ParallelLMHead, Rotary, VocabParallelEmbedding, rms_norm
@@ -55,6 +55,7 @@ class LlamaModel:
         inv_freq, scaling = config.rope()
         self.rotary = Rotary(inv_freq, device, scaling, config.dynamic_rope)
         self.linear = Linear(device)  # the few-row CPU kernel where it pays, else torch
+        self.elementwise = Elementwise(device, dtype)  # fused norms and SiLU on CPU
         self.layers: list[LayerWeights] = []
 
     # --- loading ---------------------------------------------------------------
@@ -134,12 +135,15 @@ class LlamaModel:
         token's sequence length at the end of its chunk (dynamic NTK rope needs it).
         """
         cos, sin = self.rotary.cos_sin(positions, self.dtype, seq_lens)
-        h = self.embed(input_ids)  # [T, hidden]
+        ops, eps = self.elementwise, self._eps
+        h = self.embed(input_ids)  # [T, hidden]: the residual stream, summed into in place
+        x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, self._eps), cos, sin,
-                                    slots, kv, attn)
-            h = h + self._mlp(layer, rms_norm(h, layer.post_norm, self._eps))
-        return rms_norm(h, self.norm, self._eps)
+            attended = self._attention(i, layer, x, cos, sin, slots, kv, attn)
+            x = ops.add_rms_norm(h, attended, layer.post_norm, eps)
+            after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            x = ops.add_rms_norm(h, self._mlp(layer, x), after, eps)
+        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[B, hidden] -> [B, vocab] float32 on rank 0 (on every rank with
@@ -176,5 +180,5 @@ class LlamaModel:
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         if w.moe is not None:
             return self.tp.all_reduce(moe_forward(x, w.moe, self.linear))
-        gate, up = self.linear(x, w.gate_up).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.linear(F.silu(gate) * up, w.down))
+        hidden = self.elementwise.silu_mul(self.linear(x, w.gate_up))
+        return self.tp.all_reduce(self.linear(hidden, w.down))

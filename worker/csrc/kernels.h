@@ -11,3 +11,10 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
 
 // x [M, K] @ w[N, K]^T for a few rows of x, reading w once (small_linear.cpp).
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor w);
+
+// Fused elementwise passes of a decoder layer (elementwise.cpp).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+// residual += delta in place, then rms_norm(residual)
+torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::Tensor weight,
+                           double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);

@@ -7,4 +7,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "KV pages");
   m.def("small_linear", &small_linear,
         "x @ w.T for a few rows of x (decode, speculative verify), reading w once");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, HF's rounding, one pass");
+  m.def("add_rms_norm", &add_rms_norm, "residual += delta in place, then its RMSNorm");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a [rows, 2 * intermediate] gate_up");
 }

@@ -13,6 +13,7 @@
 // repeat_kv does.
 
 #include "kernels.h"
+#include "vec_math.h"
 
 #include <torch/extension.h>
 
@@ -58,27 +59,6 @@ inline const float* as_float(const c10::Half* row, float* buf, int64_t n) {
 #endif
   for (; i < n; ++i) buf[i] = static_cast<float>(row[i]);
   return buf;
-}
-
-// exp(x) for x <= 0 in a form the compiler vectorizes (std::exp does not, and a
-// decode takes one per context token and query head): 2^(x log2 e) split into an
-// integer part (the exponent bits) and a fraction in [-0.5, 0.5] (a degree-6
-// polynomial, relative error 1e-7, float32's own rounding).
-inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -87.f) * 1.4426950408889634f;
-  const float n = std::nearbyint(t);
-  const float f = t - n;
-  float p = 1.5465312520617985e-4f;
-  p = p * f + 1.3395279800723324e-3f;
-  p = p * f + 9.6180399450030800e-3f;
-  p = p * f + 5.5503406807439634e-2f;
-  p = p * f + 2.4022651101321707e-1f;
-  p = p * f + 6.9314720006268040e-1f;
-  p = p * f + 1.f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(float));
-  return p * scale;
 }
 
 // Calls fn(i, row) for the tokens t0 + i in [t0, t1) of one sequence, `row` pointing at

@@ -1,0 +1,99 @@
+"""The fused elementwise kernels (worker/csrc/elementwise.cpp) against the plain-torch
+passes they replace (worker/elementwise.py's fallback, HF's rounding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker import cpu_kernels
+from worker.elementwise import Elementwise
+from worker.layers import rms_norm
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def kernels():
+    module = cpu_kernels.load()
+    if module is None:
+        pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
+    return module
+
+
+def close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """float32: float32 rounding; bfloat16: at most one bf16 rounding step apart."""
+    assert got.dtype == ref.dtype == dtype and got.shape == ref.shape
+    scale = ref.float().abs().max().item()
+    tol = 2e-6 if dtype == torch.float32 else 2 ** -7
+    err = (got.float() - ref.float()).abs().max().item()
+    assert err <= tol * scale, f"{err:.3g} > {tol * scale:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,d", [(1, 576), (7, 64), (300, 576), (3, 33)])
+def test_rms_norm(kernels, dtype, rows, d):
+    g = torch.Generator().manual_seed(rows + d)
+    x = (torch.randn(rows, d, generator=g) * 3).to(dtype)
+    w = (torch.rand(d, generator=g) + 0.5).to(dtype)
+    close(kernels.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5), dtype)
+    # a view whose rows are strided (a slice of a wider tensor)
+    wide = torch.randn(rows, 2 * d, generator=g).to(dtype)[:, :d]
+    close(kernels.rms_norm(wide, w, 1e-6), rms_norm(wide, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_sums_the_residual_in_place(kernels, dtype):
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(40, 128, generator=g).to(dtype)
+    delta = torch.randn(40, 128, generator=g).to(dtype)
+    w = torch.rand(128, generator=g).to(dtype)
+    expected_h = h + delta
+    out = kernels.add_rms_norm(h, delta, w, 1e-5)
+    assert torch.equal(h, expected_h)  # the sum, rounded to the dtype, exactly as torch
+    close(out, rms_norm(expected_h, w, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (64, 96), (5, 17)])
+def test_silu_mul(kernels, dtype, rows, inter):
+    g = torch.Generator().manual_seed(rows * inter)
+    # values across SiLU's range, large negative ones included (exp must not overflow)
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * 6).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0]).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    close(kernels.silu_mul(gate_up), F.silu(gate) * up, dtype)
+
+
+def test_refuses_what_it_cannot_compute(kernels):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels.rms_norm(torch.randn(2, 8).half(), torch.randn(8).half(), 1e-5)
+    with pytest.raises(RuntimeError, match="one weight per column"):
+        kernels.rms_norm(torch.randn(2, 8), torch.randn(9), 1e-5)
+    with pytest.raises(RuntimeError, match="2 \\* intermediate"):
+        kernels.silu_mul(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_elementwise_both_ways_equals_torch(switch, monkeypatch):
+    """worker.elementwise with the kernels and without (DEEPINFER_CPU_KERNELS=0): the
+    same results, and the residual summed in place both ways."""
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, switch)
+    ops = Elementwise(CPU, torch.float32)
+    assert (ops.kernels is None) == (switch == "0" or cpu_kernels.load() is None)
+    g = torch.Generator().manual_seed(2)
+    h, delta = torch.randn(9, 64, generator=g), torch.randn(9, 64, generator=g)
+    w = torch.rand(64, generator=g)
+    summed = h + delta
+    close(ops.add_rms_norm(h, delta, w, 1e-5), rms_norm(summed, w, 1e-5), torch.float32)
+    assert torch.equal(h, summed)
+    gu = torch.randn(9, 128, generator=g)
+    close(ops.silu_mul(gu), F.silu(gu[:, :64]) * gu[:, 64:], torch.float32)
+    # 3-D (per-head norms of Qwen3): the torch path
+    x3 = torch.randn(2, 4, 64, generator=g)
+    close(ops.rms_norm(x3, w, 1e-5), rms_norm(x3, w, 1e-5), torch.float32)
+
+
+def test_float16_models_keep_torch():
+    assert Elementwise(CPU, torch.float16).kernels is None

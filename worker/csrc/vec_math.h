@@ -1,0 +1,28 @@
+// Scalar math written so that the compiler vectorizes the loops that call it.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+// exp(x) for x <= 0 in a form the compiler vectorizes (std::exp does not, and a
+// decode takes one per context token and query head): 2^(x log2 e) split into an
+// integer part (the exponent bits) and a fraction in [-0.5, 0.5] (a degree-6
+// polynomial, relative error 1e-7, float32's own rounding).
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.f) * 1.4426950408889634f;
+  const float n = std::nearbyint(t);
+  const float f = t - n;
+  float p = 1.5465312520617985e-4f;
+  p = p * f + 1.3395279800723324e-3f;
+  p = p * f + 9.6180399450030800e-3f;
+  p = p * f + 5.5503406807439634e-2f;
+  p = p * f + 2.4022651101321707e-1f;
+  p = p * f + 6.9314720006268040e-1f;
+  p = p * f + 1.f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(float));
+  return p * scale;
+}
