@@ -4,9 +4,9 @@
 // With few rows a linear layer is a read of its weights: M rows do 2M FLOPs per weight
 // read. torch's CPU GEMM reads them at 8-10 GB/s for one row and, from two rows up, at
 // 2-5 GB/s (it packs the weights for a GEMM whose M is tiny), where the machine's memory
-// gives 20+ GB/s. Here every weight row is loaded once per block of up to 8 rows of x and
-// multiplied into all of them from registers, so the weights stream from memory once
-// and the rows of x stay in L1.
+// gives 20+ GB/s. Here every weight row is loaded once per block of up to 16 rows of x
+// (8 without AVX-512) and multiplied into all of them from registers, so the weights
+// stream from memory once and the rows of x stay in L1 or L2.
 //
 // Weights float32 or bfloat16 (widened in registers: bf16 is float32's top half); x of the
 // weights' dtype, computed in float32, the result rounded to that dtype once (as torch
@@ -22,14 +22,17 @@
 
 namespace {
 
+// kRowsOfX: the rows of x one weight load is multiplied into. Up to it, the weights
+// stream from memory once; more rows take another pass.
 #ifdef __AVX512F__
 constexpr int kLanes = 16;
 constexpr int kAccumulators = 24;  // of 32 vector registers: the rest hold w and x
+constexpr int kRowsOfX = 16;
 #else
 constexpr int kLanes = 8;
 constexpr int kAccumulators = 10;  // of 16
+constexpr int kRowsOfX = 8;
 #endif
-constexpr int kRowsOfX = 8;        // rows of x a weight load is multiplied into
 constexpr int64_t kRowsOfW = 32;   // weight rows a work item covers
 
 typedef float vfloat __attribute__((vector_size(4 * kLanes)));
@@ -105,7 +108,18 @@ void rows_of_x(const float* x, int64_t m, const W* w, int64_t k, float* y, int64
       case 5: weight_rows<5>(xa, w, k, ya, n, n0, n1); break;
       case 6: weight_rows<6>(xa, w, k, ya, n, n0, n1); break;
       case 7: weight_rows<7>(xa, w, k, ya, n, n0, n1); break;
-      default: weight_rows<8>(xa, w, k, ya, n, n0, n1); break;
+      case 8: weight_rows<8>(xa, w, k, ya, n, n0, n1); break;
+#ifdef __AVX512F__
+      case 9: weight_rows<9>(xa, w, k, ya, n, n0, n1); break;
+      case 10: weight_rows<10>(xa, w, k, ya, n, n0, n1); break;
+      case 11: weight_rows<11>(xa, w, k, ya, n, n0, n1); break;
+      case 12: weight_rows<12>(xa, w, k, ya, n, n0, n1); break;
+      case 13: weight_rows<13>(xa, w, k, ya, n, n0, n1); break;
+      case 14: weight_rows<14>(xa, w, k, ya, n, n0, n1); break;
+      case 15: weight_rows<15>(xa, w, k, ya, n, n0, n1); break;
+      case 16: weight_rows<16>(xa, w, k, ya, n, n0, n1); break;
+#endif
+      default: break;  // unreachable: min(kRowsOfX, rows left) >= 1
     }
   }
 }
