@@ -122,6 +122,7 @@ class Scheduler:
             if seq.guide_pending is not None:  # a grammar nobody will use: not compiled
                 seq.guide_pending.cancel()
             self.queue.remove(request_id)
+            self.cache.cancel_reads(seq.seq_id)  # its disk reads in flight, if any
             del self._by_request[request_id]
             seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
             return seq.take_output()
