@@ -13,7 +13,7 @@ TORCH_CPU := torch==2.13.0+cpu
 PYTEST_ARGS ?=
 
 .PHONY: install cpu-kernels test lint serve serve-replicas bench-routing bench bench-worker bench-engine bench-agents bench-index \
-	simulate clean e2e-claude-code soak fuzz gpu-check gpu-wheels bench-vs-vllm bench-overhead bench-spec
+	simulate clean e2e-claude-code soak fuzz gpu-check gpu-wheels bench-vs-vllm bench-overhead bench-spec bench-disk
 
 install: $(INSTALLED) $(TINY)/deepinfer_tiny.json $(SMOLLM2) cpu-kernels
 
@@ -128,6 +128,11 @@ bench-spec: install
 
 bench-index: install
 	$(PY) -m tools.bench_index
+
+# The disk tier: TTFT of a 50K-token session resumed after a restart, from disk against
+# recomputed. Makes a 64K-context tiny Llama first (once, deterministic). A few minutes.
+bench-disk: install
+	$(PY) -m tools.bench_disk $(DISK_ARGS)
 
 simulate: install
 	$(PY) -m tools.simulate

@@ -8,7 +8,7 @@ the disk failed). So a slot moves through these states:
                             \\--any rank dropped it----------------------------> free
     committed --a read failed its check on some rank--> doomed --reads done--> free
 
-Only committed slots are in the hash index and the LRU: a read is planned only of a slot
+Only committed slots are found (`find`) and in the LRU: a read is planned only of a slot
 that every rank holds, so a write one rank could not do costs a miss, never a desync.
 A committed slot with reads in flight (`begin_read`, cache/disk_reads.py) is not evicted
 until they end; a read spans steps. Eviction is LRU; the budget is the slot count, fixed
@@ -16,7 +16,8 @@ at start-up.
 
 The scheduler runs this on every step, so it works on arrays: a write's id names its slot
 (``generation * num_slots + slot``), and a rank's report is a few vector ops however many
-writes it carries.
+writes it carries. A pending write's key is in the hash index already (so a key is never
+planned twice, with one lookup), masked out of `find` until it is committed.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cache.hash_index import HashIndex
 from cache.tier import PinnedTier
 
 MAX_RANKS = 64  # the ranks that answered for a write are bits of a uint64
@@ -57,7 +57,6 @@ class DiskPool(PinnedTier):
         self.num_ranks = num_ranks
         self._all_ranks = np.uint64((1 << num_ranks) - 1)
         self.pending = np.zeros(num_slots, dtype=bool)
-        self._pending_index = HashIndex(max(num_slots, 1))  # keys of the pending writes
         self._write_id = np.full(num_slots, -1, dtype=np.int64)  # pending write per slot
         self._generation = np.zeros(num_slots, dtype=np.int64)
         self._reported = np.zeros(num_slots, dtype=np.uint64)  # ranks that answered
@@ -85,7 +84,16 @@ class DiskPool(PinnedTier):
 
     def find(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Committed slot of each key, or -1 (int32)."""
-        return self.index.find(lo, hi)
+        slots = self.index.find(lo, hi)
+        if self._num_pending:
+            slots[(slots >= 0) & self.pending[slots]] = -1
+        return slots
+
+    def committed_mask(self) -> np.ndarray:
+        return self.index.registered_mask() & ~self.pending
+
+    def committed_items(self) -> np.ndarray:
+        return np.flatnonzero(self.committed_mask()).astype(np.int32)
 
     # --- writes ---------------------------------------------------------------------
 
@@ -99,9 +107,10 @@ class DiskPool(PinnedTier):
                              np.zeros(0, np.int32))
         if self.num_slots == 0 or len(lo) == 0:
             return none
-        new = (self.index.find(lo, hi) < 0) & (self._pending_index.find(lo, hi) < 0)
-        want = np.flatnonzero(new)
-        if len(want) > 1:  # a key twice in one batch: its first occurrence
+        want = np.flatnonzero(self.index.find(lo, hi) < 0)  # neither committed nor pending
+        if len(want) > 1 and len(np.unique(lo[want])) < len(want):
+            # a key twice in one batch (not from the manager, whose blocks' hashes are
+            # distinct): its first occurrence
             pairs = np.stack([lo[want], hi[want]], axis=1)
             _, first = np.unique(pairs, axis=0, return_index=True)
             want = want[np.sort(first)]
@@ -121,7 +130,7 @@ class DiskPool(PinnedTier):
         self._reported[slots] = 0
         self._dropped[slots] = False
         self.pending[slots] = True
-        self._pending_index.insert(slots, lo[want], hi[want])
+        self.index.insert(slots, lo[want], hi[want])
         self._num_pending += len(slots)
         self.num_planned_writes += len(slots)
         return PlannedWrites(want.astype(np.int64), ids, slots)
@@ -142,16 +151,14 @@ class DiskPool(PinnedTier):
         fin = slots[self._reported[slots] == self._all_ranks]
         if len(fin) == 0:
             return
-        lo, hi = self._pending_index.keys_of(fin)
-        self._pending_index.remove(fin)
         self._write_id[fin] = -1
         self.pending[fin] = False
         self._num_pending -= len(fin)
         bad = self._dropped[fin]
+        self.index.remove(fin[bad])
         self.free.push(fin[bad])
         self.num_dropped_writes += int(bad.sum())
         good = fin[~bad]
-        self.index.insert(good, lo[~bad], hi[~bad])
         self.lru.push(good)
         self.num_committed_writes += len(good)
 
@@ -160,14 +167,14 @@ class DiskPool(PinnedTier):
     def pin(self, slots: np.ndarray) -> None:
         """Read by this step's ops: kept until `unpin_all`, and a use (most recent)."""
         slots = np.asarray(slots, dtype=np.int32)
-        assert self.index.is_registered(slots).all(), "reading a disk slot not committed"
+        assert self.committed_mask()[slots].all(), "reading a disk slot not committed"
         super().pin(slots)
 
     def begin_read(self, slots: np.ndarray) -> None:
         """Reads of these committed slots start (a use: most recent); they stay until
         `end_read`, over as many steps as the reads take."""
         slots = np.asarray(slots, dtype=np.int32)
-        assert self.index.is_registered(slots).all(), "reading a disk slot not committed"
+        assert self.lru.present[slots].all(), "reading a disk slot not committed"
         np.add.at(self.reading, slots, 1)
         self.lru.push(slots)
 
@@ -179,7 +186,7 @@ class DiskPool(PinnedTier):
         np.subtract.at(self.reading, slots, 1)
         assert (self.reading[slots] >= 0).all()
         drop = np.unique(slots[bad])
-        drop = drop[self.index.is_registered(drop)]
+        drop = drop[self.lru.present[drop]]
         if len(drop):
             self.index.remove(drop)
             self.lru.remove(drop)
@@ -212,16 +219,15 @@ class DiskPool(PinnedTier):
 
     def check(self) -> None:
         free = self.free.is_free
-        committed = self.index.registered_mask()
+        committed = self.committed_mask()
         states = [free, committed, self.pending, self.doomed]
         assert (sum(s.astype(np.int32) for s in states) == 1).all(), "a slot in two states"
         assert (self.lru.present == committed).all()
         assert not (self.pinned & ~committed).any()
         assert not ((self.reading > 0) & ~(committed | self.doomed)).any()
         assert not (self.doomed & (self.reading == 0)).any()
-        assert (self._pending_index.registered_mask()[:self.num_slots] == self.pending).all()
+        assert not (self.pending & ~self.index.registered_mask()).any()
         assert ((self._write_id >= 0) == self.pending).all()
         assert int(self.pending.sum()) == self._num_pending
         self.lru.check()
         self.index.check()
-        self._pending_index.check()

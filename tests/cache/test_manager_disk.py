@@ -108,13 +108,13 @@ def test_restore_makes_a_warm_start() -> None:
     _, ops = run_and_close(m, 1, p, 0)
     for r in (0, 1):
         m.report_disk_writes(r, [op[0] for op in ops.disk_write], [])
-    found = m.disk.index.registered_items()
+    found = m.disk.committed_items()
     lo, hi = m.disk.index.keys_of(found)
     fresh = mgr()  # the restarted scheduler
     fresh.restore_disk(found, lo, hi)
     assert fresh.lookup(p, KEY) == PrefixHit(0, 0, 8)
     fresh.check_invariants()
-    assert np.array_equal(np.sort(fresh.disk.index.registered_items()), np.sort(found))
+    assert np.array_equal(np.sort(fresh.disk.committed_items()), np.sort(found))
 
 
 def read_back(m: KVCacheManager, seq_id: int, tokens: list[int], bad_on_rank1=()):

@@ -342,7 +342,7 @@ class CacheMachine(RuleBasedStateMachine):
         """A byte flips in one rank's copy of a committed record: a read of it fails."""
         r = data.draw(st.sampled_from([0, 1]))
         self.damaged[r].add(data.draw(st.sampled_from(
-            self.m.disk.index.registered_items().tolist())))
+            self.m.disk.committed_items().tolist())))
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data())

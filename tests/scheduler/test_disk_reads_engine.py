@@ -54,22 +54,28 @@ def test_a_slow_read_does_not_stall_a_decoding_sequence(default_model, tmp_path)
 
     sched = core.scheduler
     sched.add_request(GenerateRequest("dec", other, 30, ignore_eos=True))
-    got: dict[str, list[int]] = {"dec": [], "back": []}
+    got: dict[str, list[int]] = {"dec": [], "back": [], "next": []}
     waiting_steps = decoded_while_waiting = 0
+    behind = tokens(rng, 20)  # queued behind the reading one: not held up by it
+    next_first_token_while_waiting = False
     first_plan = len(core.executor.plans)
     while core.has_work():
         if len(got["dec"]) == 3 and sched.sequence("back") is None:
             sched.add_request(GenerateRequest("back", prompt, 8, ignore_eos=True))
+            sched.add_request(GenerateRequest("next", behind, 4, ignore_eos=True))
         back = sched.sequence("back")
         reading = back is not None and sched.cache.reading(back.seq_id)
         for out in core.step().outputs:
             got[out.request_id].extend(out.token_ids)
             if reading and out.request_id == "dec":
                 decoded_while_waiting += len(out.token_ids)
+            if reading and out.request_id == "next" and out.token_ids:
+                next_first_token_while_waiting = True
         waiting_steps += reading
     assert got["back"] == reference and got["dec"] == other_ref["ref"]["tokens"]
     # 9 reads of >= 0.25 s on 4 reader threads: >= 0.75 s in which "dec" kept decoding
     assert waiting_steps >= 3 and decoded_while_waiting >= 3
+    assert next_first_token_while_waiting and len(got["next"]) == 4
     plans = core.executor.plans[first_plan:]
     started = next(i for i, p in enumerate(plans) if p.disk_read)
     filled = {op[2] for op in plans[started].disk_read}
