@@ -289,7 +289,7 @@ class EngineCore:
         sched, tot = self.scheduler, self.totals
         return EngineStats(
             step=sched.step,
-            num_waiting=len(sched.queue),
+            num_waiting=sched.num_waiting,
             num_running=len(sched.running),
             num_prefill_tokens=tot.num_prefill_tokens,
             num_decode_tokens=tot.num_decode_tokens,

@@ -176,6 +176,14 @@ class Scheduler:
         """The live (or just finished, not yet closed) sequence of a request."""
         return self._by_request.get(request_id)
 
+    def waiting(self) -> list[Sequence]:
+        """Sequences not running yet: those waiting on their disk reads, then the queue."""
+        return self._reading + list(self.queue)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._reading) + len(self.queue)
+
     def has_work(self) -> bool:
         return bool(self.running or len(self.queue) or self._to_close or self._awaiting
                     or self._reading)
