@@ -67,7 +67,7 @@ class RankDiskTier:
         self.num_slots = self.store.num_slots
         self.found, self.num_torn = self._agree(tp)
         self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="disk-reader")
-        self._reading: dict[int, Future] = {}  # host slot -> its read in flight
+        self._reading: dict[int, Future] = {}  # host slot -> the task reading into it
         self._lock = threading.Lock()
         self._read_done: list[int] = []
         self._read_bad: list[int] = []
@@ -109,9 +109,10 @@ class RankDiskTier:
         per_task = -(-len(ops) // READ_THREADS) if ops else 0
         for i in range(0, len(ops), per_task or 1):
             task = ops[i:i + per_task]
-            f = self._readers.submit(self._read_all, task)
-            for op in task:
-                self._reading[op[2]] = f
+            with self._lock:  # before the task starts: it removes each slot it fills
+                f = self._readers.submit(self._read_all, task)
+                for op in task:
+                    self._reading[op[2]] = f
 
     def _read_all(self, ops: list[tuple[int, int, int, int, int]]) -> None:
         """On a reader thread: each record into its host slot, if it passes its check;
@@ -124,8 +125,9 @@ class RankDiskTier:
             except Exception as exc:  # a failing disk: the block is recomputed, not served
                 log.warning("disk_read_failed", slot=disk_slot, error=str(exc))
                 payload = None
-            with self._lock:
+            with self._lock:  # this slot is done, whatever the rest of the task does
                 (self._read_done if payload is not None else self._read_bad).append(read_id)
+                del self._reading[host_slot]
 
     def join(self, host_slots: list[int]) -> None:
         """Wait for the reads into these host slots (a copy is about to touch them). The
@@ -134,7 +136,8 @@ class RankDiskTier:
         if not self._reading:
             return
         for slot in host_slots:
-            f = self._reading.get(slot)
+            with self._lock:
+                f = self._reading.get(slot)
             if f is not None:
                 f.result()
 
@@ -144,10 +147,9 @@ class RankDiskTier:
         if idle and self._reading:
             with self._lock:
                 nothing = not self._read_done and not self._read_bad
-            if nothing:
-                wait(list(self._reading.values()), IDLE_WAIT_S, FIRST_COMPLETED)
-        for slot in [s for s, f in self._reading.items() if f.done()]:
-            del self._reading[slot]
+                tasks = set(self._reading.values())
+            if nothing and tasks:
+                wait(tasks, IDLE_WAIT_S, FIRST_COMPLETED)
         done, dropped = self.store.take_completed()
         with self._lock:
             read_done, self._read_done = self._read_done, []
