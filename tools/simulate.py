@@ -132,8 +132,9 @@ class CostModelExecutor:
             seconds += t
         seconds += self.cost.decode_seconds(decodes, context)
         seconds = self.cost.step_seconds(seconds, len(plan.chunks))
-        if not plan.chunks and self._reads:  # nothing to run: wait for the next read
-            seconds = max(seconds, self._reads[0][0] - self.clock)
+        if not plan.chunks and self._reads:  # nothing to run: wait for the reads, as an
+            # idle rank does (at most worker/disk_tier.py's IDLE_WAIT_S, 20 ms)
+            seconds = max(seconds, min(self._reads[-1][0] - self.clock, 0.02))
         self.clock += seconds
         read_done = [rid for t, rid in self._reads if t <= self.clock]
         self._reads = self._reads[len(read_done):]
