@@ -17,11 +17,12 @@ TORCH_CPU := torch==2.13.0+cpu
 PYTEST_ARGS ?=
 
 .PHONY: install cpu-kernels test lint serve serve-replicas bench-routing bench bench-worker bench-engine bench-agents bench-index \
-	simulate clean e2e-claude-code soak fuzz gpu-check gpu-wheels bench-vs-vllm bench-overhead bench-spec bench-moe
+	simulate clean e2e-claude-code soak fuzz gpu-check gpu-wheels bench-vs-vllm bench-overhead bench-spec bench-moe \
+	bench-disk
 
 install: $(INSTALLED) $(TINY)/deepinfer_tiny.json $(TINY_MOE) $(SMOLLM2) cpu-kernels
 
-# The torch backend's paged decode kernel, compiled for this machine's CPU (under
+# The CPU kernels (paged decode attention, few-row linear, fused elementwise), compiled for this machine's CPU (under
 # ~/.cache/torch_extensions, named after the CPU's flags; a second run only loads it).
 # Without a C++ compiler the engine runs its plain-torch path, a few times slower.
 cpu-kernels: $(INSTALLED)
@@ -146,6 +147,11 @@ bench-moe: install
 
 bench-index: install
 	$(PY) -m tools.bench_index
+
+# The disk tier: TTFT of a 50K-token session resumed after a restart, from disk against
+# recomputed. Makes a 64K-context tiny Llama first (once, deterministic). A few minutes.
+bench-disk: install
+	$(PY) -m tools.bench_disk $(DISK_ARGS)
 
 simulate: install
 	$(PY) -m tools.simulate

@@ -36,9 +36,9 @@ def accounting_problems(seqs: dict[int, Any], device: DevicePool, host: HostPool
     if d.num_free < 0 or d.num_cached < 0 or d.num_used < 0:
         problems.append(f"device counts free {d.num_free} cached {d.num_cached} "
                         f"used {d.num_used}")
-    if h.free.count + h.lru.count != h.num_slots:
-        problems.append(f"host slots: {h.free.count} free + {h.lru.count} cached != "
-                        f"{h.num_slots}")
+    if h.free.count + h.lru.count + h.num_reserved != h.num_slots:
+        problems.append(f"host slots: {h.free.count} free + {h.lru.count} cached + "
+                        f"{h.num_reserved} reserved != {h.num_slots}")
     return problems
 
 

@@ -1,9 +1,11 @@
 """The host tier: slots in RAM holding copies of device blocks, with a hash index and LRU.
 
 Host slots have no reference counts: sequences never point at them; a hit is copied
-back to a device block (swap_in). Every slot is either free or cached (registered, in
-the LRU). A slot touched by the ops of the current step -- the target of a queued
-swap_out or the source of a queued swap_in -- is *pinned* until the ops are drained:
+back to a device block (swap_in). Every slot is free, cached (registered, in the LRU),
+or *reserved*: the target of a disk read in flight (cache/disk_flow.py), registered
+only once every rank has read it. A slot touched by the ops of the current step -- the
+target of a queued swap_out or the source of a queued swap_in -- is *pinned* until the
+ops are drained:
   - a pinned swap_in source must not be overwritten first (swap_out runs before
     swap_in, so reusing it this step would load the wrong KV);
   - a pinned swap_out target must not be written twice in one batch (workers copy a
@@ -23,9 +25,28 @@ class HostPool(PinnedTier):
         assert num_slots >= 0
         super().__init__(num_slots, retention)  # the LRU holds exactly the registered slots
         self.num_slots = num_slots
+        self.reserved = np.zeros(num_slots, dtype=bool)
+        self.num_reserved = 0
 
     def held(self) -> np.ndarray:
-        return self.pinned
+        return self.pinned | self.reserved
+
+    def reserve(self, slots: np.ndarray) -> None:
+        """Slots just taken (`take`) that a disk read fills over the next steps: neither
+        free nor findable until `release` or `register`."""
+        assert not self.reserved[slots].any()
+        self.reserved[slots] = True
+        self.num_reserved += len(slots)
+
+    def unreserve(self, slots: np.ndarray) -> None:
+        assert self.reserved[slots].all()
+        self.reserved[slots] = False
+        self.num_reserved -= len(slots)
+
+    def release(self, slots: np.ndarray) -> None:
+        """Reserved slots whose read failed or was abandoned: free again."""
+        self.unreserve(slots)
+        self.free.push(np.asarray(slots, dtype=np.int32))
 
     @property
     def num_cached(self) -> int:
@@ -56,11 +77,13 @@ class HostPool(PinnedTier):
     def check(self) -> None:
         free = self.free.is_free
         registered = self.index.registered_mask()
-        assert not (free & registered).any()
-        assert (free | registered).all()
+        assert not (free & registered).any() and not (self.reserved & (free | registered)).any()
+        assert (free | registered | self.reserved).all()
+        assert self.num_reserved == int(self.reserved.sum())
         assert (self.lru.present == registered).all()
         assert not (self.pinned & ~registered).any()
         assert self.num_pinned == int(self.pinned.sum())
-        assert self.num_pinned + self.num_cached + self.num_free == self.num_slots
+        assert (self.num_pinned + self.num_cached + self.num_free + self.num_reserved
+                == self.num_slots)
         self.lru.check()
         self.index.check()

@@ -26,99 +26,24 @@ from __future__ import annotations
 import time
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from cache import checks
 from cache.block_pool import DevicePool
+from cache.disk_flow import DiskFlow
 from cache.disk_pool import DiskPool
 from cache.events import KVEventRecorder
 from cache.hashing import BlockHashChain
 from cache.host_pool import HostPool
+from cache.matching import Match, match_prefix
 from cache.retention import RetentionPolicy
 from cache.stats import CacheStats
+from cache.types import WRITE_POLICIES, CacheAccountingError, CacheConfig, CacheOps, PrefixHit
 
-WRITE_POLICIES = ("write_back", "write_through")
-
-
-class CacheAccountingError(RuntimeError):
-    """Block bookkeeping is inconsistent: serving on would read or free the wrong KV."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class CacheConfig:
-    num_device_blocks: int
-    block_size: int = 16
-    num_host_blocks: int = 0  # 0 disables the host tier
-    write_policy: str = "write_back"  # host copy on device eviction, or on commit
-    enable_prefix_caching: bool = True
-    # Of each tier, what blocks marked for retention (`retain`) may hold before the
-    # least valuable of them are ordinary LRU blocks (cache/retention.py).
-    max_retained_fraction: float = 0.5
-    # Record every change of the prefix index as a KV event (cache/events.py), for a
-    # cache-aware router; `take_events` drains them. Off: no recorder, no cost.
-    record_events: bool = False
-    # The disk tier (cache/disk_pool.py): slots below the host tier, written through from
-    # it; a write counts once all ``num_ranks`` ranks reported it. 0 disables it.
-    num_disk_blocks: int = 0
-    num_ranks: int = 1
-
-    def __post_init__(self) -> None:
-        assert self.block_size > 0, self.block_size
-        assert self.num_device_blocks > 0, self.num_device_blocks
-        assert self.num_host_blocks >= 0, self.num_host_blocks
-        assert self.write_policy in WRITE_POLICIES, self.write_policy
-        assert 0.0 <= self.max_retained_fraction <= 1.0, self.max_retained_fraction
-        assert self.num_disk_blocks >= 0 and self.num_ranks >= 1
-
-    @property
-    def host_enabled(self) -> bool:
-        return self.num_host_blocks > 0 and self.enable_prefix_caching
-
-    @property
-    def disk_enabled(self) -> bool:
-        """The disk tier is fed from the host tier and read back through it."""
-        return self.num_disk_blocks > 0 and self.host_enabled
-
-    @property
-    def num_device_tokens(self) -> int:
-        return self.num_device_blocks * self.block_size
-
-    @property
-    def num_host_tokens(self) -> int:
-        return self.num_host_blocks * self.block_size
-
-
-@dataclass
-class CacheOps:
-    """Block copies for one step, applied by every worker before anything else."""
-
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
-    # (device block, low 64 bits of its hash) registered this step: not a copy, but
-    # the ranks mirror it so their state digest covers which hash is where.
-    registered: list[tuple[int, int]] = field(default_factory=list)
-    # Applied after swap_out and before swap_in: (write id, host slot, disk slot, hash lo,
-    # hash hi), the host slot's KV (as swap_out left it) written to disk in the
-    # background; and (disk slot, host slot, lo, hi), a committed record read into it.
-    disk_write: list[tuple[int, int, int, int, int]] = field(default_factory=list)
-    disk_read: list[tuple[int, int, int, int]] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.disk_write or self.disk_read)
-
-
-@dataclass(frozen=True)
-class PrefixHit:
-    num_device_tokens: int  # prompt tokens served by device-resident blocks
-    num_host_tokens: int  # prompt tokens served by host slots (swapped in)
-    num_disk_tokens: int = 0  # prompt tokens served by disk slots (read, then swapped in)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_device_tokens + self.num_host_tokens + self.num_disk_tokens
-
+__all__ = ["WRITE_POLICIES", "CacheAccountingError", "CacheConfig", "CacheOps",
+           "KVCacheManager", "PrefixHit"]
 
 @dataclass
 class _Seq:
@@ -134,14 +59,6 @@ class _Seq:
 def _as_array(blocks: array) -> np.ndarray:
     # A copy, never a view: a view would pin the array and make a later extend() raise.
     return np.frombuffer(blocks.tobytes(), dtype=np.int32)
-
-
-@dataclass
-class _Match:
-    num_blocks: int
-    device: np.ndarray  # int32 [num_blocks]: device block, or -1 where the host serves it
-    host: np.ndarray  # int32 [num_blocks]: host slot where device is -1
-    disk: np.ndarray  # int32 [num_blocks]: disk slot where device and host are -1
 
 
 class KVCacheManager:
@@ -162,6 +79,8 @@ class KVCacheManager:
         self._write_through_next: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self.events = (KVEventRecorder(config.num_device_blocks, config.block_size)
                        if config.record_events and config.enable_prefix_caching else None)
+        self.disk_flow = DiskFlow(self.host, self.disk, config.num_ranks, self.stats,
+                                  self.events)
 
     # --- queries --------------------------------------------------------------------
 
@@ -174,7 +93,8 @@ class KVCacheManager:
         its hashes (hashing is the dominant cost for long prompts)."""
         if not self.config.enable_prefix_caching:
             return PrefixHit(0, 0)
-        m = self._match(token_ids, self._chain_for(extra_key, chain))
+        chain = self._chain_for(extra_key, chain)
+        m = match_prefix(self.device, self.host, self.disk, token_ids, chain)
         return self._hit_of(m)
 
     def num_cached_tokens(self, seq_id: int) -> PrefixHit:
@@ -204,7 +124,10 @@ class KVCacheManager:
         differ from an earlier `lookup` if the cache changed in between). Device hits
         are shared (refcount + 1); host hits get a fresh block and a queued swap_in.
         Returns the block ids appended to the sequence's table, in order (hit blocks
-        first), or None when there is not enough room -- and then nothing has changed.
+        first), or None when there is not enough room -- and then nothing has changed --
+        or when the prefix continues on disk: then this call starts the reads (queued
+        disk_read ops, cache/disk_flow.py) and a later call, once every rank has read
+        them, takes the hit (the blocks read, as host hits).
         ``count_hit=False``: the first call's hit stays out of the stats (a preempted
         sequence, readmitted, hits the blocks it wrote itself).
         """
@@ -336,11 +259,24 @@ class KVCacheManager:
             self.events.host_removed(dropped_host)
         return len(dropped_device) + len(dropped_host) + len(self.disk.drop_cached())
 
-    def report_disk_writes(self, rank: int, done: list[int], dropped: list[int]) -> None:
-        """A rank's finished disk writes (its StepResult): a slot is committed, and may be
-        read, once every rank wrote it (cache/disk_pool.py)."""
+    def report_disk_writes(self, rank: int, done: list[int], dropped: list[int],
+                           read_done: Sequence[int] = (), read_bad: Sequence[int] = ()) -> None:
+        """A rank's finished disk writes and reads (its StepResult): a slot is committed,
+        and may be read, once every rank wrote it (cache/disk_pool.py); a read is used
+        once every rank read it (cache/disk_flow.py)."""
         if done or dropped:
             self.disk.report(rank, done, dropped)
+        if read_done or read_bad:
+            self.disk_flow.report(rank, list(read_done), list(read_bad))
+
+    def cancel_reads(self, seq_id: int) -> None:
+        """A sequence that never got its blocks leaves (an abort): its disk reads in
+        flight, if any, release their slots once every rank has finished them."""
+        self.disk_flow.cancel(seq_id)
+
+    def reading(self, seq_id: int) -> bool:
+        """Whether ``seq_id`` waits on disk reads it started."""
+        return self.disk_flow.is_staged(seq_id)
 
     def restore_disk(self, slots: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
         """Warm restart: disk slots every rank found valid, with their hashes."""
@@ -359,7 +295,8 @@ class KVCacheManager:
         """Per tier, in blocks: used + cached + free == capacity.
 
         device: used = referenced by a sequence; cached = unreferenced but hashed.
-        host: used = pinned by this step's ops; cached = holding a hash; free.
+        host: used = pinned by this step's ops, or reserved for a disk read in flight;
+        cached = holding a hash; free.
         retained: of the cached (and, on the host, pinned) ones, those kept for a client's
         retention hint (`retain`), evicted only after every other cached one."""
         d, h = self.device, self.host
@@ -368,12 +305,14 @@ class KVCacheManager:
                        "cached": d.num_cached, "free": d.num_free,
                        "retained": d.lru.num_retained,
                        "retained_tokens": d.lru.num_retained * self.block_size},
-            "host": {"capacity": h.num_slots, "used": h.num_pinned,
+            "host": {"capacity": h.num_slots, "used": h.num_pinned + h.num_reserved,
                      "cached": h.num_cached, "free": h.num_free,
                      "retained": h.lru.num_retained,
                      "retained_tokens": h.lru.num_retained * self.block_size},
-            # disk: used = a write in flight (pending); cached = committed, readable
-            "disk": {"capacity": self.disk.num_slots, "used": self.disk.num_pending,
+            # disk: used = a write in flight (pending), or a failed read's slot not yet
+            # free; cached = committed, readable
+            "disk": {"capacity": self.disk.num_slots,
+                     "used": self.disk.num_slots - self.disk.num_committed - self.disk.num_free,
                      "cached": self.disk.num_committed, "free": self.disk.num_free,
                      "retained": 0, "retained_tokens": 0},
         }
@@ -389,8 +328,8 @@ class KVCacheManager:
         """O(capacity) consistency check, for tests and debug builds (cache/checks.py)."""
         checks.check_invariants(self._seqs, self.device, self.host, self._ops)
         self.disk.check()
-        assert all(self.disk.pinned[op[0]] and self.host.pinned[op[1]]
-                   for op in self._ops.disk_read), "a disk read not pinned"
+        self.disk_flow.check()
+        assert all(self.host.reserved[op[2]] for op in self._ops.disk_read)
         assert all(self.host.pinned[op[1]] for op in self._ops.disk_write)
 
     # --- internals ----------------------------------------------------------------------
@@ -401,63 +340,13 @@ class KVCacheManager:
         assert chain.extra_key == extra_key and chain.block_size == self.block_size
         return chain
 
-    def _match(self, token_ids: Sequence[int], chain: BlockHashChain) -> _Match:
-        """Longest prefix of full blocks found in either tier (device preferred per block).
-
-        Hashes lazily in growing chunks and stops at the first miss, so a miss costs
-        little hashing while a long hit pays for every block once."""
-        cap = max(len(token_ids) - 1, 0) // self.block_size
-        dev_parts: list[np.ndarray] = []
-        host_parts: list[np.ndarray] = []
-        disk_parts: list[np.ndarray] = []
-        # A disk hit needs a host slot to land in: at most the host slots `host.take`
-        # could give now (free, or plain LRU and not pinned; this prompt's own host
-        # hits are pinned by its allocate). Past that the prefix is recomputed.
-        disk_room = self._disk_room()
-        # Chunks growing 8x (256, 2K, 16K, ...; hashes already known: 256 then the
-        # rest), so a miss early in a long prompt costs little hashing and few lookups,
-        # and a long hit a few passes.
-        n, chunk = 0, 256
-        while n < cap:
-            upto = cap if n and chain.num_blocks >= cap else min(cap, n + chunk)
-            num_hashed = chain.extend(token_ids, upto)
-            assert num_hashed >= upto
-            lo, hi = chain.keys(n, upto)
-            dev = self.device.index.find(lo, hi)
-            host = np.full(len(dev), -1, dtype=np.int32)
-            miss = np.flatnonzero(dev < 0)
-            if self.host.num_slots and len(miss):
-                host[miss] = self.host.find(lo[miss], hi[miss])
-            disk = np.full(len(dev), -1, dtype=np.int32)
-            miss = np.flatnonzero((dev < 0) & (host < 0))
-            if self.disk.num_slots and len(miss):
-                disk[miss] = self.disk.find(lo[miss], hi[miss])
-                over = np.flatnonzero(disk >= 0)[disk_room:]
-                disk[over] = -1
-                disk_room -= int((disk >= 0).sum())
-            ok = (dev >= 0) | (host >= 0) | (disk >= 0)
-            k = len(ok) if ok.all() else int(np.argmin(ok))
-            dev_parts.append(dev[:k])
-            host_parts.append(host[:k])
-            disk_parts.append(disk[:k])
-            n += k
-            if k < len(ok):
-                break
-            chunk *= 8
-        empty = np.zeros(0, dtype=np.int32)
-        return _Match(n, np.concatenate(dev_parts) if dev_parts else empty,
-                      np.concatenate(host_parts) if host_parts else empty,
-                      np.concatenate(disk_parts) if disk_parts else empty)
-
-    def _disk_room(self) -> int:
-        if not self.disk.num_slots:
-            return 0
-        h = self.host
-        return max(0, h.free.count + h.lru.plain.count - h.num_pinned)
-
-    def _hit_of(self, m: _Match) -> PrefixHit:
+    def _hit_of(self, m: Match, read_back: np.ndarray | None = None) -> PrefixHit:
+        """Tokens per tier; a host hit on a slot in ``read_back`` (just read from disk
+        for this sequence) counts as a disk hit."""
         n_dev = int((m.device >= 0).sum())
         n_disk = int((m.disk >= 0).sum())
+        if read_back is not None and len(read_back):
+            n_disk += int(np.isin(m.host[m.device < 0], read_back).sum())
         bs = self.block_size
         return PrefixHit(n_dev * bs, (m.num_blocks - n_dev - n_disk) * bs, n_disk * bs)
 
@@ -466,10 +355,18 @@ class KVCacheManager:
                         count_hit: bool) -> list[int] | None:
         if self.config.enable_prefix_caching:
             chain = self._chain_for(extra_key, chain)
-            m = self._match(token_ids, chain)
+            if not self.disk_flow.settle(seq_id):
+                return None  # its disk reads are still in flight on some rank
+            m = match_prefix(self.device, self.host, self.disk, token_ids, chain)
+            on_disk = np.flatnonzero(m.disk >= 0)
+            if len(on_disk):  # start the reads; a later call takes the hit
+                lo, hi = chain.keys(0, m.num_blocks)
+                self.disk_flow.stage(seq_id, m.disk[on_disk], lo[on_disk], hi[on_disk],
+                                     self._ops.disk_read)
+                return None
         else:
             chain = None
-            m = _Match(0, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
+            m = Match(0, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
         n_hit = m.num_blocks
         on_host = m.device < 0
         dev_hits = m.device[~on_host]
@@ -485,11 +382,10 @@ class KVCacheManager:
         # Order matters: take the hits (and pin the host sources) before evicting for
         # fresh blocks, so the eviction cannot reclaim the prefix being hit.
         self.device.ref(dev_hits)
-        from_host = host_hits[host_hits >= 0]  # -1: a disk hit, given a host slot below
-        self.host.lru.touch(from_host)  # a use: a retained slot's TTL runs from now
-        self.host.pin(from_host[::-1])  # touched tail first: the chain's head stays longest
-        from_disk = self._read_from_disk(m, chain)  # before device evictions take host slots
-        host_hits = m.host[on_host]
+        self.host.lru.touch(host_hits)  # a use: a retained slot's TTL runs from now
+        self.host.pin(host_hits[::-1])  # touched tail first: the chain's head stays longest
+        read_back = self.disk_flow.take_read_back(seq_id)
+        from_disk = np.flatnonzero(on_host & np.isin(m.host, read_back))
         fresh = self._take_fresh(n_fresh)
         loaded = fresh[:len(host_hits)]
         table = np.empty(n_total, dtype=np.int32)
@@ -508,7 +404,7 @@ class KVCacheManager:
             self._ops.swap_in.extend(zip(host_hits.tolist(), loaded.tolist()))
             self.stats.num_swap_in_blocks += len(loaded)
 
-        hit = self._hit_of(m)
+        hit = self._hit_of(m, read_back)
         self._seqs[seq_id] = _Seq(extra_key, chain, array("i", table.tobytes()), hit, n_hit)
         if count_hit:
             self.stats.num_queried_tokens += len(token_ids)
@@ -555,29 +451,4 @@ class KVCacheManager:
         self._ops.swap_out.extend(zip(blocks.tolist(), slots.tolist()))
         self.stats.num_swap_out_blocks += n
         if self.disk.num_slots and n:  # write-through to disk, in the background
-            for i, wid, disk_slot in self.disk.plan_writes(lo, hi):
-                self._ops.disk_write.append((wid, int(slots[i]), disk_slot, int(lo[i]),
-                                             int(hi[i])))
-            self.stats.num_disk_write_blocks = self.disk.num_planned_writes
-
-    def _read_from_disk(self, m: _Match, chain: BlockHashChain) -> np.ndarray:
-        """The disk hits of a match become host hits: each gets a host slot (registered,
-        pinned) and a queued disk_read into it; the swap_in then goes as for any host
-        hit. `_match` counted the room, so `host.take` gives every one a slot. Returns
-        the chain positions read from disk."""
-        on_disk = np.flatnonzero(m.disk >= 0)
-        if len(on_disk) == 0:
-            return on_disk
-        lo, hi = chain.keys(0, m.num_blocks)
-        slots, evicted, evicted_lo = self.host.take(len(on_disk))
-        assert len(slots) == len(on_disk), "no host slot for a disk hit"
-        if self.events is not None:
-            self.events.host_removed(evicted_lo)
-        self.stats.num_host_evictions += len(evicted)
-        self.host.register(slots, lo[on_disk], hi[on_disk])
-        self.disk.pin(m.disk[on_disk])
-        self._ops.disk_read.extend(zip(m.disk[on_disk].tolist(), slots.tolist(),
-                                       lo[on_disk].tolist(), hi[on_disk].tolist()))
-        self.stats.num_disk_read_blocks += len(on_disk)
-        m.host[on_disk] = slots
-        return on_disk
+            self.disk_flow.write_through(slots, lo, hi, self._ops.disk_write)

@@ -82,7 +82,7 @@ class SchedulerControl:
         step = sched.step - 1
         trace = list(tel.trace)
         running = list(sched.running)
-        waiting = list(sched.queue)
+        waiting = sched.waiting()
         if tel.last_error:
             state = "failed"
         else:
@@ -134,7 +134,7 @@ class SchedulerControl:
         sched = self.scheduler
         if request.request_id:
             return dict(sched._by_request).get(request.request_id)
-        for seq in list(sched.running) + list(sched._to_close) + list(sched.queue):
+        for seq in list(sched.running) + list(sched._to_close) + sched.waiting():
             if seq.seq_id == request.seq_id:
                 return seq
         return None

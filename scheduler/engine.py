@@ -266,8 +266,9 @@ class EngineCore:
         t2 = time.perf_counter()
         check_digests(plan.step, f.digest, results)
         check_samples(plan.step, results)
-        for r in results:  # writes that landed on every rank become readable
-            self.scheduler.cache.report_disk_writes(r.rank, r.disk_done, r.disk_dropped)
+        for r in results:  # writes on every rank become readable, reads usable
+            self.scheduler.cache.report_disk_writes(r.rank, r.disk_done, r.disk_dropped,
+                                                    r.disk_read_done, r.disk_read_bad)
         self.disk_queue_depth = max(r.disk_queue_depth for r in results)
         t3 = time.perf_counter()
         record.outputs = self.scheduler.update(plan, results[0].sampled)
@@ -288,7 +289,7 @@ class EngineCore:
         sched, tot = self.scheduler, self.totals
         return EngineStats(
             step=sched.step,
-            num_waiting=len(sched.queue),
+            num_waiting=sched.num_waiting,
             num_running=len(sched.running),
             num_prefill_tokens=tot.num_prefill_tokens,
             num_decode_tokens=tot.num_decode_tokens,

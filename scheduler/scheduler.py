@@ -82,6 +82,10 @@ class Scheduler:
         self.speculative = config.speculative  # None: no drafts
         self.spec_stats = SpecStats()
         self._trims: list[TrimBlocks] = []  # tables to shorten by the next plan (`_trim`)
+        # Out of the queue, waiting on the disk reads their admission started
+        # (cache/disk_flow.py): admitted first once the reads are in; the queue behind
+        # them is not held up.
+        self._reading: list[Sequence] = []
 
     # --- requests ------------------------------------------------------------------
 
@@ -121,7 +125,11 @@ class Scheduler:
         if seq.status is SeqStatus.WAITING and not seq.opened:
             if seq.guide_pending is not None:  # a grammar nobody will use: not compiled
                 seq.guide_pending.cancel()
-            self.queue.remove(request_id)
+            if seq in self._reading:
+                self._reading.remove(seq)
+            else:
+                self.queue.remove(request_id)
+            self.cache.cancel_reads(seq.seq_id)  # its disk reads in flight, if any
             del self._by_request[request_id]
             seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
             return seq.take_output()
@@ -168,8 +176,17 @@ class Scheduler:
         """The live (or just finished, not yet closed) sequence of a request."""
         return self._by_request.get(request_id)
 
+    def waiting(self) -> list[Sequence]:
+        """Sequences not running yet: those waiting on their disk reads, then the queue."""
+        return self._reading + list(self.queue)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._reading) + len(self.queue)
+
     def has_work(self) -> bool:
-        return bool(self.running or len(self.queue) or self._to_close or self._awaiting)
+        return bool(self.running or len(self.queue) or self._to_close or self._awaiting
+                    or self._reading)
 
     def needs_tokens(self) -> bool:
         """Whether the next plan needs the tokens of the step in flight: a sequence
@@ -263,23 +280,31 @@ class Scheduler:
         # Then admit from the queue while budget, sequence slots and blocks last; not in
         # a step that had to preempt (blocks are short: admitting would only thrash).
         preempted = len(self.running) < num_running_before
-        while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        room = lambda: (not preempted and budget > 0  # noqa: E731
+                        and len(self.running) < self.config.max_num_seqs)
+        for seq in list(self._reading):  # first those whose disk reads are in
+            if not room():
+                break
+            if self._admit(seq, budget):
+                self._reading.remove(seq)
+                budget -= self._start(plan, seq, budget)
+            elif not self.cache.reading(seq.seq_id):  # read, but no room: queue head again
+                self._reading.remove(seq)
+                self.queue.push_front(seq)
+        while room():
             seq = self.queue.peek()
             if seq is None or not self._settle_grammar(seq, wait=not plan.chunks):
                 break
             if seq.status is SeqStatus.FINISHED:  # its grammar failed: popped, ended
                 continue
             if not self._admit(seq, budget):
-                break
+                if not self.cache.reading(seq.seq_id):
+                    break
+                self.queue.pop()  # its disk reads started: the next ones may come in
+                self._reading.append(seq)
+                continue
             self.queue.pop()
-            num_new = min(seq.num_tokens - seq.num_computed, budget)
-            if seq.num_preemptions == 0 and seq.num_computed + num_new < seq.num_tokens:
-                # a prefill of several steps: tell the requester its cached share now (an
-                # output without tokens), not only with the first token
-                self._pending_outputs.append(seq.take_output())
-            self.running.append(seq)
-            self._schedule(plan, seq, num_new)
-            budget -= num_new
+            budget -= self._start(plan, seq, budget)
 
         closed = set(plan.close)  # closed whole on the ranks, before any trim
         plan.trim = [t for t in self._trims if t.seq_id not in closed]
@@ -292,6 +317,17 @@ class Scheduler:
         self.digest_s = time.perf_counter() - t  # the engine's step record splits it out
         self.step += 1
         return plan
+
+    def _start(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
+        """An admitted sequence runs its first chunk in `plan`; returns its tokens."""
+        num_new = min(seq.num_tokens - seq.num_computed, budget)
+        if seq.num_preemptions == 0 and seq.num_computed + num_new < seq.num_tokens:
+            # a prefill of several steps: tell the requester its cached share now (an
+            # output without tokens), not only with the first token
+            self._pending_outputs.append(seq.take_output())
+        self.running.append(seq)
+        self._schedule(plan, seq, num_new)
+        return num_new
 
     def _schedule(self, plan: StepPlan, seq: Sequence, num_new: int,
                   drafts: list[int] | None = None) -> None:

@@ -63,7 +63,7 @@ class CostModel:
     decode_s_per_step: float = 0.020  # a decode step's fixed cost (weights read once)
     decode_s_per_seq: float = 0.0002  # plus per running sequence (its KV read)
     swap_s_per_block: float = 2e-6  # a 16-token block over PCIe, per direction
-    # A block read from the disk tier, on the step's path (tools/bench_disk.py measured
+    # A block read from the disk tier, beside the steps (tools/bench_disk.py measured
     # 11.4 GB/s from the page cache on the CPU machine; a cold NVMe read is ~3 GB/s):
     # the ~100 KB a 16-token block moves at PCIe's ~50 GB/s in swap_s_per_block, at 3 GB/s.
     # Writes run in the background and are not charged. (The presets' cost model takes it
@@ -97,6 +97,9 @@ class CostModelExecutor:
         self.clock = 0.0  # virtual seconds
         self.prompt_seconds: dict[int, float] = {}  # seq id -> time computing its prompt
         self.swap_seconds = 0.0
+        self.disk_read_seconds = 0.0  # the disk's busy time reading (beside the steps)
+        self._disk_free_at = 0.0
+        self._reads: list[tuple[float, int]] = []  # (virtual end, read id), in order
 
     def start(self) -> list[WorkerReady]:
         return [self.ready]
@@ -110,8 +113,14 @@ class CostModelExecutor:
     def step(self, plan: StepPlan) -> list[StepResult]:
         self.mirror.apply(plan)  # exactly what a rank applies
         seconds = (len(plan.swap_out) + len(plan.swap_in)) * self.cost.swap_s_per_block
-        seconds += len(plan.disk_read) * self.cost.disk_s_per_block
         self.swap_seconds += seconds
+        # Disk reads run beside the steps, one after another at the disk's rate; a read
+        # is reported in the first result at or after its (virtual) end.
+        for op in plan.disk_read:
+            start = max(self._disk_free_at, self.clock)
+            self._disk_free_at = start + self.cost.disk_s_per_block
+            self._reads.append((self._disk_free_at, op[0]))
+            self.disk_read_seconds += self.cost.disk_s_per_block
         decodes = context = 0
         for c in plan.chunks:
             if len(c.token_ids) == 1 and c.start_pos > 0 and c.sample:
@@ -123,12 +132,18 @@ class CostModelExecutor:
             seconds += t
         seconds += self.cost.decode_seconds(decodes, context)
         seconds = self.cost.step_seconds(seconds, len(plan.chunks))
+        if not plan.chunks and self._reads:  # nothing to run: wait for the reads, as an
+            # idle rank does (at most worker/disk_tier.py's IDLE_WAIT_S, 20 ms)
+            seconds = max(seconds, min(self._reads[-1][0] - self.clock, 0.02))
         self.clock += seconds
+        read_done = [rid for t, rid in self._reads if t <= self.clock]
+        self._reads = self._reads[len(read_done):]
         sampled = [(c.seq_id, 1000 + c.seq_id % 5000) for c in plan.chunks if c.sample]
-        # a disk write lands in the background: done by the next result
+        # a disk write lands in the background: done by this result
         return [StepResult(plan.step, 0, self.mirror.value, sampled,
                            RankTiming(forward_s=seconds),
-                           disk_done=[op[0] for op in plan.disk_write])]
+                           disk_done=[op[0] for op in plan.disk_write],
+                           disk_read_done=read_done)]
 
     def shutdown(self) -> None:
         pass
@@ -334,12 +349,13 @@ def simulate(sc: Scenario, cost: CostModel | HardwareCostModel, device_tokens: i
         result = run_scenario(core, sc, lambda: executor.clock, bar)
     # The deployment's "read rate": prompt tokens (cached ones count as read) per second
     # spent reading them: computing the missed tokens, plus every tier copy of the run
-    # (charged in full to the counted turns). Decode time is left out: it is the same
-    # with the cache on or off.
+    # (charged in full to the counted turns; the disk's reads too, though they run beside
+    # the steps). Decode time is left out: it is the same with the cache on or off.
+    copies_s = executor.swap_seconds + executor.disk_read_seconds
     for r in (result, result["with_first_turns"], result["without_warmup"]):
-        r["read_tokens_per_s"] = r["prompt_tokens"] / max(1e-12, r["read_s"] +
-                                                          executor.swap_seconds)
+        r["read_tokens_per_s"] = r["prompt_tokens"] / max(1e-12, r["read_s"] + copies_s)
     result["swap_s"] = executor.swap_seconds
+    result["disk_read_s"] = executor.disk_read_seconds
     result["virtual_s"] = executor.clock
     result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     result["rss_growth_gib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 2**20

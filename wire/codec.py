@@ -27,7 +27,7 @@ import msgpack
 
 from wire import client, config, control, lifecycle, step
 
-SCHEMA_VERSION = 8  # 2: WorkerConnect carries pid and host_id; 3: guided decoding;
+SCHEMA_VERSION = 9  # 2: WorkerConnect carries pid and host_id; 3: guided decoding;
 # 4: reasoning spans (GenerateRequest.thinking, RequestOutput.num_reasoning_tokens);
 # 5: the wire/ restructure (EngineLimits, StartFailed), EngineConfig.tokenizer;
 # 6: retention hints (GenerateRequest.retention, EngineConfig.max_retained_fraction),
@@ -38,7 +38,9 @@ SCHEMA_VERSION = 8  # 2: WorkerConnect carries pid and host_id; 3: guided decodi
 # kv_events_replay_endpoint, served_model_name), speculative decoding
 # (EngineConfig.speculative, ScheduledChunk.num_draft, StepPlan.trim) and the disk tier
 # (StepPlan.disk_write/disk_read, StepResult.disk_*, EngineConfig.disk_cache_*,
-# EngineLimits.num_disk_blocks, WorkerReady.disk_found, RequestOutput.num_disk_cached_tokens)
+# EngineLimits.num_disk_blocks, WorkerReady.disk_found, RequestOutput.num_disk_cached_tokens);
+# 9: disk reads run in the background (StepPlan.disk_read carries a read id,
+# StepResult.disk_read_done/disk_read_bad)
 
 
 class ProtocolError(ValueError):

@@ -171,10 +171,10 @@ class StateDigest:
             self._set(self.DISK_HASH, self._disk_hash, self._disk_view,
                       [op[2] for op in plan.disk_write],
                       self._slot_hash[np.asarray(slots, dtype=np.int64)])
-        if plan.disk_read:
-            disk = [op[0] for op in plan.disk_read]
+        if plan.disk_read:  # the slot is told to hold it now; swapped in by a later plan
+            disk = [op[1] for op in plan.disk_read]
             self._set(self.HOST_HASH, self._slot_hash, self._slot_view,
-                      [op[1] for op in plan.disk_read],
+                      [op[2] for op in plan.disk_read],
                       self._disk_hash[np.asarray(disk, dtype=np.int64)])
         if plan.swap_in:
             slots, blocks = zip(*plan.swap_in)

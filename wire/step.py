@@ -102,9 +102,11 @@ class StepPlan:
     # The disk tier, applied after swap_out and before swap_in (cache/manager.py CacheOps):
     # (write id, host slot, disk slot, hash lo, hash hi): the host slot's KV written to
     # disk in the background, under its full block hash (a restart finds it by that);
-    # (disk slot, host slot, hash lo, hash hi): a committed record read into the host slot.
+    # (read id, disk slot, host slot, hash lo, hash hi): a read of a committed record into
+    # a host slot *started* (on the rank's reader threads); a later plan swaps it in, once
+    # every rank reported it done (StepResult.disk_read_done, cache/disk_flow.py).
     disk_write: list[tuple[int, int, int, int, int]] = field(default_factory=list)
-    disk_read: list[tuple[int, int, int, int]] = field(default_factory=list)
+    disk_read: list[tuple[int, int, int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -142,6 +144,11 @@ class StepResult:
     disk_done: list[int] = field(default_factory=list)
     disk_dropped: list[int] = field(default_factory=list)
     disk_queue_depth: int = 0
+    # disk reads this rank finished since its last result: read and checked into the host
+    # slot, or bad (the record failed its check: never served; the scheduler drops the
+    # block on every rank and the tokens are recomputed)
+    disk_read_done: list[int] = field(default_factory=list)
+    disk_read_bad: list[int] = field(default_factory=list)
     # Under overlap scheduling every rank samples the same tokens from the same logits and
     # feeds them to its next step (worker/model_runner.py): a digest of what this rank
     # sampled, which the scheduler holds to rank 0's list (0: this rank did not sample).

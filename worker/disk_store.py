@@ -21,9 +21,20 @@ budget holds by construction.
 
 Writes go through a bounded queue to one background thread, so a step never waits on
 the disk; when the disk falls behind, a write is *dropped* (reported, never silently
-lost: the scheduler commits a slot only once every rank wrote it). No fsync: the page
-cache survives the process (kill -9, a restart); a power cut may lose recent records,
-and the checksums then drop them.
+lost: the scheduler commits a slot only once every rank wrote it). Reads run on the
+caller's threads (worker/disk_tier.py's readers); ``pread`` on one descriptor is safe
+from several.
+
+What survives a crash. There is no separate index or manifest to lose: each record
+names its block hash and identity, and the start-up scan rebuilds the index from the
+records (the identity file is replaced atomically, and fsynced with its directory).
+  - kill -9 (or any process crash): everything ``pwrite`` returned from is in the page
+    cache, which outlives the process; a record half-written at the kill fails its
+    checksum and is dropped.
+  - power loss: the page cache is gone. The writer thread ``fdatasync``s the file at
+    most every ``sync_interval_s`` (default 1 s), after writes and off every step's path,
+    so at most the last interval's records are lost or torn -- dropped by their
+    checksums, their prefixes recomputed. ``flush``/``close`` sync too.
 """
 
 from __future__ import annotations
@@ -145,7 +156,8 @@ class DiskStore:
     thread (the plan that needs it)."""
 
     def __init__(self, directory: str | Path, identity: DiskIdentity, budget_bytes: int,
-                 max_queued_writes: int = 256, max_write_bytes_per_s: float = 0.0) -> None:
+                 max_queued_writes: int = 256, max_write_bytes_per_s: float = 0.0,
+                 sync_interval_s: float = 1.0) -> None:
         self.identity = identity
         self._id_digest = identity.digest()
         self.payload_bytes = identity.payload_bytes
@@ -164,6 +176,12 @@ class DiskStore:
         self._done: list[int] = []
         self._dropped: list[int] = []
         self._rate = max_write_bytes_per_s
+        self._sync_interval_s = sync_interval_s
+        self._unsynced = False  # records written since the last fdatasync
+        self._last_sync = time.monotonic()
+        # A fault hook for tests and benchmarks: every read takes at least this long (a
+        # slow or busy disk), so what overlaps a read can be shown.
+        self.read_delay_s = 0.0
         self._in_flight = 0
         self._idle = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._write_loop, name="disk-writer",
@@ -198,7 +216,14 @@ class DiskStore:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(mine, f, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic: a crash leaves the old identity or the new one
+        dir_fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself survives a power cut
+        finally:
+            os.close(dir_fd)
 
     # --- records ------------------------------------------------------------------
 
@@ -227,11 +252,15 @@ class DiskStore:
         assert 0 <= slot < self.num_slots, f"disk slot {slot} out of range"
         t0 = time.perf_counter()
         record = os.pread(self._fd, HEADER_BYTES + self.payload_bytes, slot * self.record_bytes)
-        self.stats.read_s += time.perf_counter() - t0
-        self.stats.num_reads += 1
-        self.stats.bytes_read += len(record)
-        if self._check(record) != (lo, hi):
-            self.stats.num_bad_reads += 1
+        if self.read_delay_s:
+            time.sleep(max(0.0, self.read_delay_s - (time.perf_counter() - t0)))
+        ok = self._check(record) == (lo, hi)
+        with self._lock:  # reads run on several threads
+            self.stats.read_s += time.perf_counter() - t0
+            self.stats.num_reads += 1
+            self.stats.bytes_read += len(record)
+            self.stats.num_bad_reads += not ok
+        if not ok:
             log.warning("disk_record_dropped", slot=slot, reason="failed its check")
             return None
         return record[HEADER_BYTES:]
@@ -290,18 +319,35 @@ class DiskStore:
         return self._queue.qsize()
 
     def flush(self, timeout_s: float = 30.0) -> None:
-        """Wait until every queued write is on disk (or dropped): tests, shutdown."""
+        """Wait until every queued write is written (or dropped), then sync them to the
+        device: tests, shutdown."""
         with self._idle:
             self._idle.wait_for(lambda: self._in_flight == 0, timeout_s)
+        os.fdatasync(self._fd)
 
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=30)
+        os.fdatasync(self._fd)
         os.close(self._fd)
+
+    def _maybe_sync(self) -> None:
+        """On the writer thread: bound what a power cut loses to ``sync_interval_s``."""
+        if self._unsynced and time.monotonic() - self._last_sync >= self._sync_interval_s:
+            try:
+                os.fdatasync(self._fd)
+            except OSError as exc:
+                log.warning("disk_sync_failed", error=str(exc))
+            self._unsynced = False
+            self._last_sync = time.monotonic()
 
     def _write_loop(self) -> None:
         while True:
-            w = self._queue.get()
+            try:
+                w = self._queue.get(timeout=self._sync_interval_s if self._unsynced else None)
+            except queue.Empty:  # idle after writes: sync them now
+                self._maybe_sync()
+                continue
             if w is None:
                 return
             t0 = time.perf_counter()
@@ -323,6 +369,8 @@ class DiskStore:
                     self.stats.num_dropped_writes += 1
                 self._in_flight -= 1
                 self._idle.notify_all()
+            self._unsynced |= ok
+            self._maybe_sync()
             if self._rate > 0 and ok:  # rate limit: leave the disk to reads and others
                 wait = len(data) / self._rate - (time.perf_counter() - t0)
                 if wait > 0:

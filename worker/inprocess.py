@@ -39,7 +39,9 @@ class InProcessExecutor:
         out = self.runner.execute(plan)
         return [StepResult(plan.step, 0, out.digest, out.sampled, out.timing,
                            disk_done=out.disk_done, disk_dropped=out.disk_dropped,
-                           disk_queue_depth=out.disk_queue_depth)]
+                           disk_queue_depth=out.disk_queue_depth,
+                           disk_read_done=out.disk_read_done,
+                           disk_read_bad=out.disk_read_bad)]
 
     def shutdown(self) -> None:
         if self.runner is not None and self.runner.disk is not None:

@@ -138,7 +138,9 @@ def serve(sock: zmq.Socket, runner: ModelRunner, rank: int, log,
                 StepResult(step.plan.step, rank, out.digest, out.sampled, out.timing,
                            sampled_digest=out.sampled_digest, disk_done=out.disk_done,
                            disk_dropped=out.disk_dropped,
-                           disk_queue_depth=out.disk_queue_depth)))
+                           disk_queue_depth=out.disk_queue_depth,
+                           disk_read_done=out.disk_read_done,
+                           disk_read_bad=out.disk_read_bad)))
         except Exception as exc:
             return _fail(sock, rank, log, control, step.plan.step, exc)
         if failed_ahead is not None:

@@ -47,6 +47,8 @@ class StepOutput:
     disk_done: list[int] = field(default_factory=list)  # disk writes finished since the last
     disk_dropped: list[int] = field(default_factory=list)
     disk_queue_depth: int = 0
+    disk_read_done: list[int] = field(default_factory=list)  # disk reads finished (checked)
+    disk_read_bad: list[int] = field(default_factory=list)  # ... whose record failed its check
 
 
 @dataclass
@@ -242,7 +244,7 @@ class ModelRunner:
 
     def finish(self, step: PreparedStep) -> StepOutput:
         if step.batch is None:
-            return self._with_disk(StepOutput([], step.digest, step.timing))
+            return self._with_disk(StepOutput([], step.digest, step.timing), idle=True)
         if isinstance(self.model, NullModel):
             sampled = self.model.finish()
         else:  # reading the tokens waits for the device
@@ -261,10 +263,13 @@ class ModelRunner:
         return self._with_disk(StepOutput(sampled, step.digest, step.timing, step.logits,
                                           sampled_digest))
 
-    def _with_disk(self, out: StepOutput) -> StepOutput:
-        """The disk writes finished since the last step, for the scheduler to commit."""
+    def _with_disk(self, out: StepOutput, idle: bool = False) -> StepOutput:
+        """The disk writes and reads finished since the last step, for the scheduler."""
         if self.disk is not None:
-            out.disk_done, out.disk_dropped, out.disk_queue_depth = self.disk.take_completed()
+            r = self.disk.take_completed(idle=idle)
+            out.disk_done, out.disk_dropped, out.disk_queue_depth = (
+                r.write_done, r.write_dropped, r.queue_depth)
+            out.disk_read_done, out.disk_read_bad = r.read_done, r.read_bad
         return out
 
     def _resolve_pending(self, step: PreparedStep) -> torch.Tensor:
@@ -324,11 +329,15 @@ class ModelRunner:
             # the plan's order: swap_out, the disk ops (a write copies what swap_out left in
             # the host slot; a read fills the host slot a swap_in takes), then swap_in
             assert self.disk is not None, "a disk op without a disk tier"
+            self.disk.join([s for _, s in plan.swap_out])
             self.kv.swap(plan.swap_out, [])
             self.kv.sync_copies()
             self.disk.apply(plan)
+            self.disk.join([s for s, _ in plan.swap_in])
             self.kv.swap([], plan.swap_in)
         else:
+            if self.disk is not None:  # a read in flight into a slot a copy touches
+                self.disk.join([s for _, s in plan.swap_out] + [s for s, _ in plan.swap_in])
             self.kv.swap(plan.swap_out, plan.swap_in)
         running = {c.seq_id for c in plan.chunks}
         for seq_id in plan.close:

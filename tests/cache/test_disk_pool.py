@@ -95,7 +95,7 @@ class DiskPoolMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self) -> None:
         self.pool.check()
-        committed = self.pool.index.registered_items()
+        committed = self.pool.committed_items()
         lo, hi = self.pool.index.keys_of(committed)
         for slot, a, b in zip(committed.tolist(), lo.tolist(), hi.tolist()):
             for d in self.disks:

@@ -70,6 +70,11 @@ class CacheMachine(RuleBasedStateMachine):
         # writes each has queued (write id, disk slot, content), finished in any order
         self.disks: list[dict[int, Content]] = [{}, {}]
         self.disk_queues: list[list[tuple[int, int, Content]]] = [[], []]
+        # the reads each has in flight (read id, disk slot, host slot, content wanted),
+        # and the sequences waiting on theirs (cache/disk_flow.py): seq id -> (seq, chunk)
+        self.read_queues: list[list[tuple[int, int, int, Content]]] = [[], []]
+        self.waiting: dict[int, tuple[SimSeq, int]] = {}
+        self.damaged: list[set[int]] = [set(), set()]  # disk slots a flipped byte broke
         self.content_of: dict[bytes, Content] = {}  # hash -> the KV it stands for
         self.history: list[tuple[bytes, list[int]]] = []  # closed conversations
 
@@ -138,9 +143,13 @@ class CacheMachine(RuleBasedStateMachine):
         suffix = data.draw(st.lists(st.integers(0, 2), max_size=6))
         self.admit(data, tokens + suffix, key)
 
-    def admit(self, data, tokens: list[int], key: bytes, chunk: int | None = None) -> None:
+    def admit(self, data, tokens: list[int], key: bytes, chunk: int | None = None,
+              sid: int | None = None) -> None:
+        """A new sequence, or (``sid``) the retry of one that waited on its disk reads."""
         seq = SimSeq(key, tokens)
-        sid, self.next_id = self.next_id, self.next_id + 1
+        retry = sid is not None
+        if sid is None:
+            sid, self.next_id = self.next_id, self.next_id + 1
         hit = self.m.lookup(tokens, seq.key)
         assert hit.num_tokens % self.bs == 0 and hit.num_tokens <= len(tokens) - 1
         if chunk is None:
@@ -150,11 +159,26 @@ class CacheMachine(RuleBasedStateMachine):
         refs_before = self.m.device.refcount.copy()
         ops_before = self.m.peek_ops()
         blocks = self.m.allocate(sid, tokens, num_tokens, seq.key)
-        if blocks is None:
-            event("new seq refused: full")
-            assert self.snapshot() == before and not self.m.has_seq(sid)
+        if blocks is None and self.m.reading(sid):
+            event("retry: reads still in flight" if retry else "disk reads started")
+            assert not self.m.has_seq(sid)
+            if not retry:
+                read = self.m.peek_ops().disk_read[len(ops_before.disk_read):]
+                assert len(read) * self.bs == hit.num_disk_tokens > 0
+            self.waiting[sid] = (seq, chunk)
             return
-        assert self.m.num_cached_tokens(sid) == hit  # nothing changed since lookup
+        self.waiting.pop(sid, None)
+        if blocks is None:
+            event("retry refused: full" if retry else "new seq refused: full")
+            assert retry or self.snapshot() == before
+            assert not self.m.has_seq(sid)
+            return
+        got = self.m.num_cached_tokens(sid)
+        if retry:  # the reads that failed a check on some rank are recomputed
+            event("admitted after its disk reads")
+            assert got.num_tokens <= hit.num_tokens
+            hit = got
+        assert got == hit  # nothing changed since lookup
         event("hit: " + ("disk" if hit.num_disk_tokens else "host" if hit.num_host_tokens else
                          "device" if hit.num_device_tokens else "none"))
         n_hit = hit.num_tokens // self.bs
@@ -166,9 +190,7 @@ class CacheMachine(RuleBasedStateMachine):
                 assert i < n_hit and dev_map[b] == hashes[i]
         loaded = self.m.peek_ops().swap_in[len(ops_before.swap_in):]
         assert len(loaded) * self.bs == hit.num_host_tokens + hit.num_disk_tokens
-        read = self.m.peek_ops().disk_read[len(ops_before.disk_read):]
-        assert len(read) * self.bs == hit.num_disk_tokens
-        assert [op[1] for op in read] == [s for s, _ in loaded][-len(read):] if read else True
+        assert self.m.peek_ops().disk_read == ops_before.disk_read  # read before, not now
         for _slot, b in loaded:
             assert refs_before[b] == 0 and b in blocks[:n_hit]
         seq.table = list(blocks)
@@ -284,12 +306,62 @@ class CacheMachine(RuleBasedStateMachine):
             for r in (0, 1):
                 for _, slot, content in self.disk_queues[r]:
                     self.disks[r][slot] = content
+                    self.damaged[r].discard(slot)  # rewritten whole
                 self.m.report_disk_writes(r, [w for w, _, _ in self.disk_queues[r]], [])
                 self.disk_queues[r] = []
         self.m.device.drop_cached()
         self.m.host.drop_cached()
         if self.history and len(self.seqs) < 8:
             self.revisit(data)
+
+    @precondition(lambda self: any(self.read_queues))
+    @rule(data=st.data())
+    def disk_reads_land(self, data) -> None:
+        """Some reads of one rank finish: checked against what that rank's disk holds."""
+        r = data.draw(st.sampled_from([r for r in (0, 1) if self.read_queues[r]]))
+        n = data.draw(st.integers(1, len(self.read_queues[r])))
+        self.land_reads(r, n)
+        if self.waiting and not any(self.read_queues) and data.draw(st.booleans()):
+            self.retry(data)  # every read in: its sequence comes in (or is refused)
+
+    def land_reads(self, r: int, n: int) -> None:
+        done, bad = [], []
+        for rid, d, s, want in self.read_queues[r][:n]:
+            if self.disks[r].get(d) == want and d not in self.damaged[r]:
+                done.append(rid)
+                self.host[s] = want
+            else:  # never served: the scheduler drops the block on every rank
+                event("disk read failed its check")
+                bad.append(rid)
+        del self.read_queues[r][:n]
+        self.m.report_disk_writes(r, [], [], done, bad)
+
+    @precondition(lambda self: self.m.disk.num_committed)
+    @rule(data=st.data())
+    def disk_record_damaged(self, data) -> None:
+        """A byte flips in one rank's copy of a committed record: a read of it fails."""
+        r = data.draw(st.sampled_from([0, 1]))
+        self.damaged[r].add(data.draw(st.sampled_from(
+            self.m.disk.committed_items().tolist())))
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def waiting_seq_retries(self, data) -> None:
+        self.retry(data)
+
+    def retry(self, data) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.waiting)))
+        seq, chunk = self.waiting[sid]
+        self.admit(data, seq.tokens, seq.key, chunk, sid=sid)
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def waiting_seq_aborts(self, data) -> None:
+        """Aborted with its reads in flight: their slots come back once all ranks read."""
+        sid = data.draw(st.sampled_from(sorted(self.waiting)))
+        del self.waiting[sid]
+        self.m.cancel_reads(sid)
+        event("aborted while reading")
 
     @precondition(lambda self: any(self.disk_queues))
     @rule(data=st.data())
@@ -304,6 +376,7 @@ class CacheMachine(RuleBasedStateMachine):
                 event("disk write dropped")
             else:
                 self.disks[r][slot] = content
+                self.damaged[r].discard(slot)  # rewritten whole
                 done.append(wid)
         del self.disk_queues[r][:n]
         self.m.report_disk_writes(r, done, dropped)
@@ -331,12 +404,13 @@ class CacheMachine(RuleBasedStateMachine):
             event("step with disk_write")
             for q in self.disk_queues:
                 q.append((wid, d, self.host[s]))
-        for d, s, lo, hi in ops.disk_read:  # only of slots every rank wrote
+        for rid, d, s, lo, hi in ops.disk_read:  # only of slots every rank wrote
             event("step with disk_read")
             want = self.content_of[keys_to_bytes(np.array([lo], np.uint64),
                                                  np.array([hi], np.uint64))[0]]
             assert self.disks[0].get(d) == self.disks[1].get(d) == want, "a bad disk read"
-            self.host[s] = want
+            for q in self.read_queues:  # each rank reads in the background
+                q.append((rid, d, s, want))
         for s, b in ops.swap_in:
             assert 0 <= b < nd and 0 <= s < nh
             self.device[b] = self.host[s]
@@ -386,8 +460,15 @@ class CacheMachine(RuleBasedStateMachine):
         for sid in list(self.seqs):
             self.m.free(sid, self.step)
         self.seqs.clear()
+        for sid in list(self.waiting):  # aborted mid-read, then the reads land
+            self.m.cancel_reads(sid)
+        self.waiting.clear()
+        for r in (0, 1):
+            self.land_reads(r, len(self.read_queues[r]))
         self.consistent()
         assert self.m.usage()["device"]["used"] == 0
+        # nothing leaked: no host slot reserved, no disk slot held by a read
+        assert self.m.host.num_reserved == 0 and not self.m.disk.reading.any()
 
 
 CacheMachine.TestCase.settings = settings(

@@ -58,7 +58,8 @@ def settle_writes(core) -> None:
     core.executor.inner.runner.disk.store.flush()
     plan = core.scheduler.schedule()
     for r in core.executor.step(plan):
-        core.scheduler.cache.report_disk_writes(r.rank, r.disk_done, r.disk_dropped)
+        core.scheduler.cache.report_disk_writes(r.rank, r.disk_done, r.disk_dropped,
+                                                r.disk_read_done, r.disk_read_bad)
 
 
 def push_out(core, rng, n: int = 4) -> None:
