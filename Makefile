@@ -22,12 +22,13 @@ PYTEST_ARGS ?=
 
 install: $(INSTALLED) $(TINY)/deepinfer_tiny.json $(TINY_MOE) $(SMOLLM2) cpu-kernels
 
-# The CPU kernels (paged decode attention, few-row linear, fused elementwise), compiled for this machine's CPU (under
-# ~/.cache/torch_extensions, named after the CPU's flags; a second run only loads it).
+# The CPU kernels (paged decode attention, the few-row linear layer, the fused elementwise
+# passes), compiled for this machine's CPU (under ~/.cache/torch_extensions, named after
+# the CPU's flags; a second run only loads it).
 # Without a C++ compiler the engine runs its plain-torch path, a few times slower.
 cpu-kernels: $(INSTALLED)
 	@$(PY) -m worker.cpu_kernels || \
-		echo "warning: the CPU attention kernel did not build (is a C++ compiler installed?)"
+		echo "warning: the CPU kernels did not build (is a C++ compiler installed?)"
 
 # On a CUDA machine the venv sees the system's CUDA torch; elsewhere a CPU
 # build is pinned so installing never pulls a multi-GB CUDA wheel.
