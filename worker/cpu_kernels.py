@@ -12,9 +12,13 @@ Decoding is memory-bound on CPU, and plain torch reads memory badly in both plac
   one pass each in `csrc/elementwise.cpp`, not four to six torch ops.
 
 It is compiled once per machine by torch's extension builder (`make install` does
-it: `python -m worker.cpu_kernels`), for this CPU's instruction set: the
-build's name carries a digest of the CPU flags, so a checkout that moves to another
-processor builds anew instead of loading instructions the CPU lacks. Without a C++
+it: `python -m worker.cpu_kernels`), for this CPU's instruction set: the build's name
+carries a digest of the CPU flags and of the sources, so a checkout that moves to
+another processor builds anew instead of loading instructions the CPU lacks, and two
+checkouts with different kernel sources never share (or rebuild each other's) module.
+A rank imports the built module directly: torch's builder takes a lock file even when
+there is nothing to build, and a process killed while holding it (kill -9, the OOM
+killer) left every later start waiting on that lock forever. Without a C++
 compiler, or with DEEPINFER_CPU_KERNELS=0, the engine keeps plain torch
 (the reference the kernels are tested against).
 """
@@ -22,6 +26,7 @@ compiler, or with DEEPINFER_CPU_KERNELS=0, the engine keeps plain torch
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import threading
 from pathlib import Path
@@ -31,8 +36,11 @@ import structlog
 
 from worker.budget import cpu_flags
 
-SOURCES = [Path(__file__).with_name("csrc") / name
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name
            for name in ("module.cpp", "paged_decode.cpp", "small_linear.cpp", "elementwise.cpp")]
+HEADERS = [CSRC / "kernels.h", CSRC / "vec_math.h"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 ENV_SWITCH = "DEEPINFER_CPU_KERNELS"
 
 log = structlog.get_logger("deepinfer.worker")
@@ -42,8 +50,28 @@ _failed: str | None = None
 
 
 def build_name() -> str:
-    digest = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:10]
-    return f"deepinfer_cpu_kernels_{digest}"
+    digest = hashlib.sha256(" ".join(sorted(cpu_flags()) + CFLAGS).encode())
+    for path in SOURCES + HEADERS:
+        digest.update(path.read_bytes())
+    return f"deepinfer_cpu_kernels_{digest.hexdigest()[:12]}"
+
+
+def _import_built(name: str) -> ModuleType | None:
+    """The module `make install` built, imported without the builder; None if not there
+    (or not loadable: a link cut short), and then the builder runs."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    path = Path(_get_build_directory(name, False)) / f"{name}.so"
+    if not path.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as e:
+        log.warning("cpu_kernels_rebuild", path=str(path), error=str(e)[:300])
+        return None
+    return module
 
 
 def enabled() -> bool:
@@ -61,9 +89,9 @@ def load(verbose: bool = False) -> ModuleType | None:
         try:
             from torch.utils.cpp_extension import load as build
 
-            _loaded = build(
-                name=build_name(), sources=[str(p) for p in SOURCES],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            name = build_name()
+            _loaded = _import_built(name) or build(
+                name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
                 extra_ldflags=["-fopenmp"], verbose=verbose)
         except Exception as e:  # no compiler, no ninja, a build error: keep plain torch
             _failed = f"{type(e).__name__}: {e}"
