@@ -14,6 +14,7 @@ from orchestrator.shim.structured_output import tool_call_grammar
 from orchestrator.shim.tool_parsers import Event, TextEvent, ToolCall, make_tool_parser
 from scheduler.guided import GuideFactory
 from tests.orchestrator.test_tool_parsers import chunkings
+from tests.orchestrator.test_tool_parsers import run as run_parser
 
 
 def tool(name: str, properties: dict, required: list[str] | None = None, **extra) -> dict:
@@ -49,18 +50,7 @@ def call(name: str, **params: str) -> str:
 
 def run(chunks: list[str], tools: list[dict] = TOOLS) -> list[Event]:
     """Feed chunks; merge adjacent text events (chunking may split text anywhere)."""
-    parser = make_tool_parser("qwen3_coder", tools)
-    events: list[Event] = []
-    for c in chunks:
-        events += parser.feed(c)
-    events += parser.finish()
-    merged: list[Event] = []
-    for e in events:
-        if isinstance(e, TextEvent) and merged and isinstance(merged[-1], TextEvent):
-            merged[-1] = TextEvent(merged[-1].text + e.text)
-        elif not (isinstance(e, TextEvent) and not e.text):
-            merged.append(e)
-    return merged
+    return run_parser("qwen3_coder", chunks, tools)
 
 
 LS = call("Bash", command="ls -la")

@@ -17,9 +17,9 @@ from orchestrator.shim.tool_parsers import (
 )
 
 
-def run(parser_name: str, chunks: list[str]) -> list[Event]:
+def run(parser_name: str, chunks: list[str], tools: list[dict] | None = None) -> list[Event]:
     """Feed chunks; merge adjacent text events (chunking may split text anywhere)."""
-    parser = make_tool_parser(parser_name)
+    parser = make_tool_parser(parser_name, tools)
     events: list[Event] = []
     for c in chunks:
         events += parser.feed(c)

@@ -23,7 +23,9 @@ def make_prompt(vocab: int, n: int = PROMPT_LEN, seed: int = 0) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-@pytest.mark.parametrize("model_name", ["default_model", "qwen3_model"])
+# dense Llama and Qwen3, and the MoE families (Qwen3-MoE, Mixtral: experts split over ranks)
+@pytest.mark.parametrize("model_name", ["default_model", "qwen3_model", "qwen3_moe_model",
+                                        "mixtral_model"])
 def test_logits_and_greedy_tokens_match_hf(model_name, world_size, hf_reference, request,
                                            tmp_path):
     model_dir = str(request.getfixturevalue(model_name))
