@@ -41,3 +41,11 @@ def tiny_template(default_model):
     from orchestrator.shim.chat_template import ChatTemplate
 
     return ChatTemplate.from_model_dir(default_model)
+
+
+@pytest.fixture(scope="module")
+def guides(default_model):
+    """Grammar guides over the tiny model's tokenizer (scheduler/guided.py)."""
+    from scheduler.guided import GuideFactory
+
+    return GuideFactory(str(default_model), 8192, [3])

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from orchestrator.shim.qwen3_coder import typed_value
 from orchestrator.shim.structured_output import tool_call_grammar
 from orchestrator.shim.tool_parsers import Event, TextEvent, ToolCall, make_tool_parser
-from scheduler.guided import GuideFactory
+from tests.orchestrator.test_structured_output import follows
 from tests.orchestrator.test_tool_parsers import chunkings
 from tests.orchestrator.test_tool_parsers import run as run_parser
 
@@ -196,17 +196,6 @@ def test_a_forced_opening_is_read_as_the_start_of_the_call() -> None:
     q = make_tool_parser("qwen3_coder", TOOLS)
     assert q.feed(q.opening(None)) == [] and q.feed("oops") + q.finish() == [
         TextEvent("<tool_call>\n<function=oops")]
-
-
-@pytest.fixture(scope="module")
-def guides(default_model) -> GuideFactory:
-    return GuideFactory(str(default_model), 8192, [3])
-
-
-def follows(guides: GuideFactory, grammar: str, tokenizer, text: str) -> bool:
-    guide = guides.guide(grammar)
-    ids = tokenizer.encode(text, add_special_tokens=False).ids
-    return all(guide.accept(t) for t in ids) and guide.complete
 
 
 FORCED = [  # (tool, the answer after "<tool_call>\n<function=", the call it is, allowed)

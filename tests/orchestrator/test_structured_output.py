@@ -19,11 +19,6 @@ TOOLS = [{"type": "function", "function": {"name": n, "parameters": {
     "additionalProperties": False}}} for n in NAMES]
 
 
-@pytest.fixture(scope="module")
-def guides(default_model) -> GuideFactory:
-    return GuideFactory(str(default_model), 8192, [3])
-
-
 def follows(guides: GuideFactory, grammar: str, tokenizer, text: str) -> bool:
     guide = guides.guide(grammar)
     ids = tokenizer.encode(text, add_special_tokens=False).ids
