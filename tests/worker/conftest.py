@@ -29,3 +29,14 @@ def hf_reference(request):
         return cache[model_dir]
 
     return get
+
+
+@pytest.fixture
+def kernels():
+    """The compiled CPU kernels (worker/cpu_kernels.py); skipped where they cannot build."""
+    from worker import cpu_kernels
+
+    module = cpu_kernels.load()
+    if module is None:
+        pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
+    return module

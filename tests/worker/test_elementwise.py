@@ -14,14 +14,6 @@ from worker.layers import rms_norm
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def kernels():
-    module = cpu_kernels.load()
-    if module is None:
-        pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
-    return module
-
-
 def close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     """float32: float32 rounding; bfloat16: at most one bf16 rounding step apart."""
     assert got.dtype == ref.dtype == dtype and got.shape == ref.shape

@@ -11,14 +11,6 @@ from worker import cpu_kernels
 from worker.linear import SMALL_ROWS, Linear
 
 
-@pytest.fixture
-def kernels():
-    module = cpu_kernels.load()
-    if module is None:
-        pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
-    return module
-
-
 def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
