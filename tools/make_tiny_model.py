@@ -102,7 +102,7 @@ def model_config(spec: TinySpec, ids: dict[str, int]) -> dict[str, Any]:
     }
     if spec.arch == "llama":
         cfg.update(head_dim=spec.head_dim, attention_bias=False, mlp_bias=False, pretraining_tp=1)
-    elif spec.arch == "qwen3":
+    elif spec.arch in ("qwen3", "qwen3_moe"):  # the MoE model is Qwen3's attention + experts
         cfg.update(
             head_dim=spec.head_dim,
             attention_bias=False,
@@ -110,13 +110,8 @@ def model_config(spec: TinySpec, ids: dict[str, int]) -> dict[str, Any]:
             sliding_window=None,
             max_window_layers=spec.num_layers,
         )
-    elif spec.arch == "qwen3_moe":
+    if spec.arch == "qwen3_moe":
         cfg.update(
-            head_dim=spec.head_dim,
-            attention_bias=False,
-            use_sliding_window=False,
-            sliding_window=None,
-            max_window_layers=spec.num_layers,
             decoder_sparse_step=1,
             mlp_only_layers=list(spec.mlp_only_layers),
             moe_intermediate_size=spec.moe_intermediate_size,
@@ -126,7 +121,7 @@ def model_config(spec: TinySpec, ids: dict[str, int]) -> dict[str, Any]:
             output_router_logits=False,
             router_aux_loss_coef=0.001,
         )
-    elif spec.arch == "mixtral":
+    if spec.arch == "mixtral":
         cfg.update(
             head_dim=spec.head_dim,
             sliding_window=None,
