@@ -41,9 +41,9 @@ class Served:
             cwd=REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
         try:
             wait_healthy(self.url, timeout_s=startup_timeout_s, proc=self.proc)
-        except Exception:
+        except Exception as exc:
             self.stop(signal.SIGKILL)
-            raise
+            raise RuntimeError(f"{exc}; the launcher's errors:\n{self.errors()}") from exc
 
     def pids(self) -> dict[str, int]:
         engine = json.loads((self.run_dir / "engine.json").read_text())
@@ -52,6 +52,12 @@ class Served:
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text()
+
+    def errors(self, last: int = 10) -> str:
+        """The log's last error events (a failed self-check, a rank's exception)."""
+        lines = [line for line in self.log_path.read_text().splitlines()
+                 if '"level": "error"' in line or "Error" in line]
+        return "\n".join(lines[-last:]) or "(none logged)"
 
     def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> int:
         if self.proc.poll() is None:
