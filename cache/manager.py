@@ -146,14 +146,20 @@ class KVCacheManager:
         return blocks.tolist()
 
     def commit(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int,
-               step: int) -> None:
+               step: int, *, closing: bool = False) -> None:
         """Register the full blocks of tokens [0, num_computed_tokens) in the prefix index.
 
         Call it in the step that writes their KV (once the tokens are scheduled), for
         every scheduled sequence, with the scheduler's step number. Idempotent. A hash
         already indexed to another block keeps that block; this sequence keeps its own
         copy, unindexed. Under write_through, newly registered blocks are copied to the
-        host next step."""
+        host next step.
+
+        ``closing``: the sequence is freed right after, in a later step than ``step``
+        (the last that wrote its KV), and these are blocks no plan could register yet
+        (scheduler `Scheduler._close`). They stay unevictable until this step's ops
+        are drained: ranks apply a step's swap_out before its register (wire/digest.py),
+        so an eviction's host copy in the same step would name the block's old hash."""
         seq = self._seqs[seq_id]
         seq.last_commit_step = step
         if seq.chain is None:
@@ -176,6 +182,8 @@ class KVCacheManager:
                                       token_ids)
         blocks, lo, hi = blocks[new], lo[new], hi[new]
         self.device.register(blocks, lo, hi)
+        if closing:  # hittable at once, but not evictable before this step's ops drain
+            self.device.mark_busy(blocks)
         self._ops.registered.extend(zip(blocks.tolist(), lo.tolist()))
         seq.num_registered = n_full
         if self.config.write_policy == "write_through" and self.config.host_enabled:
@@ -238,8 +246,8 @@ class KVCacheManager:
         self.disk.unpin_all()
         pending, self._write_through_next = self._write_through_next, []
         for blocks, lo, hi in pending:
-            # Still referenced (they cannot be closed in their commit step) and indexed.
-            assert (self.device.refcount[blocks] > 0).all()
+            # Still indexed, and referenced unless their sequence was closed as they were
+            # registered (`commit(closing=True)`: busy, so not evicted in that step).
             assert (self.device.index.keys_of(blocks)[0] == lo).all()
             self._copy_to_host(blocks[::-1], lo[::-1], hi[::-1])  # tail first
         return ops

@@ -229,6 +229,14 @@ class Scheduler:
         assert seq.opened and seq.last_step < plan.step, (
             f"close-timing violated: seq {seq.seq_id} closed in step {plan.step}, "
             f"last ran in step {seq.last_step}")
+        # Register the full blocks whose tokens are all known and whose KV is written
+        # before they are released, so they stay hittable. A plan registers only the
+        # tokens known when it is made, so the last block may still be unregistered: one
+        # that a drafted step's kept drafts filled, or one whose last token was pending
+        # (overlap) when the sequence last ran. Tokens past `num_tokens` (a pending token,
+        # rejected drafts) are never registered. Recorded as the step that wrote them.
+        self.cache.commit(seq.seq_id, seq.tokens, min(seq.num_computed, seq.num_tokens),
+                          seq.last_step, closing=True)
         self.cache.free(seq.seq_id, plan.step)
         seq.opened = False
         seq.block_ids = []

@@ -268,3 +268,31 @@ def test_trim_frees_blocks_appended_for_rejected_drafts() -> None:
     m.free(1, 2)
     m.check_invariants()
     assert m.usage()["device"]["used"] == 0
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_blocks_committed_as_their_sequence_closes_are_not_evicted_that_step(policy) -> None:
+    """Scheduler `_close` registers a sequence's last full blocks (KV written, but no plan
+    knew all their tokens: a drafted step's kept drafts, a pending token) as it frees
+    them. Hittable at once, but not evicted in that step: ranks apply a step's swap_out
+    before its register, so a host copy then would name the block's old hash. Under
+    write_through they are copied to the host the step after, like any commit."""
+    m = mgr(num_device_blocks=4, num_host_blocks=8, write_policy=policy)
+    p = prompt(8)
+    first, last = m.allocate(1, p, 8, KEY)
+    m.commit(1, p, 4, 0)  # the plan knew 4 of the 8 tokens it ran
+    m.take_ops()
+    m.commit(1, p, 8, 0, closing=True)
+    m.free(1, 1)
+    m.check_invariants()
+    assert m.lookup(p + [99], KEY).num_tokens == 8
+    q = prompt(16, start=100)
+    assert m.allocate(2, q, 16, KEY) is None  # would evict the block just registered
+    assert m.allocate(3, q, 12, KEY) is not None  # evicts the older one only
+    ops = m.take_ops()
+    assert ops.registered[-1][0] == last
+    # `first` goes to the host as it is evicted (write_back) or as the step after its
+    # commit (write_through); `last`, under write_through, the step after its own
+    assert [b for b, _ in ops.swap_out] == [first]
+    assert [b for b, _ in m.take_ops().swap_out] == ([] if policy == "write_back" else [last])
+    m.check_invariants()

@@ -60,6 +60,7 @@ def drive(core, reqs: list[GenerateRequest], abort_after: dict[str, int] | None 
     sched.cache.check_invariants()
     check_close_timing(core.executor.plans)
     check_index_holds_real_tokens(sched, reqs, out)
+    check_written_blocks_are_indexed(sched, reqs, out)
     return out
 
 
@@ -76,6 +77,22 @@ def check_index_holds_real_tokens(sched, reqs, out) -> None:
     lo, hi = index.keys_of(index.registered_items())
     held = set(zip(lo.tolist(), hi.tolist()))
     assert held and held <= real, f"{len(held - real)} indexed blocks hold no real tokens"
+
+
+def check_written_blocks_are_indexed(sched, reqs, out) -> None:
+    """Every full block whose KV was written (all tokens but the last one each request
+    got) is in the index, the last included: one filled by a drafted step's kept drafts,
+    or by a token pending when the sequence last ran, is registered as it closes. (The
+    workloads fit the cache: nothing is evicted.)"""
+    extra = make_extra_key(sched.config.model, None)
+    index = sched.cache.device.index
+    lo, hi = index.keys_of(index.registered_items())
+    held = set(zip(lo.tolist(), hi.tolist()))
+    for r in reqs:
+        chain = BlockHashChain(sched.block_size, extra)
+        chain.extend((r.prompt_token_ids + out[r.request_id]["tokens"])[:-1])
+        written = set(zip(*(k.tolist() for k in chain.keys())))
+        assert written <= held, f"{r.request_id}: {len(written - held)} written blocks unindexed"
 
 
 def with_stops(reqs: list[GenerateRequest], plain: dict) -> list[GenerateRequest]:
