@@ -223,6 +223,22 @@ def test_stop_sequence_in_a_several_token_output(sdk, engine, per_output) -> Non
     assert m.usage.output_tokens == len(upto)
 
 
+def test_streamed_several_token_outputs_with_a_stop_sequence(sdk, engine) -> None:
+    """Streaming with speculative decoding: a drafted step's tokens arrive in one output
+    and stream as they come; the streamed text, stop and usage are what one token per
+    output gives."""
+    runs = []
+    for per_output in (1, 3):
+        engine.script("one two three STOP four five", per_output=per_output)
+        with sdk.messages.stream(model="m", max_tokens=50, messages=HELLO,
+                                 stop_sequences=["STOP"]) as s:
+            text = "".join(s.text_stream)
+            final = s.get_final_message()
+        runs.append((text, final.stop_reason, final.usage.output_tokens))
+    upto = engine.tokenizer.encode("one two three STOP", add_special_tokens=False).ids
+    assert runs[0] == runs[1] == ("one two three ", "stop_sequence", len(upto))
+
+
 def test_length_stop_reason_names_the_limit(engine, tiny_tokenizer, tiny_template) -> None:
     """The request's max_tokens -> "max_tokens"; the server's --max-output-tokens ends the
     turn ("end_turn": Claude Code treats "max_tokens" as its own limit exceeded and
