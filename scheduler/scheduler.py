@@ -351,7 +351,7 @@ class Scheduler:
         end = start + num_new
         known = seq.num_tokens
         # A block whose last token is pending is registered by the sequence's next plan,
-        # once the token is known; never if that token ends it (`_close_ahead`, `update`).
+        # once the token is known, or by its close if no plan runs it again (`_close`).
         self.cache.commit(seq.seq_id, seq.tokens, min(end, known), plan.step)
         if not seq.opened:
             plan.new_seqs.append(NewSequence(seq.seq_id, list(seq.block_ids),
