@@ -80,10 +80,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-retained-fraction", type=float, default=d.max_retained_fraction,
                    help="of each KV tier, what prefixes a client marked for retention "
                         "(cache_control) may hold before the rest of them are plain LRU")
-    p.add_argument("--kv-write-policy", default=d.kv_write_policy,
+    p.add_argument("--kv-write-policy", default=None,
                    choices=["write_back", "write_through"],
                    help="when device blocks are copied to the host tier: on eviction "
-                        "(write_back) or as soon as they are registered (write_through)")
+                        "(write_back, the default) or as soon as they are registered "
+                        "(write_through, the default with --disk-cache-dir: the disk tier "
+                        "is fed from the host tier's copies, so a live session reaches the "
+                        "disk too and survives a restart)")
     p.add_argument("--kv-events-endpoint", default=d.kv_events_endpoint, metavar="ADDR",
                    help="publish the prefix cache's changes as vLLM KV events (ZeroMQ PUB) "
                         "for a cache-aware router: bind tcp://HOST:PORT, or a PORT on "
@@ -157,6 +160,14 @@ def model_name(model: str) -> str:
     return Path(model).name.removesuffix(".gguf")
 
 
+def default_write_policy(disk_cache_dir: str) -> str:
+    """With a disk tier, write-through (issue 18: a block goes to disk as soon as it is
+    computed, since the disk is written from the host tier's copies). Under write_back
+    only what the device tier evicts would reach the disk, so a session still on the
+    device -- the one just served -- would be lost at a crash or restart."""
+    return "write_through" if disk_cache_dir else EngineConfig(model="").kv_write_policy
+
+
 def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfig, ServeOptions]:
     model = Path(args.model).resolve()
     if model.suffix == ".gguf" and not model.is_file():
@@ -174,7 +185,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
         host_cache_memory=args.host_cache_memory,
-        kv_write_policy=args.kv_write_policy,
+        kv_write_policy=args.kv_write_policy or default_write_policy(args.disk_cache_dir),
         disk_cache_dir=str(Path(args.disk_cache_dir).resolve()) if args.disk_cache_dir else "",
         disk_cache_size=args.disk_cache_size,
         disk_max_queued_writes=args.disk_max_queued_writes,

@@ -174,7 +174,19 @@ class SchedulerControl:
             totals={k: int(v) for k, v in dict(vars(cache.stats)).items()},
             usage=cache.usage(), sessions=top,
             prefix_breaks=list(self.telemetry.prefix_breaks), recent=last[-10:],
-            num_disk_hit_tokens=sum(r.num_disk_cached_tokens for r in last))
+            num_disk_hit_tokens=sum(r.num_disk_cached_tokens for r in last),
+            disk=self._disk_counters())
+
+    def _disk_counters(self) -> dict[str, int]:
+        disk = self.scheduler.cache.disk
+        if not disk.num_slots:
+            return {}
+        return {"committed_writes": disk.num_committed_writes,
+                "dropped_writes": disk.num_dropped_writes,
+                "pending_writes": disk.num_pending, "evictions": disk.num_evictions,
+                "bad_reads": disk.num_bad_reads,
+                "found_after_restart": disk.num_found_at_start,
+                "dropped_at_restart": self.scheduler.disk_torn_at_start}
 
 
 def _running(seq: Sequence, now: float) -> RunningSeq:

@@ -148,6 +148,9 @@ def cmd_cache(engine: EngineAddresses, args) -> tuple[Any, list, int]:
     usage = _table("blocks per tier", "tier", "used", "cached", "free", "capacity")
     for tier, u in v.usage.items():
         usage.add_row(tier, *(f"{u.get(k, 0):,}" for k in ("used", "cached", "free", "capacity")))
+    disk = _table("disk tier since start (blocks)", "counter", "value")
+    for key, value in v.disk.items():
+        disk.add_row(key.replace("_", " "), f"{value:,}")
     sessions = _table("top sessions by cached tokens", "session", "requests", "prompt", "cached")
     for s in v.sessions:
         sessions.add_row(s.session, str(s.num_requests), f"{s.num_prompt_tokens:,}",
@@ -157,7 +160,8 @@ def cmd_cache(engine: EngineAddresses, args) -> tuple[Any, list, int]:
     for b in v.prefix_breaks[-10:]:
         breaks.add_row(b.session, b.request_id, str(b.num_common_tokens),
                        str(b.num_prompt_tokens), b.reason)
-    return _plain(v), [ratios, totals, usage, sessions, breaks], 0
+    tables = [ratios, totals, usage, *([disk] if v.disk else []), sessions, breaks]
+    return _plain(v), tables, 0
 
 
 def cmd_queue(engine: EngineAddresses, args) -> tuple[Any, list, int]:

@@ -240,6 +240,9 @@ class CacheView:
     prefix_breaks: list[PrefixBreak] = field(default_factory=list)  # most recent last
     recent: list[RequestRecord] = field(default_factory=list)
     num_disk_hit_tokens: int = 0
+    # the disk tier's own counters since start (empty when it is off): writes committed,
+    # dropped and pending, evictions, bad reads, blocks found / dropped at start-up
+    disk: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -182,6 +182,9 @@ class DiskStore:
         # A fault hook for tests and benchmarks: every read takes at least this long (a
         # slow or busy disk), so what overlaps a read can be shown.
         self.read_delay_s = 0.0
+        # Another, for the crash test: a record is written in two halves this long apart,
+        # so a kill -9 in between leaves a torn record for certain (a real tear is a race).
+        self.write_pause_s = 0.0
         self._in_flight = 0
         self._idle = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._write_loop, name="disk-writer",
@@ -354,7 +357,12 @@ class DiskStore:
             ok = True
             try:
                 data = self._header(w.lo, w.hi, w.payload) + w.payload
-                n = os.pwrite(self._fd, data, w.slot * self.record_bytes)
+                offset = w.slot * self.record_bytes
+                n = 0
+                if self.write_pause_s:  # the fault hook: half a record, then the rest
+                    n = os.pwrite(self._fd, data[:len(data) // 2], offset)
+                    time.sleep(self.write_pause_s)
+                n += os.pwrite(self._fd, data[n:], offset + n)
                 ok = n == len(data)
             except OSError as exc:  # a full or failing disk: drop, report, keep serving
                 log.warning("disk_write_failed", slot=w.slot, error=str(exc))

@@ -54,3 +54,16 @@ def test_the_disk_tier_is_off_by_default_and_needs_the_host_tier(default_model: 
                       "--disk-cache-size", "5000")
     with pytest.raises(ValueError, match="go together"):
         engine_config("--model", str(default_model), "--disk-cache-size", "5000")
+
+
+def test_the_disk_tier_writes_through_unless_told_otherwise(default_model: Path,
+                                                            tmp_path: Path) -> None:
+    """The disk is written from the host tier's copies: with a disk tier the default is
+    write-through, so a block reaches the disk as soon as it is computed (issue 18)."""
+    assert engine_config("--model", str(default_model)).kv_write_policy == "write_back"
+    disk = ("--model", str(default_model), "--host-cache-memory", "1000000",
+            "--disk-cache-dir", str(tmp_path / "d"), "--disk-cache-size", "5000")
+    assert engine_config(*disk).kv_write_policy == "write_through"
+    assert engine_config(*disk, "--kv-write-policy", "write_back").kv_write_policy == "write_back"
+    assert engine_config("--model", str(default_model), "--kv-write-policy",
+                         "write_through").kv_write_policy == "write_through"

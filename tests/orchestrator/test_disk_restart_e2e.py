@@ -55,6 +55,13 @@ def test_a_session_hits_the_disk_right_after_restart(default_model, tmp_path):
         assert metric(engine.url, 'deepinfer_prefix_cache_hit_tokens_total{tier="disk"}') == 192
         assert metric(engine.url, "deepinfer_disk_blocks_found_after_restart") >= 12
         assert os.stat(disk).st_mode & 0o777 == 0o700
+        # deepinfer-inspect cache shows the third tier: its hits, blocks and counters
+        status, view = engine.inspect_json("cache")
+        assert status == 0 and view["num_disk_hit_tokens"] == 192
+        assert view["usage"]["disk"]["cached"] >= 12
+        assert view["disk"]["found_after_restart"] >= 12
+        status, text = engine.inspect("cache")
+        assert status == 0 and "disk tier since start" in text and "found after restart" in text
     finally:
         code = engine.stop()
     assert code == 0, engine.log()[-3000:]

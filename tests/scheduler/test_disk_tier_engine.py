@@ -158,6 +158,66 @@ def test_the_budget_holds_under_pressure(default_model, tmp_path) -> None:
     core.executor.shutdown()
 
 
+CRASHING = r"""
+import json, random, sys, time
+from pathlib import Path
+from tests.scheduler.engine_harness import run_until_done
+from tests.scheduler.test_disk_tier_engine import disk_engine, settle_writes, tokens
+from wire.client import GenerateRequest
+core = disk_engine(sys.argv[1], Path(sys.argv[2]))
+rng = random.Random(12)
+a, b = tokens(rng, 150), tokens(rng, 150)
+out_a = run_until_done(core, [GenerateRequest("a", a, 12, ignore_eos=True)])["a"]
+settle_writes(core)  # a is on disk, committed
+store = core.executor.inner.runner.disk.store
+store.write_pause_s = 600.0  # from now on a record stops half-written
+out_b = run_until_done(core, [GenerateRequest("b", b, 12, ignore_eos=True)])["b"]
+deadline = time.monotonic() + 60
+while store.scan().num_torn == 0 and time.monotonic() < deadline:  # b's first record
+    time.sleep(0.01)  # is half on disk
+print("state", json.dumps({"a": a, "b": b, "out_a": out_a["tokens"], "out_b": out_b["tokens"]}),
+      flush=True)
+time.sleep(600)  # killed here, mid-write
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_during_disk_writes_then_a_restart_serves_correct_output(
+        default_model, tmp_path) -> None:
+    """The engine is killed with SIGKILL while a disk write is half done; restarted on the
+    same directory it reports the torn block it dropped, serves the committed session
+    from disk and recomputes the rest, token-identical to before the crash."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, subprocess_env
+
+    disk = tmp_path / "disk"
+    proc = subprocess.Popen([sys.executable, "-c", CRASHING, str(default_model), str(disk)],
+                            cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, text=True)
+    try:  # the child's other output (logs) comes first
+        line = next(ln for ln in proc.stdout if ln.startswith("state "))
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    before = json.loads(line.removeprefix("state "))
+
+    again = disk_engine(default_model, disk)
+    assert again.ready[0].disk_torn >= 1  # the record cut by the kill, dropped
+    assert again.stats().disk["torn_at_start"] == again.ready[0].disk_torn
+    assert len(again.ready[0].disk_found) >= 10  # a's blocks, written before the kill
+    key = make_extra_key(again.scheduler.config.model, None)
+    assert again.scheduler.cache.lookup(before["a"], key).num_disk_tokens == 144
+    out = run_until_done(again, [GenerateRequest("a", before["a"], 12, ignore_eos=True)])
+    assert out["a"]["tokens"] == before["out_a"]
+    assert again.scheduler.cache.stats.num_disk_hit_tokens == 144
+    out = run_until_done(again, [GenerateRequest("b", before["b"], 12, ignore_eos=True)])
+    assert out["b"]["tokens"] == before["out_b"]  # its torn block recomputed, not served
+    again.executor.shutdown()
+
+
 @pytest.mark.slow
 def test_world_size_4_round_trip_and_restart(default_model, tmp_path) -> None:
     """Four gloo ranks, each with its shard on disk: a disk hit after the tiers are
