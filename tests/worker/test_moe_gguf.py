@@ -83,6 +83,7 @@ def test_gguf_split_over_two_ranks_matches_the_hf_dir(mixtral_model, gguf_of, tm
                     dtype="float32", prompt=prompt, chunk=len(prompt), new_tokens=8)
     torch.testing.assert_close(out["logits"], ref_logits, rtol=0, atol=1e-4)
     assert out["tokens"].tolist() == ref_tokens
+    assert len(out["routing"]) == 1 and out["routing"] != {""}  # both ranks routed alike
 
 
 @pytest.mark.parametrize("model_name", MODELS)
