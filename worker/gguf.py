@@ -10,7 +10,7 @@ own Python reader.
 Two facts about the format drive the code:
 - A quantized 2-D tensor is stored row by row, each row a run of independent blocks, so
   a rank's rows are a slice of the raw bytes and only those are dequantized; a column
-  range is a byte range too when it starts and ends on block boundaries.
+  range is a byte range of each row too (of the blocks that cover it).
 - llama.cpp's converter reorders the rows of Q and K inside each head (its rotary pairs
   adjacent elements, HF's pairs element i with i + head_dim/2); the reader puts them back.
 """
@@ -315,17 +315,21 @@ class GGUFCheckpointReader:
         return self._to_torch(self._dequantized(t, data[start:end]))
 
     def cols(self, name: str, start: int, end: int) -> torch.Tensor:
-        """Columns [start, end) of a 2-D tensor (or of one expert's matrix): a byte range of
-        each row when the range is block-aligned, else the whole matrix dequantized and cut."""
+        """Columns [start, end) of a 2-D tensor (or of one expert's matrix): the byte range
+        of each row's blocks that cover them, dequantized and cut. Not the whole row where
+        the range starts or ends inside a block: a K-quant block is 256 columns, and a
+        rank's share of an expert's down (Qwen3-30B-A3B: 768 / 2 = 384) ends inside one."""
         t, data = self._tensor(name)
-        block, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
-        if start % block or end % block or t.name in self._rotary:
+        if t.name in self._rotary:
             return self._to_torch(self._dequantized(t, data)[:, start:end])
+        block, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        b0, b1 = start // block, -(-end // block)  # the blocks covering [start, end)
         if data.dtype == np.uint8:  # quantized or BF16: raw bytes per row
-            raw = data[:, start // block * type_size : end // block * type_size]
-        else:  # F32 / F16: the reader gives typed elements
-            raw = data[:, start:end]
-        return self._to_torch(self._dequantized(t, raw))
+            raw = data[:, b0 * type_size : b1 * type_size]
+        else:  # F32 / F16: the reader gives typed elements (a block is one element)
+            raw = data[:, b0 * block : b1 * block]
+        first = b0 * block
+        return self._to_torch(self._dequantized(t, raw)[:, start - first : end - first])
 
     def close(self) -> None:
         self._progress.close()

@@ -34,4 +34,5 @@ def run_ranks(world_size: int, out: Path, timeout: float = 300, **args) -> dict:
     assert not errors, "\n".join(errors)
     result = load_file(str(out))
     result["digests"] = {Path(f"{out}.digest{r}").read_text() for r in range(world_size)}
+    result["routing"] = {Path(f"{out}.routing{r}").read_text() for r in range(world_size)}
     return result

@@ -7,6 +7,7 @@
 - bf16: FlashInfer against the torch backend inside the model (head_dim 128, as the
   GPU benchmark's model): teacher-forced logits over chunked prefill, a prefill over a
   shared cached prefix and batched decode agree to bf16 rounding.
+- The tiny MoE models (Qwen3-MoE, Mixtral), float32: the same logits on CUDA as on CPU.
 """
 
 from __future__ import annotations
@@ -124,3 +125,18 @@ def test_flashinfer_model_matches_torch_backend_bf16(head_dim_128_model):
     assert clear.sum() >= len(tb) // 4, "too few clear positions for a meaningful check"
     flips = ((fi.argmax(-1) != tb.argmax(-1)) & clear).nonzero().flatten().tolist()
     assert not flips, f"argmax differs at clear rows {flips}"
+
+
+# --- mixture of experts on CUDA ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_name", ["qwen3_moe_model", "mixtral_model"])
+def test_moe_on_cuda_gives_the_cpu_logits(model_name, request):
+    """The MoE layer's interface (route, then the experts of each token; worker/moe.py)
+    runs on CUDA as on the CPU, float32: chunked prefill, a shared prefix, batched
+    decode, every logit within 1e-3 of the scale (where a fused kernel would slot in)."""
+    model = request.getfixturevalue(model_name)
+    cpu = teacher_forced_logits(model, "torch", device="cpu", dtype="float32")
+    gpu = teacher_forced_logits(model, "torch", device="cuda", dtype="float32")
+    scale = cpu.abs().max().item()
+    assert (gpu - cpu).abs().max().item() < 1e-3 * scale

@@ -155,7 +155,7 @@ def test_slices_equal_the_whole_tensor_dequantized(tmp_path, qtype):
     same(reader.full(name), down)
     same(reader.rows(name, 32, 96), down[32:96])
     same(reader.cols(name, 256, 512), down[:, 256:])  # block-aligned for every type
-    same(reader.cols(name, 64, 192), down[:, 64:192])  # inside a K-quant block: full path
+    same(reader.cols(name, 64, 192), down[:, 64:192])  # inside a K-quant block: its block cut
     embed = torch.from_numpy(gguf.quants.dequantize(raw["token_embd.weight"].data, qtype))
     same(reader.rows("model.embed_tokens.weight", 128, 256), embed[128:])
     # Q: each head's rows come back in HF's order, whether read whole or one head

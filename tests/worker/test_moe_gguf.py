@@ -2,7 +2,8 @@
 `llama` with experts, Q/K permuted), written by the test as llama.cpp's converter does
 (experts stacked into `ffn_{gate,up,down}_exps`, the router as `ffn_gate_inp`), load to
 the config and the logits the HF directories give, and a rank's expert slices of a
-quantized file are the gguf package's own dequantization, cut.
+quantized file are the gguf package's own dequantization, cut; a rank reads only its
+slices of every expert, from either source.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from tests.worker.gguf_files import run_engine, write_gguf
 from tests.worker.ranks import run_ranks
 from tests.worker.test_moe_reference import scaled_copy
 from tests.worker.test_reference import make_prompt
-from worker.gguf import GGUFCheckpointReader, load_gguf_config
+from worker.gguf import GGUFCheckpointReader, load_config, load_gguf_config
 from worker.model_config import load_model_config
-from worker.moe import expert_names, router_name
+from worker.moe import expert_names, load_moe_weights, router_name
+from worker.weights import CheckpointReader
 
 Q = gguf.GGMLQuantizationType
 MODELS = ["qwen3_moe_model", "mixtral_model"]
@@ -81,6 +83,7 @@ def test_gguf_split_over_two_ranks_matches_the_hf_dir(mixtral_model, gguf_of, tm
                     dtype="float32", prompt=prompt, chunk=len(prompt), new_tokens=8)
     torch.testing.assert_close(out["logits"], ref_logits, rtol=0, atol=1e-4)
     assert out["tokens"].tolist() == ref_tokens
+    assert len(out["routing"]) == 1 and out["routing"] != {""}  # both ranks routed alike
 
 
 @pytest.mark.parametrize("model_name", MODELS)
@@ -106,3 +109,72 @@ def test_expert_slices_of_a_quantized_file(model_name, gguf_of, request):
                        whole(f"blk.{layer}.ffn_down_exps.weight")[expert, :, m:])
     assert torch.equal(reader.full(router_name(cfg, layer)),
                        whole(f"blk.{layer}.ffn_gate_inp.weight"))
+
+
+class RecordingReader:
+    """A checkpoint reader that notes every read: (name, how, start, end)."""
+
+    def __init__(self, reader) -> None:
+        self.reader, self.reads = reader, []
+
+    def full(self, name: str) -> torch.Tensor:
+        self.reads.append((name, "full", None, None))
+        return self.reader.full(name)
+
+    def rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        self.reads.append((name, "rows", start, end))
+        return self.reader.rows(name, start, end)
+
+    def cols(self, name: str, start: int, end: int) -> torch.Tensor:
+        self.reads.append((name, "cols", start, end))
+        return self.reader.cols(name, start, end)
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+@pytest.mark.parametrize("model_name", MODELS)
+def test_a_rank_reads_only_its_slices_of_every_expert(model_name, source, gguf_of, request):
+    """Rank 2 of 4: each expert's gate/up rows and down columns of its quarter, once; the
+    router whole; nothing else of the layer's MLP. The slices are the whole tensors' cut."""
+    model_dir = request.getfixturevalue(model_name)
+    path = model_dir if source == "hf" else gguf_of(model_dir, Q.Q8_0)
+    cfg = load_config(path)
+    reader = CheckpointReader(path, torch.float32, False) if source == "hf" else \
+        GGUFCheckpointReader(path, torch.float32, False)
+    spy = RecordingReader(reader)
+    layer, rank, world_size = cfg.moe_layers[-1], 2, 4
+    w = load_moe_weights(spy, cfg, layer, rank, world_size)
+    m = cfg.moe_intermediate_size // world_size
+    expected = [(router_name(cfg, layer), "full", None, None)]
+    for e in range(cfg.num_experts):
+        gate, up, down = expert_names(cfg, layer, e)
+        expected += [(gate, "rows", 2 * m, 3 * m), (up, "rows", 2 * m, 3 * m),
+                     (down, "cols", 2 * m, 3 * m)]
+    assert sorted(spy.reads, key=str) == sorted(expected, key=str)  # each read once
+    gate, up, down = expert_names(cfg, layer, 5)
+    torch.testing.assert_close(w.gate_up[5], torch.cat([reader.full(gate)[2 * m : 3 * m],
+                                                        reader.full(up)[2 * m : 3 * m]]),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(w.down[5], reader.full(down)[:, 2 * m : 3 * m], rtol=0, atol=0)
+
+
+def test_a_column_cut_inside_a_block_dequantizes_only_its_blocks(mixtral_model, gguf_of,
+                                                                 monkeypatch):
+    """An expert's down columns 16:32 of 64 in Q8_0 (32-column blocks): one block of each
+    row is dequantized, not the row (a K-quant block is 256 columns; a rank's share of a
+    real expert, 768 / 2, ends inside one)."""
+    path = gguf_of(mixtral_model, Q.Q8_0)
+    cfg = load_gguf_config(path)
+    reader = GGUFCheckpointReader(path, torch.float32, False)
+    _, _, down = expert_names(cfg, 0, 3)
+    whole = reader.full(down)
+    dequantize, widths = gguf.quants.dequantize, []
+
+    def recording(data, qtype):
+        widths.append(data.shape[-1])
+        return dequantize(data, qtype)
+
+    monkeypatch.setattr(gguf.quants, "dequantize", recording)
+    torch.testing.assert_close(reader.cols(down, 16, 32), whole[:, 16:32], rtol=0, atol=0)
+    torch.testing.assert_close(reader.cols(down, 24, 40), whole[:, 24:40], rtol=0, atol=0)
+    block_bytes = gguf.GGML_QUANT_SIZES[Q.Q8_0][1]
+    assert widths == [block_bytes, 2 * block_bytes]  # a row is 2 blocks: the first cut, 1

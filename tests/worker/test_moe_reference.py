@@ -2,9 +2,10 @@
 
 The tiny Qwen3-MoE (q/k norm, norm_topk_prob, a dense layer among the sparse ones) and
 Mixtral, float32, at world sizes 1, 2 and 4 on gloo: prompt logits within 1e-3 of the
-logits' scale, 32 identical greedy tokens, one digest. Then YaRN, linear and dynamic NTK
-configured over a small original context (64) and a 100-token prompt: logits equal HF's
-at the positions past the original length, and so do the greedy tokens after them.
+logits' scale, 32 identical greedy tokens, one digest. Then YaRN (its attention factor
+derived from the factor, from mscale, and stated), linear and dynamic NTK configured over
+a small original context (64) and a 100-token prompt: logits equal HF's at the positions
+past the original length, and so do the greedy tokens after them.
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ ROPE_CONFIGS = {
               "original_max_position_embeddings": ORIGINAL_MAX}, 4 * ORIGINAL_MAX),
     "yarn-mscale": ({"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.5,
                      "original_max_position_embeddings": ORIGINAL_MAX}, 4 * ORIGINAL_MAX),
+    # the attention factor as the config states it, not derived from the factor
+    "yarn-attention-factor": ({"rope_type": "yarn", "factor": 4.0, "attention_factor": 0.8,
+                               "original_max_position_embeddings": ORIGINAL_MAX},
+                              4 * ORIGINAL_MAX),
     "linear": ({"rope_type": "linear", "factor": 4.0}, ORIGINAL_MAX),
     "dynamic": ({"rope_type": "dynamic", "factor": 4.0}, ORIGINAL_MAX),
 }

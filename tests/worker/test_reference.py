@@ -14,6 +14,7 @@ from tests.worker.ranks import run_ranks
 
 NEW_TOKENS = 32
 PROMPT_LEN = 61
+MOE_MODELS = ("qwen3_moe_model", "mixtral_model")
 
 
 def make_prompt(vocab: int, n: int = PROMPT_LEN, seed: int = 0) -> list[int]:
@@ -24,8 +25,7 @@ def make_prompt(vocab: int, n: int = PROMPT_LEN, seed: int = 0) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 # dense Llama and Qwen3, and the MoE families (Qwen3-MoE, Mixtral: experts split over ranks)
-@pytest.mark.parametrize("model_name", ["default_model", "qwen3_model", "qwen3_moe_model",
-                                        "mixtral_model"])
+@pytest.mark.parametrize("model_name", ["default_model", "qwen3_model", *MOE_MODELS])
 def test_logits_and_greedy_tokens_match_hf(model_name, world_size, hf_reference, request,
                                            tmp_path):
     model_dir = str(request.getfixturevalue(model_name))
@@ -37,6 +37,10 @@ def test_logits_and_greedy_tokens_match_hf(model_name, world_size, hf_reference,
     assert diff < 1e-3 * scale, f"max |logits - HF| = {diff:.3g}, scale {scale:.3g}"
     assert out["tokens"].tolist() == ref_tokens
     assert len(out["digests"]) == 1, "ranks ended with different cache state"
+    # MoE: every rank routed every token to the same experts with the same weights (one
+    # hash of its routing per rank; "" where the model has no router)
+    assert len(out["routing"]) == 1, f"ranks routed tokens differently: {out['routing']}"
+    assert bool(out["routing"].pop()) == (model_name in MOE_MODELS)
 
 
 # bfloat16 keeps ~3 significant digits; over 8 layers the logits drift by a few

@@ -11,6 +11,7 @@ from scheduler.guided import token_mask
 from wire.client import SamplingParams
 from wire.config import EngineConfig
 from wire.step import NewSequence, ScheduledChunk, StepPlan
+from worker.budget import StartupError, resolve_max_model_len
 from worker.distributed import TensorParallelGroup
 from worker.model_config import UnsupportedModelError, load_model_config
 from worker.model_runner import ModelRunner
@@ -96,14 +97,39 @@ def test_heads_that_do_not_divide_are_refused(tmp_path):
         cfg.check_tensor_parallel(4)
 
 
+LLAMA3_1 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
 def test_llama3_rope_scaling_keeps_high_frequencies(tmp_path):
-    cfg = load_model_config(write_config(tmp_path, rope_theta=500000.0, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192}))
+    cfg = load_model_config(write_config(tmp_path, rope_theta=500000.0, rope_scaling=LLAMA3_1))
     plain = load_model_config(write_config(tmp_path, rope_theta=500000.0))
     scaled, base = cfg.inv_freq(), plain.inv_freq()
     assert scaled[0] == base[0]  # shortest wavelength untouched
     assert scaled[-1] == pytest.approx(base[-1] / 8.0)  # longest divided by the factor
+
+
+@pytest.mark.parametrize("max_pos, scaling, served", [
+    (40960, None, 40960),
+    # Qwen3-30B-A3B's model card: YaRN x4 over the 32,768 tokens it was trained on
+    (40960, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+     131072),
+    # Qwen3-Coder-30B-A3B: 262,144 native, YaRN to 1M
+    (262144, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144},
+     1048576),
+    (4096, {"rope_type": "linear", "factor": 2.0}, 8192),
+    (4096, {"rope_type": "dynamic", "factor": 2.0}, 8192),
+    (131072, LLAMA3_1, 131072),  # a llama3 config states the extended length already
+])
+def test_the_served_context_is_the_scaled_one(tmp_path, max_pos, scaling, served):
+    """The context a checkpoint is served at by default, and the longest accepted, is
+    its extended one (as vLLM derives it), not the pretrained length."""
+    cfg = load_model_config(write_config(tmp_path, max_position_embeddings=max_pos,
+                                         rope_scaling=scaling))
+    assert cfg.max_context == served
+    assert resolve_max_model_len(EngineConfig(model=str(tmp_path)), cfg) == served
+    with pytest.raises(StartupError, match=f"supports: {served} tokens"):
+        resolve_max_model_len(EngineConfig(model=str(tmp_path), max_model_len=served + 1), cfg)
 
 
 def test_worker_refuses_token_ids_outside_the_vocabulary(default_model):

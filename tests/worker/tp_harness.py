@@ -3,13 +3,16 @@
 Each rank loads its shard, prefills a prompt in chunks, then decodes greedily,
 all through `ModelRunner.execute` with the same plans on every rank. Rank 0
 writes the prompt logits and tokens to a safetensors file (no pickle crosses
-the process boundary); every rank writes its digest.
+the process boundary); every rank writes its digest, and a hash of the experts and
+weights its MoE router chose for every token (empty for a dense model).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
+from collections.abc import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -26,6 +29,22 @@ from worker.distributed import (
 from worker.model_runner import ModelRunner
 
 
+def record_routing() -> Callable[[], str]:
+    """Hash every routing decision of this rank (expert ids and their weights, bit for
+    bit): the ranks must agree, or their partial expert outputs do not sum to one MoE."""
+    from worker import moe
+
+    seen, route = hashlib.sha256(), moe.route
+
+    def recording(x: torch.Tensor, w: moe.MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, experts = route(x, w)
+        seen.update(experts.numpy().tobytes() + weights.float().numpy().tobytes())
+        return weights, experts
+
+    moe.route = recording  # moe_forward looks it up at each call
+    return seen.hexdigest
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     info = RankInfo.from_env()
@@ -37,6 +56,7 @@ def main() -> None:
                           max_model_len=fitting_max_model_len(args["model"], kv_cache_memory,
                                                               info.world_size))
     runner = ModelRunner(config, tp, torch.device("cpu"))
+    routing = record_routing() if runner.model_config.is_moe else None
     prompt, chunk = args["prompt"], args["chunk"]
     bs = config.block_size
     total = len(prompt) + args["new_tokens"]
@@ -71,6 +91,8 @@ def main() -> None:
                    "tokens": torch.tensor(tokens)}, args["out"])
     with open(f"{args['out']}.digest{info.rank}", "w") as f:
         f.write(str(runner.digest.value))
+    with open(f"{args['out']}.routing{info.rank}", "w") as f:
+        f.write(routing() if routing else "")
     if info.world_size > 1:
         torch.distributed.barrier()  # every rank is past its last collective
     shutdown_tensor_parallel()
