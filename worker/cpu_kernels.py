@@ -38,8 +38,9 @@ from worker.budget import cpu_flags
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name
-           for name in ("module.cpp", "paged_decode.cpp", "small_linear.cpp", "elementwise.cpp")]
-HEADERS = [CSRC / "kernels.h", CSRC / "vec_math.h"]
+           for name in ("module.cpp", "paged_decode.cpp", "paged_prefill.cpp", "small_linear.cpp",
+                        "elementwise.cpp")]
+HEADERS = [CSRC / "kernels.h", CSRC / "kv_rows.h", CSRC / "vec_math.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 ENV_SWITCH = "DEEPINFER_CPU_KERNELS"
 

@@ -133,7 +133,7 @@ def test_torch_backend_paths_match_dense(lens, heads, kv_heads, shuffle, torch_p
 def test_torch_backend_takes_the_fused_kernel(torch_path):
     """Never SDPA's math fallback (it builds the whole score matrix): grouped heads,
     batched decodes, a cached prefix and a plain prefill all reach the flash kernel (or,
-    for the decodes, the compiled CPU kernel)."""
+    with the compiled CPU kernels, those: no SDPA call at all)."""
     from torch.profiler import profile
 
     q, k_cache, v_cache, meta, _ = build_case(PATH_CASES[1], 9, 3, 32, torch.float32, "cpu")
@@ -145,10 +145,11 @@ def test_torch_backend_takes_the_fused_kernel(torch_path):
     assert "aten::_scaled_dot_product_attention_math" not in ops
     # one call for the plain prefill; in plain torch two for the 12 queries behind a cached
     # prefix (over the prefix, then causal over its own keys) and one for the three
-    # batched decodes; the kernel takes both of those (12 rows: a verify's size)
+    # batched decodes; the decode kernel takes both of those (12 rows: a verify's size),
+    # the prefill kernel the plain prefill
     assert [e.count for e in prof.key_averages()
             if e.key == "aten::_scaled_dot_product_flash_attention_for_cpu"] == (
-                [1] if torch_path == "kernel" else [4])
+                [] if torch_path == "kernel" else [4])
 
 
 @pytest.mark.parametrize("lens", [[(3, 21)], [(1, 21)], [(1, 40), (1, 21)]])
@@ -271,6 +272,31 @@ def test_cpu_kernel_in_16_bit_matches_the_gathered_path(lens, dtype, monkeypatch
     gathered, _ = run_backend("torch", lens, 8, 2, 64, dtype, "cpu")
     assert relative_error(kernel, ref) < 1e-2
     assert relative_error(kernel, gathered) < 1e-2
+
+
+# The prefill kernel's edges: several key blocks (64 keys) and query blocks (64 tokens) with
+# the causal diagonal across both, an odd key count (the bf16 path pairs keys), chunks
+# with no prefix (3 tokens: no decode-sized shortcut) and behind one, next to decodes.
+PREFILL_KERNEL_CASES = [
+    [(130, 300)],
+    [(200, 200), (1, 77)],
+    [(3, 3), (65, 65), (17, 131)],
+    [(97, 400), (129, 129), (2, 5)],
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 4, 64), (9, 3, 64), (8, 1, 128), (4, 2, 32)])
+@pytest.mark.parametrize("lens", PREFILL_KERNEL_CASES)
+def test_prefill_kernel_matches_dense(lens, heads, kv_heads, d, dtype, kernels):
+    """paged_prefill against dense attention: float32 as strict as the torch paths; 16-bit
+    within the 16-bit rounding of the gathered SDPA path (bf16 multiplies in bf16 pairs,
+    its softmax weights rounded to bf16 for the product with V)."""
+    out, ref = run_backend("torch", lens, heads, kv_heads, d, dtype, "cpu")
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    else:
+        assert relative_error(out, ref) < 1e-2
 
 
 @pytest.mark.cuda

@@ -20,9 +20,12 @@ either `is_causal` or a mask that broadcasts over the heads. So:
 
 All the step's index tensors and masks are built once in `plan()`, not per layer.
 
-Where the compiled CPU kernel is there (`cpu_kernels`, on CPU tensors), the decodes
-skip the gather and SDPA instead: the kernel reads the pages in place and writes each
-decode's row of the output. The gathered path stays the reference it is tested against.
+Where the compiled CPU kernels are there (`cpu_kernels`, on CPU tensors), the step
+skips the gathers and SDPA instead: `paged_decode` takes the decodes (and short chunks
+behind a prefix), `paged_prefill` every other chunk (head dims 32, 64, 128), each reading
+the pages in place and writing its sequences' rows of the output; in bfloat16 the
+prefill kernel's dot products run at about twice SDPA's rate. The plain-torch paths stay
+the reference the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -72,10 +75,11 @@ class _Decode:
 
 
 @dataclass
-class _KernelDecode:
-    """The compiled kernel's inputs for the step's decodes: per sequence its first query
-    row and query count (1, or the rows of a short chunk behind a prefix: a speculative
-    verify), read together over one pass of its pages."""
+class _KernelBatch:
+    """A compiled kernel's inputs for some of the step's sequences. paged_decode: the
+    decodes, each with its first query row and query count (1, or the rows of a short
+    chunk behind a prefix: a speculative verify), read together over one pass of its
+    pages. paged_prefill: the prefill chunks, cached prefix or not."""
 
     rows: torch.Tensor  # [B] int64, each one's first query row
     n_q: torch.Tensor  # [B] int64, its query rows (causal: each sees one key more)
@@ -90,6 +94,8 @@ class _KernelDecode:
 # one decode per query row.
 MAX_ROWS_AS_DECODES = 8
 MAX_ROWS_IN_KERNEL = 16
+# The head dims the compiled prefill kernel is built for (others prefill in torch).
+PREFILL_KERNEL_HEAD_DIMS = (32, 64, 128)
 
 
 def _pages(indices: list[int], device: torch.device) -> _Pages:
@@ -110,7 +116,10 @@ class TorchAttentionBackend:
         self.group = num_qo_heads // num_kv_heads
         self._prefills: list[_Prefill] = []
         self._decode: _Decode | None = None
-        self._kernel_decode: _KernelDecode | None = None
+        self._kernel_decode: _KernelBatch | None = None
+        self._kernel_prefill: _KernelBatch | None = None
+        self._prefill_in_kernel = (self.kernels is not None
+                                   and head_dim in PREFILL_KERNEL_HEAD_DIMS)
 
     def plan(self, meta: AttentionMetadata) -> None:
         qo = meta.qo_indptr.tolist()
@@ -121,8 +130,9 @@ class TorchAttentionBackend:
         self._prefills = []
         # one query row each: (row, its first page in kv_indices, its page count, keys)
         decodes: list[tuple[int, int, int, int]] = []
-        # the kernel's: one per sequence, (first row, query rows, first page, keys)
+        # the kernels': one per sequence, (first row, query rows, first page, keys)
         grouped: list[tuple[int, int, int, int]] = []
+        kernel_prefills: list[tuple[int, int, int, int]] = []
         max_rows = MAX_ROWS_IN_KERNEL if self.kernels is not None else MAX_ROWS_AS_DECODES
         for i in range(meta.num_seqs):
             q_len, kv_len = qo[i + 1] - qo[i], kv_lens[i]
@@ -133,14 +143,18 @@ class TorchAttentionBackend:
                     n = kv_len - q_len + 1 + j
                     decodes.append((qo[i] + j, kv[i], -(-n // page), n))
                 continue
+            if self._prefill_in_kernel:
+                kernel_prefills.append((qo[i], q_len, kv[i], kv_len))
+                continue
             self._prefills.append(_Prefill(
                 qo[i], q_len, kv_len, _pages(indices[kv[i] : kv[i + 1]], self.device)))
-        self._decode, self._kernel_decode = None, None
+        self._decode, self._kernel_decode, self._kernel_prefill = None, None, None
+        kv_indices = (meta.kv_indices.to(torch.int32).contiguous()
+                      if grouped or kernel_prefills else None)
+        if kernel_prefills:
+            self._kernel_prefill = _kernel_batch(kernel_prefills, kv_indices)
         if self.kernels is not None and grouped:
-            long = lambda k: torch.tensor([g[k] for g in grouped], dtype=torch.long)  # noqa: E731
-            self._kernel_decode = _KernelDecode(
-                long(0), long(1), long(2), long(3),
-                meta.kv_indices.to(torch.int32).contiguous())
+            self._kernel_decode = _kernel_batch(grouped, kv_indices)
         else:
             self._decode = self._plan_decode(decodes, indices, page)
 
@@ -170,8 +184,8 @@ class TorchAttentionBackend:
     def forward(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        if self._kernel_decode is not None:
-            return self._forward_with_kernel(q, k_cache, v_cache)
+        if self._kernel_decode is not None or self._kernel_prefill is not None:
+            return self._forward_with_kernels(q, k_cache, v_cache)
         d = self._decode
         if d is not None and not self._prefills and d.rows is None:
             return self._run_decode(q, k_cache, v_cache)  # a pure decode step: no scatter
@@ -185,15 +199,21 @@ class TorchAttentionBackend:
                 out[d.rows] = self._run_decode(q[d.rows], k_cache, v_cache)
         return out
 
-    def _forward_with_kernel(self, q: torch.Tensor, k_cache: torch.Tensor,
-                             v_cache: torch.Tensor) -> torch.Tensor:
-        kd = self._kernel_decode
-        assert kd is not None and self.kernels is not None
+    def _forward_with_kernels(self, q: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor) -> torch.Tensor:
+        """Each kernel writes the rows of its own sequences; prefills of a head dim the
+        prefill kernel lacks run in torch. (Decodes reach here only with the kernels:
+        without them there is no kernel batch.)"""
+        assert self.kernels is not None
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        scale = 1.0 / math.sqrt(self.head_dim)
         for p in self._prefills:
             out[p.start : p.start + p.q_len] = self._run_prefill(p, q, k_cache, v_cache)
-        self.kernels.paged_decode(out, q, k_cache, v_cache, kd.rows, kd.n_q, kd.page_start,
-                                  kd.kv_lens, kd.kv_indices, 1.0 / math.sqrt(self.head_dim))
+        for run, b in ((self.kernels.paged_prefill, self._kernel_prefill),
+                       (self.kernels.paged_decode, self._kernel_decode)):
+            if b is not None:
+                run(out, q, k_cache, v_cache, b.rows, b.n_q, b.page_start, b.kv_lens,
+                    b.kv_indices, scale)
         return out
 
     def _run_prefill(self, p: _Prefill, q: torch.Tensor, k_cache: torch.Tensor,
@@ -259,6 +279,13 @@ class TorchAttentionBackend:
         o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=d.mask)  # [B, Hkv, G, D]
         return o.reshape(b, h, dim)
+
+
+def _kernel_batch(seqs: list[tuple[int, int, int, int]],
+                  kv_indices: torch.Tensor) -> _KernelBatch:
+    """(first row, query rows, first page, keys) per sequence -> the kernels' tensors."""
+    rows, n_q, page_start, kv_lens = (torch.tensor(col, dtype=torch.long) for col in zip(*seqs))
+    return _KernelBatch(rows, n_q, page_start, kv_lens, kv_indices)
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

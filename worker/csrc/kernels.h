@@ -9,6 +9,13 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                   torch::Tensor page_start, torch::Tensor kv_lens, torch::Tensor kv_indices,
                   double scale);
 
+// Paged prefill attention, flash-style over the pages in place (paged_prefill.cpp); the
+// same inputs as paged_decode, any number of queries per sequence, head_dim 32, 64 or 128.
+void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                   torch::Tensor v_cache, torch::Tensor rows, torch::Tensor n_q,
+                   torch::Tensor page_start, torch::Tensor kv_lens, torch::Tensor kv_indices,
+                   double scale);
+
 // x [M, K] @ w[N, K]^T for a few rows of x, reading w once (small_linear.cpp).
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor w);
 

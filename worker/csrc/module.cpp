@@ -5,6 +5,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode,
         "paged decode attention, a few causal queries per sequence, read in place from the "
         "KV pages");
+  m.def("paged_prefill", &paged_prefill,
+        "paged prefill attention, causal behind a cached prefix, read in place from the KV "
+        "pages");
   m.def("small_linear", &small_linear,
         "x @ w.T for a few rows of x (decode, speculative verify), reading w once");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, HF's rounding, one pass");

@@ -13,6 +13,7 @@
 // repeat_kv does.
 
 #include "kernels.h"
+#include "kv_rows.h"
 #include "vec_math.h"
 
 #include <torch/extension.h>
@@ -26,54 +27,11 @@
 #include <limits>
 #include <vector>
 
-#ifdef __F16C__
-#include <immintrin.h>
-#endif
-
 namespace {
 
 // Context tokens per work item: small enough that one sequence gives both cores
 // work, large enough that the merge is noise.
 constexpr int64_t kSplit = 256;
-
-// One token's K (or V) row as float32: float rows are read where they are; 16-bit
-// rows are widened once into `buf` by a loop the compiler vectorizes (element-wise
-// c10 conversions do not vectorize, which left bf16 no faster than float32 and fp16
-// four times slower).
-inline const float* as_float(const float* row, float*, int64_t) { return row; }
-
-inline const float* as_float(const c10::BFloat16* row, float* buf, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t wide = static_cast<uint32_t>(bits[i]) << 16;  // bf16 is float's top half
-    std::memcpy(buf + i, &wide, sizeof(float));
-  }
-  return buf;
-}
-
-inline const float* as_float(const c10::Half* row, float* buf, int64_t n) {
-  int64_t i = 0;
-#ifdef __F16C__
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i))));
-#endif
-  for (; i < n; ++i) buf[i] = static_cast<float>(row[i]);
-  return buf;
-}
-
-// Calls fn(i, row) for the tokens t0 + i in [t0, t1) of one sequence, `row` pointing at
-// that token's K (or V) row of every KV head: page by page, so no division per token.
-template <typename scalar_t, typename Fn>
-inline void for_each_row(const scalar_t* cache, const int32_t* pages, int64_t t0, int64_t t1,
-                         int64_t page_size, int64_t slot_stride, Fn fn) {
-  int64_t i = 0;
-  for (int64_t p = t0 / page_size; i < t1 - t0; ++p) {
-    const scalar_t* page = cache + pages[p] * page_size * slot_stride;
-    const int64_t first = (p == t0 / page_size) ? t0 % page_size : 0;
-    const int64_t last = std::min(page_size, first + (t1 - t0 - i));
-    for (int64_t slot = first; slot < last; ++slot, ++i) fn(i, page + slot * slot_stride);
-  }
-}
 
 // kD > 0: the head dim fixed at compile time (64 and 128 are the common ones), so the
 // per-head loops unroll; 0: any head dim, read from D.
@@ -193,22 +151,8 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                   torch::Tensor v_cache, torch::Tensor rows, torch::Tensor n_q,
                   torch::Tensor page_start, torch::Tensor kv_lens, torch::Tensor kv_indices,
                   double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with D contiguous");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous, like q");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV pages must be contiguous");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "k/v: [N, page, Hkv, D]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
-              "q, KV and out must share a dtype");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && n_q.scalar_type() == at::kLong &&
-                  page_start.scalar_type() == at::kLong && kv_lens.scalar_type() == at::kLong &&
-                  kv_indices.scalar_type() == at::kInt,
-              "rows, n_q, page_start, kv_lens: int64; kv_indices: int32");
-  TORCH_CHECK(rows.is_contiguous() && n_q.is_contiguous() && page_start.is_contiguous() &&
-                  kv_lens.is_contiguous() && kv_indices.is_contiguous(),
-              "index tensors must be contiguous");
-  TORCH_CHECK(n_q.numel() == rows.numel(), "one query count per sequence");
+  check_paged_inputs(out, q, k_cache, v_cache, rows, n_q, page_start, kv_lens, kv_indices);
   const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0, "head_dim or head counts do not match");
   const int64_t B = rows.numel();
   auto run = [&](auto zero) {
     using scalar_t = decltype(zero);
