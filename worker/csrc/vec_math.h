@@ -26,3 +26,23 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&scale, &bits, sizeof(float));
   return p * scale;
 }
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+// exp_nonpositive on 16 lanes: the same polynomial, the power of two by VSCALEFPS.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)),
+                                 _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5465312520617985e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3395279800723324e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6180399450030800e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503406807439634e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651101321707e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314720006268040e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
