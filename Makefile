@@ -22,7 +22,7 @@ PYTEST_ARGS ?=
 
 install: $(INSTALLED) $(TINY)/deepinfer_tiny.json $(TINY_MOE) $(SMOLLM2) cpu-kernels
 
-# The CPU kernels (paged decode attention, the few-row linear layer, the fused elementwise
+# The CPU kernels (paged decode and prefill attention, the few-row linear layer, the fused elementwise
 # passes), compiled for this machine's CPU (under ~/.cache/torch_extensions, named after
 # the CPU's flags; a second run only loads it).
 # Without a C++ compiler the engine runs its plain-torch path, a few times slower.

@@ -1,4 +1,4 @@
-"""The compiled CPU kernels: paged decode attention and the few-row linear layer.
+"""The compiled CPU kernels: paged attention (decode, prefill) and the few-row linear layer.
 
 Decoding is memory-bound on CPU, and plain torch reads memory badly in both places:
 - Attention reads every sequence's whole context once per layer. Gathering the pages
@@ -8,6 +8,10 @@ Decoding is memory-bound on CPU, and plain torch reads memory badly in both plac
 - A linear layer over a few rows (a decode batch, a speculative verify) is a read of
   its weights; torch's GEMM reads them at a fraction of the memory's rate.
   `csrc/small_linear.cpp` streams them once (worker/linear.py picks it).
+- A prefill chunk's attention is compute-bound; torch's fused SDPA needs the pages
+  gathered first and computes bfloat16 in float32 FMAs, at half a bf16 CPU's rate.
+  `csrc/paged_prefill.cpp` reads the pages in place and multiplies bf16 pairs with
+  the CPU's bf16 dot product (AVX512_BF16) where it has one.
 - The elementwise passes of a layer (RMSNorm after the residual add, SiLU * up) are
   one pass each in `csrc/elementwise.cpp`, not four to six torch ops.
 
