@@ -16,6 +16,7 @@ them. The fastest of `--repeats` runs counts: other load only ever slows a run.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> None:
             for module in (kernels, None):
                 backend = TorchAttentionBackend(heads, kv_heads, d, kernels=module)
                 backend.plan(meta)
-                seconds.append(best_seconds(lambda b=backend: b.forward(q, k, v), args.repeats))
+                run = functools.partial(backend.forward, q, k, v)
+                seconds.append(best_seconds(run, args.repeats))
             f = flop(lens, heads, d) / 1e9
             table.add_row(name, label, f"{1000 * seconds[0]:.2f}", f"{f / seconds[0]:,.0f}",
                           f"{1000 * seconds[1]:.2f}", f"{f / seconds[1]:,.0f}",
