@@ -1,7 +1,8 @@
 """Speculative decoding end to end: the same tokens as plain greedy decoding, with prefix
-hits, stop tokens, max_tokens, aborts and overlap scheduling in the mix, in process and
-over ZeroMQ with four ranks (their digests checked every step), for the tiny and the real
-model; afterwards no block is leaked and the prefix index holds no rejected draft."""
+hits, stop tokens, stop strings (through the shim), guided outputs, max_tokens, aborts
+and overlap scheduling in the mix, in process and over ZeroMQ with two and four ranks
+(their digests checked every step), for the tiny and the real model; afterwards no block
+is leaked and the prefix index holds no rejected draft."""
 
 from __future__ import annotations
 
@@ -207,27 +208,112 @@ def test_greedy_tokens_are_the_same_over_four_ranks(default_model):
     assert spec == plain and stats.num_accepted_tokens > 0 and trims > 0
 
 
+SMOLLM2_CODE = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}" for i in range(8))
+
+
+def smollm2_chat(question: str) -> list[int]:
+    """SmolLM2's prompt for a user's question about the file above."""
+    from orchestrator.gguf_tokenizer import load_gguf_tokenizer
+
+    tok = load_gguf_tokenizer(SMOLLM2).tokenizer
+    return tok.encode("<|im_start|>user\nHere is a file:\n```python\n" + SMOLLM2_CODE
+                      + "\n```\n" + question + "<|im_end|>\n<|im_start|>assistant\n").ids
+
+
+EDIT = "Rewrite the whole file, renaming f3 to g3."
+
+
+def smollm2_engine(spec, **overrides):
+    return inprocess_engine(str(SMOLLM2), kv_cache_memory=24 << 20, max_model_len=512,
+                            speculative=spec, **overrides)
+
+
 @needs_smollm2
 @pytest.mark.slow
 def test_the_real_model_copies_an_edit_with_the_same_tokens():
     """SmolLM2 rewriting a short file it was shown: most drafts are kept, and the output
     is the one plain greedy decoding gives."""
-    from orchestrator.gguf_tokenizer import load_gguf_tokenizer
-
-    tok = load_gguf_tokenizer(SMOLLM2).tokenizer
-    code = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}" for i in range(8))
-    text = ("<|im_start|>user\nHere is a file:\n```python\n" + code + "\n```\nRewrite the "
-            "whole file, renaming f3 to g3.<|im_end|>\n<|im_start|>assistant\n")
-    ids = tok.encode(text).ids
-
-    def make(spec):
-        return inprocess_engine(str(SMOLLM2), kv_cache_memory=24 << 20, max_model_len=512,
-                                speculative=spec)
-
+    ids = smollm2_chat(EDIT)
     reqs = [GenerateRequest("edit", ids, 100), GenerateRequest("edit2", ids + ids[:5], 20)]
-    plain, spec, stats, _ = spec_and_plain(make, reqs)
+    plain, spec, stats, _ = spec_and_plain(smollm2_engine, reqs)
     assert spec == plain
     assert stats.num_accepted_tokens > stats.num_draft_tokens / 2
+
+
+class InProcessClient:
+    """The shim's engine client (generate, abort) over an in-process engine: each step's
+    outputs for the request, as the engine streams them (a drafted step's several tokens
+    in one output)."""
+
+    def __init__(self, core) -> None:
+        self.core = core
+        self.sizes: list[int] = []  # tokens per output streamed
+
+    async def generate(self, req: GenerateRequest):
+        self.core.scheduler.add_request(req)
+        while self.core.has_work():
+            for out in self.core.step().outputs:
+                if out.request_id == req.request_id:
+                    self.sizes.append(len(out.token_ids))
+                    yield out
+
+    async def abort(self, request_id: str, reason: str) -> None:
+        self.core.scheduler.abort_request(request_id, reason)
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_the_real_model_stops_where_plain_decoding_stops():
+    """A stop token and a stop string (matched by the shim on the text, a drafted step's
+    tokens fed to it one by one) end SmolLM2's edit at the same token with and without
+    speculation, though the stop comes inside a run of kept drafts."""
+    import asyncio
+
+    from orchestrator.gguf_tokenizer import load_gguf_tokenizer
+    from orchestrator.shim.generation import Delivery, Generation
+
+    tok = load_gguf_tokenizer(SMOLLM2).tokenizer
+    ids = smollm2_chat(EDIT)
+    nine = tok.token_to_id("9")  # first written in "return x * 3 + 9", mid-output
+    reqs = [GenerateRequest("edit", ids, 100, stop_token_ids=[nine])]
+    plain, spec, stats, _ = spec_and_plain(smollm2_engine, reqs)
+    assert spec == plain and stats.num_accepted_tokens > 0
+    assert spec["edit"]["reason"] == "stop" and spec["edit"]["tokens"][-1] == nine
+
+    async def through_the_shim(core) -> tuple:
+        client = InProcessClient(core)
+        gen = Generation(client, tok, GenerateRequest("s", ids, 100),
+                         Delivery(stop=["* 3 + 9"]))
+        text = "".join([piece.text async for piece in gen.pieces()])
+        while core.has_work():  # the abort's close
+            core.step()
+        assert core.scheduler.cache.usage()["device"]["used"] == 0, "blocks leaked"
+        return (text, gen.token_ids, gen.finish_reason, gen.stop_string), client.sizes
+
+    plain, _ = asyncio.run(through_the_shim(smollm2_engine(None)))
+    spec, sizes = asyncio.run(through_the_shim(smollm2_engine(SPEC)))
+    assert spec == plain
+    assert plain[2] == "stop" and plain[3] == "* 3 + 9"
+    assert plain[0].endswith("def f3(x):\n    return x ")  # the text stops before it
+    assert sizes[-1] > 1  # the stop string ended inside a drafted step's output
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_the_real_model_follows_a_grammar_with_the_same_tokens(tmp_path):
+    """SmolLM2 rewriting the file under a grammar that spells its shape: drafts come from
+    the file it was shown, the grammar checks each, and the output is plain decoding's."""
+    from orchestrator.gguf_tokenizer import write_tokenizer_dir
+
+    tokenizer = str(write_tokenizer_dir(SMOLLM2, tmp_path / "tokenizer"))
+    regex = llguidance.LLMatcher.grammar_from_regex(
+        r"(def f[0-9]\(x\):\n    return x \* [0-9] \+ [0-9]+\n){8}")
+    reqs = [GenerateRequest("guided", smollm2_chat("Rewrite the whole file."), 150,
+                            grammar=regex)]
+    plain, spec, stats, _ = spec_and_plain(
+        lambda spec: smollm2_engine(spec, tokenizer=tokenizer), reqs)
+    assert spec == plain and spec["guided"]["reason"] == "stop"
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > stats.num_draft_tokens / 2
 
 
 def test_thinking_sequences_get_no_drafts_and_masked_ones_keep_their_tokens(default_model):
