@@ -94,6 +94,27 @@ class Guide:
         set for token i."""
         return self._matcher.compute_bitmask()
 
+    def draft_masks(self, drafts: list[int]) -> list[bytes]:
+        """Speculative decoding: the masks of the samples after each draft of the longest
+        prefix of `drafts` the grammar accepts (one per draft kept; the first refused
+        token ends the draft). Each is what `allowed()` would give once the drafts up to
+        it were accepted. The state is left as it was: the step's results advance it by
+        the tokens the model kept (`accept`), exactly as plain decoding would."""
+        # validate_tokens checks without consuming: a refused token consumed would put
+        # the matcher in its error state, which no rollback leaves
+        num = self._matcher.validate_tokens(drafts)
+        masks: list[bytes] = []
+        try:
+            for token in drafts[:num]:
+                if not self._matcher.consume_token(token):  # validated: never expected
+                    raise RuntimeError(f"grammar refused validated draft {token}: "
+                                       f"{self._matcher.get_error()}")
+                masks.append(self._matcher.compute_bitmask())
+        finally:
+            if masks and not self._matcher.rollback(len(masks)):
+                raise RuntimeError(f"grammar rollback failed: {self._matcher.get_error()}")
+        return masks
+
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it."""
         return self._matcher.consume_token(token)

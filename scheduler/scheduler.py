@@ -263,17 +263,17 @@ class Scheduler:
         num_running_before = len(self.running)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            drafts = self._drafts(seq, budget)
+            drafts, draft_masks = self._drafts(seq, budget)
             num_new = min(seq.num_tokens + seq.num_pending - seq.num_computed, budget)
             grown = self._grow(seq, num_new + len(drafts))
             if drafts and not grown:  # no room for the drafts: a plain decode
-                drafts = []
+                drafts, draft_masks = [], []
                 grown = self._grow(seq, num_new)
             while not grown and self.running[-1] is not seq:
                 self._preempt(self.running[-1], plan)
                 grown = self._grow(seq, num_new)
             if grown:
-                self._schedule(plan, seq, num_new, drafts)
+                self._schedule(plan, seq, num_new, drafts, draft_masks)
                 budget -= num_new + len(drafts)
                 i += 1
             elif len(self.running) == 1 and seq.num_pending:
@@ -338,15 +338,18 @@ class Scheduler:
         return num_new
 
     def _schedule(self, plan: StepPlan, seq: Sequence, num_new: int,
-                  drafts: list[int] | None = None) -> None:
+                  drafts: list[int] | None = None,
+                  draft_masks: list[bytes] | None = None) -> None:
         """Run `num_new` more tokens of `seq` in `plan`, with the block-table delta the
         ranks need first. The blocks whose KV this step writes are registered at once:
         steps run in order, and in each layer the ranks write the whole batch's KV
         before attention reads any, so a later step -- or a sequence admitted later in
         this one, e.g. a second agent sent the same fresh context -- may hit them. Draft
         tokens (`drafts`, after the last known one) run too but are never committed: a
-        block is registered only once every token in it is verified."""
+        block is registered only once every token in it is verified. A guided sequence's
+        drafts come with the mask of the sample after each (`draft_masks`, `_drafts`)."""
         drafts = drafts or []
+        draft_masks = draft_masks or []
         start = seq.num_computed
         end = start + num_new
         known = seq.num_tokens
@@ -370,11 +373,13 @@ class Scheduler:
         token_ids = seq.tokens[start:end]
         if end > known:  # the token sampled by the step in flight, resolved by the ranks
             token_ids.extend([PENDING_TOKEN] * (end - known))
-        assert not drafts or (sample and allowed is None and end == known), (
-            "drafts only after every known token, unmasked")
+        assert not drafts or (sample and end == known), "drafts only after every known token"
+        assert len(draft_masks) == (len(drafts) if allowed is not None else 0), (
+            "a masked drafted decode needs a mask for each draft row, an unmasked one none")
         token_ids.extend(drafts)
         plan.chunks.append(ScheduledChunk(seq.seq_id, token_ids, start, sample=sample,
-                                          allowed=allowed, num_draft=len(drafts)))
+                                          allowed=allowed, num_draft=len(drafts),
+                                          draft_allowed=draft_masks))
         seq.num_computed = end + len(drafts)
         seq.num_drafts = len(drafts)
         seq.num_pending += sample
@@ -395,17 +400,30 @@ class Scheduler:
         return (len(seq.output) + seq.num_pending >= seq.request.max_tokens
                 or seq.num_tokens + seq.num_pending >= self.limits.max_model_len)
 
-    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """Draft tokens for a decode of `seq` (scheduler/speculation.py); [] when it is not
-        a decode whose tokens are all known, or its sample is masked (a grammar, a thinking
-        budget: drafts are not checked against masks, so such sequences get none)."""
-        if (seq.ngram is None or seq.num_pending or self._masked(seq)
+    def _drafts(self, seq: Sequence, budget: int) -> tuple[list[int], list[bytes]]:
+        """Draft tokens for a decode of `seq` (scheduler/speculation.py), and for a guided
+        sequence the mask of the sample after each; ([], []) when it is not a decode
+        whose tokens are all known.
+
+        A guided sequence's drafts end at the first token its grammar refuses (the model
+        could never sample it there, so nothing after it could be kept, and the grammar
+        cannot mask past it), or at a stop token (which ends the sequence before the
+        grammar sees it). The grammar is left as it was (`Guide.draft_masks`): the
+        results advance it by the kept tokens alone. A sequence with a thinking span gets
+        no drafts: its mask depends on the span's state too, which would have to be
+        played forward over the drafts the same way (not done)."""
+        if (seq.ngram is None or seq.num_pending or seq.thinking is not None
                 or seq.num_computed != seq.num_tokens - 1):
-            return []
+            return [], []
         # never past max_tokens nor the context: the step's own token comes on top
         room = min(seq.request.max_tokens - len(seq.output),
                    self.limits.max_model_len - seq.num_tokens, budget) - 1
-        return propose_drafts(seq.ngram, seq.tokens, self.speculative, room)
+        drafts = propose_drafts(seq.ngram, seq.tokens, self.speculative, room)
+        if seq.guide is None or not drafts:
+            return drafts, []
+        stop = next((i for i, t in enumerate(drafts) if t in seq.stop_token_ids), len(drafts))
+        masks = seq.guide.draft_masks(drafts[:stop])
+        return drafts[:len(masks)], masks
 
     @staticmethod
     def _masked(seq: Sequence) -> bool:

@@ -72,7 +72,8 @@ class ScheduledChunk:
     A drafted decode (speculative decoding): the last `num_draft` tokens are guesses.
     Rank 0 samples at each of the last `num_draft + 1` positions, and every rank keeps
     the drafts that agree with the samples before them, plus the sample after the last
-    one kept (worker/model_runner.py, scheduler/speculation.py `accept_drafts`).
+    one kept (worker/model_runner.py, scheduler/speculation.py `accept_drafts`). A guided
+    one masks each of those samples with its own mask (`row_masks`).
     """
 
     seq_id: int
@@ -82,7 +83,22 @@ class ScheduledChunk:
     # guided decoding (scheduler/guided.py): the tokens the sample may take, bit i of
     # the little-endian 32-bit words for token i; None: any
     allowed: bytes | None = None
-    num_draft: int = 0  # draft tokens at the chunk's end (never with `allowed`)
+    num_draft: int = 0  # draft tokens at the chunk's end
+    # A guided drafted decode: the mask of the sample after each draft, i.e. the grammar's
+    # allowed tokens once the drafts up to it are accepted (`allowed` is the first row's,
+    # after the last known token). The scheduler drafts only tokens its grammar accepts, so
+    # each kept draft is a token plain decoding could have sampled there, and the sample
+    # after it is drawn from what plain decoding would have allowed. num_draft of them when
+    # `allowed` is set, else empty.
+    draft_allowed: list[bytes] = field(default_factory=list)
+
+    def row_masks(self) -> list[bytes | None]:
+        """The mask of each sampled row, in order (num_draft + 1 of them; None: any)."""
+        if self.allowed is None:
+            return [None] * (self.num_draft + 1)
+        assert len(self.draft_allowed) == self.num_draft, (
+            f"seq {self.seq_id}: {self.num_draft} drafts, {len(self.draft_allowed)} masks")
+        return [self.allowed, *self.draft_allowed]
 
 
 @dataclass

@@ -426,11 +426,13 @@ class ModelRunner:
     def _sample(self, plan: StepPlan, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """The tokens of the plan's sampling rows, in order, on the logits' device: one row
         per sample, a drafted decode's rows its last num_draft + 1 positions, each sampled
-        as plain decoding would sample it there (its seed and position)."""
+        as plain decoding would sample it there (its seed, its position, and a guided
+        one's mask there: the grammar's after the drafts before it)."""
         rows_of = [(c, c.start_pos + len(c.token_ids) - c.num_draft + k)
                    for c in plan.chunks if c.sample for k in range(c.num_draft + 1)]
         assert len(rows_of) == len(rows)
         params = [self.sampling[c.seq_id][0] for c, _ in rows_of]
         seeds = [self.sampling[c.seq_id][1] for c, _ in rows_of]
         positions = [p for _, p in rows_of]
-        return sample_tensor(logits, params, seeds, positions, [c.allowed for c, _ in rows_of])
+        masks = [m for c in plan.chunks if c.sample for m in c.row_masks()]
+        return sample_tensor(logits, params, seeds, positions, masks)

@@ -78,7 +78,8 @@ class NullModel:
         self._busy_until = time.perf_counter() + self.forward_s
         # a rank that samples (rank 0, or every rank under overlap scheduling, as with the
         # real model) has a (seq_id, token) for each chunk that samples, the others none
-        # (a drafted decode samples at each draft position too, as the real model does)
+        # (a drafted decode samples at each draft position too, each row under its own
+        # mask, as the real model does)
         self._sampled = ([(c.seq_id, self.token(c, len(c.token_ids) - c.num_draft + k))
                           for c in plan.chunks if c.sample for k in range(c.num_draft + 1)]
                          if self.samples else [])
@@ -95,12 +96,15 @@ class NullModel:
 
     def token(self, chunk: ScheduledChunk, upto: int | None = None) -> int:
         """The token after the chunk's first `upto` tokens (all: None): a function of the
-        token before it and its position only."""
+        token before it and its position only, under that row's mask (a drafted decode's
+        rows each have their own: ScheduledChunk.row_masks)."""
         upto = len(chunk.token_ids) if upto is None else upto
         position = chunk.start_pos + upto
         index = _mix64((chunk.token_ids[upto - 1] << 32) ^ position) % len(self._tokens)
-        if chunk.allowed is not None:
-            index = self._first_allowed(index, chunk.allowed)
+        row = upto - (len(chunk.token_ids) - chunk.num_draft)
+        allowed = chunk.row_masks()[row] if 0 <= row <= chunk.num_draft else chunk.allowed
+        if allowed is not None:
+            index = self._first_allowed(index, allowed)
         return int(self._tokens[index])
 
     def _first_allowed(self, index: int, allowed: bytes) -> int:
