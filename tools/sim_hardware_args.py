@@ -32,17 +32,27 @@ def add_hardware_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-dp", action="store_true",
                    help="data-parallel attention: each rank holds whole tokens of its own "
                         "sequences (how MLA models are served)")
+    p.add_argument("--disk-bytes-per-s", type=float, default=None,
+                   help="the node's disk read rate in bytes/s, for the disk tier's cost per "
+                        "block (default: the hardware preset's; e.g. a measured figure)")
 
 
 def hardware_cost(args: dict) -> tuple[HardwareCostModel | None, TierCapacities | None]:
     has_model = args["model_preset"] or args["model_config"]
     if not has_model and not args["hardware_preset"]:
+        if args.get("disk_bytes_per_s") is not None:
+            raise SystemExit("--disk-bytes-per-s goes with the presets (without them: "
+                             "--disk-s-per-block)")
         return None, None
     if not has_model or not args["hardware_preset"]:
         raise SystemExit("--hardware-preset and --model-preset (or --model-config) go together")
     model = MODELS[args["model_preset"]] if args["model_preset"] else \
         model_from_config(args["model_config"])
     hw = HARDWARE[args["hardware_preset"]]
+    if args.get("disk_bytes_per_s") is not None:
+        if args["disk_bytes_per_s"] <= 0:
+            raise SystemExit("--disk-bytes-per-s must be positive")
+        hw = dataclasses.replace(hw, disk_bytes_per_s=args["disk_bytes_per_s"])
     caps = tier_capacities(model, hw, args["tp"], attention_dp=args["attention_dp"])
     if args["tier_scale"] != 1.0:
         caps = dataclasses.replace(caps, device_tokens=int(caps.device_tokens * args["tier_scale"]),
@@ -68,4 +78,6 @@ def print_capacities(console: Console, cost: HardwareCostModel, caps: TierCapaci
         f"{450_000 / cost.chunk_seconds(450_000, 0):,.0f} tok/s for a cold 450K prompt; "
         f"a block to/from host {1e6 * cost.swap_s_per_block:.0f} us "
         f"({cost.block_bytes_per_rank / 1024:.0f} KiB per rank at "
-        f"{cost.copy_bytes_per_s / 1e9:.0f} GB/s)")
+        f"{cost.copy_bytes_per_s / 1e9:.0f} GB/s); to/from disk "
+        f"{1e6 * cost.disk_s_per_block:.0f} us ({cost.block_bytes_per_rank * cost.tp / 1024:.0f} "
+        f"KiB per node at {hw.disk_bytes_per_s / 1e9:g} GB/s)")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
 from tools.sim_costs import HardwareCostModel
+from tools.sim_hardware_args import add_hardware_args, hardware_cost
 from tools.sim_presets import HARDWARE, MODELS, model_from_config, tier_capacities
 
 LLAMA_8B, B200 = MODELS["llama-3.1-8b"], HARDWARE["4xb200"]
@@ -78,3 +80,24 @@ def test_model_config_read_by_the_engines_loader(tmp_path):
     m = model_from_config(tmp_path / "config.json")
     assert m.kv_bytes_per_token(4) == LLAMA_8B.kv_bytes_per_token(4)
     assert m.params() == LLAMA_8B.params()
+
+
+def _hardware_args(argv: list[str]) -> dict:
+    p = argparse.ArgumentParser()
+    add_hardware_args(p)
+    return vars(p.parse_args(argv))
+
+
+def test_a_measured_disk_bandwidth_sets_the_disk_cost_per_block():
+    preset = ["--model-preset", "llama-3.1-8b", "--hardware-preset", "4xb200"]
+    default, _ = hardware_cost(_hardware_args(preset))
+    assert default.disk_s_per_block == pytest.approx(4 * 524_288 / 28e9)  # the preset's
+    measured, caps = hardware_cost(_hardware_args([*preset, "--disk-bytes-per-s", "2.5e9"]))
+    assert measured.disk_s_per_block == pytest.approx(4 * 524_288 / 2.5e9)  # ~839 us
+    # only the disk changes: the tiers and the other copies are the preset's
+    assert caps == tier_capacities(LLAMA_8B, B200)
+    assert measured.swap_s_per_block == default.swap_s_per_block
+    with pytest.raises(SystemExit):
+        hardware_cost(_hardware_args([*preset, "--disk-bytes-per-s", "0"]))
+    with pytest.raises(SystemExit):  # without presets the cost is --disk-s-per-block
+        hardware_cost(_hardware_args(["--disk-bytes-per-s", "2.5e9"]))
