@@ -10,7 +10,9 @@
 //
 // Weights float32 or bfloat16 (widened in registers: bf16 is float32's top half); x of the
 // weights' dtype, computed in float32, the result rounded to that dtype once (as torch
-// accumulates in float32). The vector width is the machine's: 16 floats with AVX-512,
+// accumulates in float32). Where the CPU has bf16 dot products (AVX512_BF16), bf16 x and
+// weights are multiplied as they are, 32 pairs an instruction summed into float32 lanes:
+// widening every weight had made bf16 compute-bound at half float32's weight bandwidth. The vector width is the machine's: 16 floats with AVX-512,
 // 8 without; register blocking is sized to that register file.
 #include "kernels.h"
 
@@ -19,6 +21,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -133,6 +140,63 @@ void run(const float* x, int64_t m, const W* w, int64_t n, int64_t k, float* y) 
   });
 }
 
+
+#ifdef __AVX512BF16__
+// The bf16 dot product: y[a, n0 + b] for MB rows of bf16 x against NB bf16 weight rows.
+template <int MB, int NB>
+inline void tile_bf16(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k, float* y,
+                      int64_t n, int64_t n0) {
+  __m512 acc[MB][NB];
+  for (int a = 0; a < MB; ++a)
+    for (int b = 0; b < NB; ++b) acc[a][b] = _mm512_setzero_ps();
+  const int64_t k_vec = k / 32 * 32;
+  for (int64_t i = 0; i < k_vec; i += 32) {
+    __m512bh wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(w + (n0 + b) * k + i);
+    for (int a = 0; a < MB; ++a) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + a * k + i);
+      for (int b = 0; b < NB; ++b) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], xv, wv[b]);
+    }
+  }
+  for (int a = 0; a < MB; ++a)
+    for (int b = 0; b < NB; ++b) {
+      float s = _mm512_reduce_add_ps(acc[a][b]);
+      for (int64_t i = k_vec; i < k; ++i)
+        s += static_cast<float>(x[a * k + i]) * static_cast<float>(w[(n0 + b) * k + i]);
+      y[a * n + n0 + b] = s;
+    }
+}
+
+template <int MB>
+void weight_rows_bf16(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k, float* y,
+                      int64_t n, int64_t n0, int64_t n1) {
+  constexpr int NB = std::max(1, std::min(8, kAccumulators / MB));
+  int64_t at = n0;
+  for (; at + NB <= n1; at += NB) tile_bf16<MB, NB>(x, w, k, y, n, at);
+  for (; at < n1; ++at) tile_bf16<MB, 1>(x, w, k, y, n, at);
+}
+
+template <int... MB>
+void rows_of_x_bf16(const c10::BFloat16* x, int64_t m, const c10::BFloat16* w, int64_t k,
+                    float* y, int64_t n, int64_t n0, int64_t n1,
+                    std::integer_sequence<int, MB...>) {
+  using Fn = void (*)(const c10::BFloat16*, const c10::BFloat16*, int64_t, float*, int64_t,
+                      int64_t, int64_t);
+  static constexpr Fn by_rows[] = {weight_rows_bf16<MB + 1>...};
+  for (int64_t a = 0; a < m; a += kRowsOfX)
+    by_rows[std::min<int64_t>(kRowsOfX, m - a) - 1](x + a * k, w, k, y + a * n, n, n0, n1);
+}
+
+void run_bf16(const c10::BFloat16* x, int64_t m, const c10::BFloat16* w, int64_t n, int64_t k,
+              float* y) {
+  const int64_t items = (n + kRowsOfW - 1) / kRowsOfW;
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    rows_of_x_bf16(x, m, w, k, y, n, i0 * kRowsOfW, std::min(n, i1 * kRowsOfW),
+                   std::make_integer_sequence<int, kRowsOfX>{});
+  });
+}
+#endif
+
 }  // namespace
 
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor w) {
@@ -140,6 +204,16 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w) {
               "small_linear: x [M, K] and w [N, K]");
   TORCH_CHECK(w.is_contiguous(), "small_linear: w must be contiguous");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "small_linear: x and w must share a dtype");
+#ifdef __AVX512BF16__
+  if (w.scalar_type() == at::kBFloat16) {
+    const auto xb = x.contiguous();
+    const int64_t m = xb.size(0), k = xb.size(1), n = w.size(0);
+    auto y = torch::empty({m, n}, xb.options().dtype(at::kFloat));
+    run_bf16(xb.data_ptr<c10::BFloat16>(), m, w.data_ptr<c10::BFloat16>(), n, k,
+             y.data_ptr<float>());
+    return y.to(at::kBFloat16);
+  }
+#endif
   const auto xf = x.to(at::kFloat).contiguous();
   const int64_t m = xf.size(0), k = xf.size(1), n = w.size(0);
   auto y = torch::empty({m, n}, xf.options());
