@@ -21,7 +21,7 @@ from scheduler.guided import GrammarError, GuideFactory
 from scheduler.queue import QueueFullError, RequestQueue
 from scheduler.request import SeqStatus, Sequence
 from scheduler.session_chains import SessionChains
-from scheduler.speculation import NgramIndex, SpecStats, propose_drafts
+from scheduler.speculation import NgramIndex, SpecStats, guided_drafts, propose_drafts
 from scheduler.thinking import ThinkingBudget
 from scheduler.validation import RequestRejected, validate_request
 from wire.client import GenerateRequest, RequestOutput
@@ -402,16 +402,10 @@ class Scheduler:
 
     def _drafts(self, seq: Sequence, budget: int) -> tuple[list[int], list[bytes]]:
         """Draft tokens for a decode of `seq` (scheduler/speculation.py), and for a guided
-        sequence the mask of the sample after each; ([], []) when it is not a decode
-        whose tokens are all known.
-
-        A guided sequence's drafts end at the first token its grammar refuses (the model
-        could never sample it there, so nothing after it could be kept, and the grammar
-        cannot mask past it), or at a stop token (which ends the sequence before the
-        grammar sees it). The grammar is left as it was (`Guide.draft_masks`): the
-        results advance it by the kept tokens alone. A sequence with a thinking span gets
-        no drafts: its mask depends on the span's state too, which would have to be
-        played forward over the drafts the same way (not done)."""
+        sequence the mask of the sample after each (`guided_drafts`); ([], []) when it is
+        not a decode whose tokens are all known. A sequence with a thinking span gets no
+        drafts: its mask depends on the span's state too, which would have to be played
+        forward over the drafts as the grammar is (not done)."""
         if (seq.ngram is None or seq.num_pending or seq.thinking is not None
                 or seq.num_computed != seq.num_tokens - 1):
             return [], []
@@ -421,9 +415,7 @@ class Scheduler:
         drafts = propose_drafts(seq.ngram, seq.tokens, self.speculative, room)
         if seq.guide is None or not drafts:
             return drafts, []
-        stop = next((i for i, t in enumerate(drafts) if t in seq.stop_token_ids), len(drafts))
-        masks = seq.guide.draft_masks(drafts[:stop])
-        return drafts[:len(masks)], masks
+        return guided_drafts(drafts, seq.guide, seq.stop_token_ids)
 
     @staticmethod
     def _masked(seq: Sequence) -> bool:

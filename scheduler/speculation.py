@@ -21,12 +21,17 @@ draft, which verification rejects: output never depends on it. The index costs a
 from __future__ import annotations
 
 from collections.abc import Sequence as Tokens
+from collections.abc import Set
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from wire.client import HistogramData
 from wire.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from scheduler.guided import Guide
 
 _MASK64 = (1 << 64) - 1
 _P = 0x100000001B3  # an odd multiplier: a polynomial hash of the n-gram, mod 2^64
@@ -128,3 +133,17 @@ def propose_drafts(index: NgramIndex, tokens: Tokens[int], config: SpeculativeCo
     """The drafts for a sequence whose tokens are `tokens`, at most `room` of them (what
     max_tokens and the context leave after the token the step samples anyway)."""
     return index.propose(tokens, min(config.num_speculative_tokens, room))
+
+
+def guided_drafts(drafts: list[int], guide: Guide,
+                  stop_token_ids: Set[int]) -> tuple[list[int], list[bytes]]:
+    """A guided sequence's drafts, and the mask of the sample after each.
+
+    They end at a stop token (which ends the sequence before the grammar sees it), or at
+    the first token the grammar refuses (the model could never sample it there, so
+    nothing after it could be kept, and the grammar cannot mask past it). The grammar is
+    left as it was (`Guide.draft_masks`): the results advance it by the kept tokens
+    alone."""
+    stop = next((i for i, t in enumerate(drafts) if t in stop_token_ids), len(drafts))
+    masks = guide.draft_masks(drafts[:stop])
+    return drafts[: len(masks)], masks
