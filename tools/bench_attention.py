@@ -1,6 +1,6 @@
-"""Prefill attention on CPU: the compiled paged kernel against torch's fused SDPA path.
+"""Attention on CPU: the compiled paged kernels against torch's fused SDPA path.
 
-    python -m tools.bench_attention [--dtypes float32,bfloat16] [--repeats 7]
+    python -m tools.bench_attention [--dtypes float32,bfloat16] [--repeats 7] [--max-layers N]
 
 Both run the torch backend (worker/attention/torch_backend.py) on the same random pages,
 scattered over the pool as the engine's are: once with the compiled CPU kernels
@@ -10,7 +10,15 @@ coding-agent load's: a tool result of 216 tokens behind ~2,800 cached ones (tiny
 8 / 4 heads and SmolLM2's 9 / 3, head dim 64), four such chunks in one step, and a cold
 2,000-token prompt. Printed: ms and achieved GFLOP/s (QK and PV, causal), the kernel's
 speed-up, and the machine (CPU, flags, threads, measured matmul and copy rates) beside
-them. The fastest of `--repeats` runs counts: other load only ever slows a run.
+them.
+
+Decode (`paged_decode` against the gathered, padded SDPA call) is memory-bound, so its
+cases run a whole step: every layer of the model with its own KV pool (the tiny model's
+8, SmolLM2's 30; fewer with `--max-layers`), so the context comes from memory and not
+from a cache that one layer's pages would fit in. The agent load's decode (4 sequences
+of 3,000 tokens), a speculative verify (1 + 4 query rows) and a wide batch. Printed: ms
+per step and the KV read rate in GB/s. The fastest of `--repeats` runs counts: other
+load only ever slows a run.
 """
 
 from __future__ import annotations
@@ -35,6 +43,14 @@ CASES = [
     ("SmolLM2: 216 behind 2,800", 9, 3, 64, [(216, 3016)]),
     ("tiny: 4 x 216 behind 2,800", 8, 4, 64, [(216, 3016)] * 4),
     ("tiny: 2,000 cold", 8, 4, 64, [(2000, 2000)]),
+]
+
+# (label, query heads, KV heads, head dim, layers, [(query rows, context) per sequence])
+DECODE_CASES = [
+    ("tiny: 4 x 3,000", 8, 4, 64, 8, [(1, 3000)] * 4),
+    ("SmolLM2: 4 x 3,000", 9, 3, 64, 30, [(1, 3000)] * 4),
+    ("SmolLM2: verify 1 + 4 behind 3,000", 9, 3, 64, 30, [(5, 3000)]),
+    ("tiny: 64 x 500", 8, 4, 64, 8, [(1, 500)] * 64),
 ]
 
 
@@ -75,10 +91,45 @@ def best_seconds(fn, repeats: int) -> float:
     return min(times)
 
 
+def kv_bytes(lens: list[tuple[int, int]], kv_heads: int, d: int, dtype: torch.dtype) -> int:
+    """K and V of every sequence's context, one layer."""
+    return 2 * sum(kv for _, kv in lens) * kv_heads * d * dtype.itemsize
+
+
+def decode_table(kernels, dtypes: list[torch.dtype], repeats: int, max_layers: int) -> Table:
+    table = Table(title="Decode attention, one step (every layer): paged_decode vs gathered SDPA")
+    for col in ("dtype", "case", "layers", "kernel ms", "kernel GB/s", "SDPA ms", "SDPA GB/s",
+                "speed-up"):
+        table.add_column(col, justify="left" if col in ("dtype", "case") else "right")
+    for dtype in dtypes:
+        for label, heads, kv_heads, d, layers, lens in DECODE_CASES:
+            layers = min(layers, max_layers)
+            steps = [make_step(lens, heads, kv_heads, d, dtype) for _ in range(layers)]
+            seconds = []
+            for module in (kernels, None):
+                backend = TorchAttentionBackend(heads, kv_heads, d, kernels=module)
+                backend.plan(steps[0][3])  # every layer shares the step's page table
+
+                def step(backend=backend, steps=steps) -> None:
+                    for q, k, v, _ in steps:
+                        backend.forward(q, k, v)
+
+                seconds.append(best_seconds(step, repeats))
+            gb = layers * kv_bytes(lens, kv_heads, d, dtype) / 1e9
+            table.add_row(str(dtype).removeprefix("torch."), label, str(layers),
+                          f"{1000 * seconds[0]:.2f}", f"{gb / seconds[0]:.1f}",
+                          f"{1000 * seconds[1]:.2f}", f"{gb / seconds[1]:.1f}",
+                          f"{seconds[1] / seconds[0]:.2f}x")
+            del steps
+    return table
+
+
 def main(argv: list[str] | None = None, console: Console | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--max-layers", type=int, default=64,
+                    help="at most this many layers per decode step (default: the model's)")
     args = ap.parse_args(argv)
     kernels = cpu_kernels.load()
     if kernels is None:
@@ -104,6 +155,8 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> None:
                           f"{1000 * seconds[1]:.2f}", f"{f / seconds[1]:,.0f}",
                           f"{seconds[1] / seconds[0]:.2f}x")
     console.print(table)
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    console.print(decode_table(kernels, dtypes, args.repeats, args.max_layers))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from rich.console import Console
 
 from tools import bench_attention
@@ -12,13 +13,21 @@ from worker import cpu_kernels
 def test_prints_kernel_and_sdpa_for_every_case(capsys: pytest.CaptureFixture[str]) -> None:
     if cpu_kernels.load() is None:
         pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
-    bench_attention.main(["--dtypes", "float32", "--repeats", "1"], Console(width=200))
+    bench_attention.main(["--dtypes", "float32", "--repeats", "1", "--max-layers", "1"],
+                         Console(width=200))
     out = capsys.readouterr().out
     assert out.startswith("machine: ") and "GFLOP/s float32" in out
     rows = [line for line in out.splitlines() if "float32" in line and "│" in line]
-    assert len(rows) == len(bench_attention.CASES)
-    for (label, *_), row in zip(bench_attention.CASES, rows):
+    cases = bench_attention.CASES + bench_attention.DECODE_CASES
+    assert len(rows) == len(cases)
+    for (label, *_), row in zip(cases, rows):
         assert label in row and row.rstrip(" │").endswith("x")  # the speed-up
+    assert "Decode attention" in out and "kernel GB/s" in out
+
+
+def test_kv_bytes_counts_k_and_v_of_every_context() -> None:
+    # 2 sequences (10 + 6 tokens) x 3 KV heads x head dim 4 x 2 bytes, K and V
+    assert bench_attention.kv_bytes([(1, 10), (1, 6)], 3, 4, torch.bfloat16) == 2 * 16 * 3 * 4 * 2
 
 
 def test_flop_counts_causal_keys_behind_the_prefix() -> None:

@@ -274,6 +274,24 @@ def test_cpu_kernel_in_16_bit_matches_the_gathered_path(lens, dtype, monkeypatch
     assert relative_error(kernel, gathered) < 1e-2
 
 
+# The decode kernel's shapes: its vector path takes head dims 64 and 128 (16 keys a
+# vector pass, a value tile of up to 24 / (D / 16) query rows: 1 + 15 drafts of G = 4 is
+# several tiles and a tail), other head dims its scalar loop.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 4, 64), (9, 3, 64), (8, 1, 128), (8, 2, 128),
+                                              (4, 2, 32)])
+@pytest.mark.parametrize("lens", [PATH_CASES[0], PATH_CASES[5], PATH_CASES[7], PATH_CASES[8]])
+def test_decode_kernel_matches_dense(lens, heads, kv_heads, d, dtype, kernels):
+    """paged_decode (decodes and short chunks behind a prefix) against dense attention:
+    float32 as strict as the torch paths, 16-bit within its rounding (bf16 dot products
+    in bf16 pairs, summed in float32)."""
+    out, ref = run_backend("torch", lens, heads, kv_heads, d, dtype, "cpu")
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    else:
+        assert relative_error(out, ref) < 1e-2
+
+
 # The prefill kernel's edges: several key blocks (64 keys) and query blocks (64 tokens) with
 # the causal diagonal across both, an odd key count (the bf16 path pairs keys), chunks
 # with no prefix (3 tokens: no decode-sized shortcut) and behind one, next to decodes.
