@@ -159,6 +159,71 @@ inline void weights_to_bf16(const float* s, uint32_t* w) {
     _mm512_storeu_si512(w + j / 2, (__m512i)h);
   }
 }
+
+// 16 rows of 16 32-bit words transposed in registers: r[c] becomes column c (four
+// rounds: pairs of words, pairs of pairs, then 128-bit lanes twice).
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + e]: rows 4i..4i+3, word 4L + e of each lane L
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i lo01 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44);
+    const __m512i lo23 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44);
+    const __m512i hi01 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xEE);
+    const __m512i hi23 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xEE);
+    t[e] = _mm512_shuffle_i32x4(lo01, lo23, 0x88);
+    t[4 + e] = _mm512_shuffle_i32x4(lo01, lo23, 0xDD);
+    t[8 + e] = _mm512_shuffle_i32x4(hi01, hi23, 0x88);
+    t[12 + e] = _mm512_shuffle_i32x4(hi01, hi23, 0xDD);
+  }
+  for (int c = 0; c < 16; ++c) r[c] = t[c];
+}
+
+// The key block's K rows (krow[j], j < n; zeros past n) as (k[2p], k[2p+1]) pairs with
+// the keys along the vectors: k32[p * kBlockK + j], 16 keys x 16 pairs a transpose.
+template <int64_t kD>
+inline void pack_keys_bf16(const c10::BFloat16* const* krow, int64_t n, uint32_t* k32) {
+  for (int64_t j0 = 0; j0 < kBlockK; j0 += 16)
+    for (int64_t p0 = 0; p0 < kD / 2; p0 += 16) {
+      __m512i r[16];
+      for (int u = 0; u < 16; ++u)
+        r[u] = j0 + u < n ? _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(krow[j0 + u]) + p0)
+                          : _mm512_setzero_si512();
+      transpose16x16(r);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(k32 + (p0 + c) * kBlockK + j0, r[c]);
+    }
+}
+
+// The key block's V rows as (v[2j][d], v[2j+1][d]) pairs along d: v32[j * kD + d] for the
+// (n + 1) / 2 key pairs j (an odd last key paired with zeros). One VPERMT2W interleaves
+// 16 dims of two rows.
+template <int64_t kD>
+inline void pack_values_bf16(const c10::BFloat16* const* vrow, int64_t n, uint32_t* v32) {
+  alignas(64) static const uint16_t kIdx[2][32] = {
+      {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+      {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+  const __m512i lo = _mm512_load_si512(kIdx[0]), hi = _mm512_load_si512(kIdx[1]);
+  for (int64_t j = 0; 2 * j < n; ++j) {
+    const c10::BFloat16* a = vrow[2 * j];
+    const c10::BFloat16* b = 2 * j + 1 < n ? vrow[2 * j + 1] : nullptr;
+    for (int64_t d = 0; d < kD; d += 32) {
+      const __m512i x = _mm512_loadu_si512(a + d);
+      const __m512i y = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(v32 + j * kD + d, _mm512_permutex2var_epi16(x, lo, y));
+      _mm512_storeu_si512(v32 + j * kD + d + 16, _mm512_permutex2var_epi16(x, hi, y));
+    }
+  }
+}
 constexpr bool kHasBf16Dot = true;
 #else
 constexpr bool kHasBf16Dot = false;
@@ -280,7 +345,7 @@ struct Prefill {
     const int64_t first_limit = prefix + t0, end = prefix + t0 + nt;
     for (int64_t kb = 0; kb < end; kb += kBlockK) {
       const int64_t n = std::min(kBlockK, end - kb);
-      pack(kt, vb, row, kb, n, hk, pages, slot_stride);
+      pack(kt, vb, row, kb, n, end, hk, pages, slot_stride);
       int64_t r = 0;
       for (; r + RS <= M; r += RS) scores<RS>(qt, kt, s, r);
       for (; r < M; ++r) scores<1>(qt, kt, s, r);
@@ -322,25 +387,33 @@ struct Prefill {
 
   // The key block [kb, kb + n) of KV head hk: K transposed (keys along the vectors), V
   // as rows; past n, zeros. With the bf16 dot product, K as (k[2p], k[2p+1]) pairs per
-  // key and V as (v[2j][d], v[2j+1][d]) pairs per dim.
-  void pack(float* kt, float* vb, float* row, int64_t kb, int64_t n, int64_t hk,
+  // key and V as (v[2j][d], v[2j+1][d]) pairs per dim, both packed in registers (the
+  // word-by-word copies took a third of a bf16 prefill), V only as far as the block's
+  // last pair (values_tile_bf16 reads no further).
+  void pack(float* kt, float* vb, float* row, int64_t kb, int64_t n, int64_t end, int64_t hk,
             const int32_t* pages, int64_t slot_stride) const {
     if constexpr (kBf16Dot) {
-      uint32_t* k32 = reinterpret_cast<uint32_t*>(kt);
-      uint16_t* v16 = reinterpret_cast<uint16_t*>(vb);
-      std::fill(k32, k32 + kD / 2 * kBlockK, 0u);
-      std::fill(v16, v16 + kBlockK * kD, uint16_t{0});
+#ifdef __AVX512BF16__
+      const scalar_t* krow[kBlockK];
+      const scalar_t* vrow[kBlockK];
       for_each_row(k_cache, pages, kb, kb + n, page_size, slot_stride,
-                   [&](int64_t j, const scalar_t* r) {
-                     const uint32_t* pairs = reinterpret_cast<const uint32_t*>(r + hk * kD);
-                     for (int64_t p = 0; p < kD / 2; ++p) k32[p * kBlockK + j] = pairs[p];
-                   });
+                   [&](int64_t j, const scalar_t* r) { krow[j] = r + hk * kD; });
       for_each_row(v_cache, pages, kb, kb + n, page_size, slot_stride,
-                   [&](int64_t j, const scalar_t* r) {
-                     const uint16_t* x = reinterpret_cast<const uint16_t*>(r + hk * kD);
-                     uint16_t* dst = v16 + (j / 2) * kD * 2 + (j % 2);
-                     for (int64_t d = 0; d < kD; ++d) dst[2 * d] = x[d];
-                   });
+                   [&](int64_t j, const scalar_t* r) { vrow[j] = r + hk * kD; });
+      pack_keys_bf16<kD>(krow, n, reinterpret_cast<uint32_t*>(kt));
+      pack_values_bf16<kD>(vrow, n, reinterpret_cast<uint32_t*>(vb));
+      // the next block's rows towards L1 while this one is multiplied (the pages are
+      // scattered runs of 16 rows: the hardware prefetcher does not cross them)
+      const int64_t next = std::min(kb + 2 * kBlockK, end);
+      if (kb + kBlockK < next) {
+        auto fetch = [&](int64_t, const scalar_t* r) {
+          for (int64_t at = 0; at < kD * 2; at += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(r + hk * kD) + at, _MM_HINT_T0);
+        };
+        for_each_row(k_cache, pages, kb + kBlockK, next, page_size, slot_stride, fetch);
+        for_each_row(v_cache, pages, kb + kBlockK, next, page_size, slot_stride, fetch);
+      }
+#endif
     } else {
       std::fill(kt, kt + kD * kBlockK, 0.f);
       for_each_row(k_cache, pages, kb, kb + n, page_size, slot_stride,
