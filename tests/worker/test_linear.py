@@ -28,7 +28,7 @@ def test_float32_equals_torch(kernels, m, n, k):
     assert relative_error(got, F.linear(x, w)) < 2e-6
 
 
-@pytest.mark.parametrize("m", [1, 5, 8, 11])
+@pytest.mark.parametrize("m", [1, 5, 6, 8, 11, 16])
 def test_bfloat16_weights_accumulate_in_float32(kernels, m):
     """bf16 in, bf16 out, summed in float32: within bf16 rounding of float32 math."""
     g = torch.Generator().manual_seed(m)

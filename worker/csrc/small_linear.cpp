@@ -4,9 +4,9 @@
 // With few rows a linear layer is a read of its weights: M rows do 2M FLOPs per weight
 // read. torch's CPU GEMM reads them at 8-10 GB/s for one row and, from two rows up, at
 // 2-5 GB/s (it packs the weights for a GEMM whose M is tiny), where the machine's memory
-// gives 20+ GB/s. Here every weight row is loaded once per block of up to 16 rows of x
-// (8 without AVX-512) and multiplied into all of them from registers, so the weights
-// stream from memory once and the rows of x stay in L1 or L2.
+// gives 20+ GB/s. Here a tile of weight rows is loaded from memory once and multiplied
+// into every row of x, four rows at a time from registers while the tile stays in L1, so
+// the weights stream from memory once and the rows of x stay in L1 or L2.
 //
 // Weights float32 or bfloat16 (widened in registers: bf16 is float32's top half); x of the
 // weights' dtype, computed in float32, the result rounded to that dtype once (as torch
@@ -29,16 +29,12 @@
 
 namespace {
 
-// kRowsOfX: the rows of x one weight load is multiplied into. Up to it, the weights
-// stream from memory once; more rows take another pass.
 #ifdef __AVX512F__
 constexpr int kLanes = 16;
 constexpr int kAccumulators = 24;  // of 32 vector registers: the rest hold w and x
-constexpr int kRowsOfX = 16;
 #else
 constexpr int kLanes = 8;
 constexpr int kAccumulators = 10;  // of 16
-constexpr int kRowsOfX = 8;
 #endif
 constexpr int64_t kRowsOfW = 32;   // weight rows a work item covers
 
@@ -92,51 +88,61 @@ inline void tile(const float* x, const W* w, int64_t k, float* y, int64_t n, int
     }
 }
 
-template <int MB, typename W>
-void weight_rows(const float* x, const W* w, int64_t k, float* y, int64_t n, int64_t n0,
-                 int64_t n1) {
-  constexpr int NB = std::max(1, std::min(8, kAccumulators / MB));
-  int64_t at = n0;
-  for (; at + NB <= n1; at += NB) tile<MB, NB>(x, w, k, y, n, at);
-  for (; at < n1; ++at) tile<MB, 1>(x, w, k, y, n, at);
-}
+// Rows of x a tile multiplies at once, and weight rows per tile for that many: MB * NB
+// accumulators, the rest of the registers for the loads. More rows of x than kGroup
+// run as groups against each weight tile while it is in L1: one tile of 16 rows x 1
+// weight row loaded 17 vectors for 16 products (the x rows), and ran at a quarter of
+// the rate 4 x 6 does.
+constexpr int kGroup = 4;
+template <int MB>
+constexpr int weight_rows_per_tile() { return std::max(1, std::min(8, kAccumulators / MB)); }
 
-template <typename W>
-void rows_of_x(const float* x, int64_t m, const W* w, int64_t k, float* y, int64_t n,
-               int64_t n0, int64_t n1) {
-  for (int64_t a = 0; a < m; a += kRowsOfX) {
-    const float* xa = x + a * k;
-    float* ya = y + a * n;
-    switch (std::min<int64_t>(kRowsOfX, m - a)) {
-      case 1: weight_rows<1>(xa, w, k, ya, n, n0, n1); break;
-      case 2: weight_rows<2>(xa, w, k, ya, n, n0, n1); break;
-      case 3: weight_rows<3>(xa, w, k, ya, n, n0, n1); break;
-      case 4: weight_rows<4>(xa, w, k, ya, n, n0, n1); break;
-      case 5: weight_rows<5>(xa, w, k, ya, n, n0, n1); break;
-      case 6: weight_rows<6>(xa, w, k, ya, n, n0, n1); break;
-      case 7: weight_rows<7>(xa, w, k, ya, n, n0, n1); break;
-      case 8: weight_rows<8>(xa, w, k, ya, n, n0, n1); break;
-#ifdef __AVX512F__
-      case 9: weight_rows<9>(xa, w, k, ya, n, n0, n1); break;
-      case 10: weight_rows<10>(xa, w, k, ya, n, n0, n1); break;
-      case 11: weight_rows<11>(xa, w, k, ya, n, n0, n1); break;
-      case 12: weight_rows<12>(xa, w, k, ya, n, n0, n1); break;
-      case 13: weight_rows<13>(xa, w, k, ya, n, n0, n1); break;
-      case 14: weight_rows<14>(xa, w, k, ya, n, n0, n1); break;
-      case 15: weight_rows<15>(xa, w, k, ya, n, n0, n1); break;
-      case 16: weight_rows<16>(xa, w, k, ya, n, n0, n1); break;
-#endif
-      default: break;  // unreachable: min(kRowsOfX, rows left) >= 1
+// y rows [0, m) for the weight rows [n0, n1): Tile<MB, NB>::run(x, w, k, y, n, n0) is
+// one tile. NB is the first group's (every group shares the weight tile).
+template <template <int, int> class Tile, typename X, typename W>
+void weight_tiles(const X* x, int64_t m, const W* w, int64_t k, float* y, int64_t n,
+                  int64_t n0, int64_t n1) {
+  auto groups = [&](auto nb, int64_t at) {
+    constexpr int NB = decltype(nb)::value;
+    for (int64_t a = 0; a < m; a += kGroup) {
+      const X* xa = x + a * k;
+      float* ya = y + a * n;
+      switch (std::min<int64_t>(kGroup, m - a)) {
+        case 1: Tile<1, NB>::run(xa, w, k, ya, n, at); break;
+        case 2: Tile<2, NB>::run(xa, w, k, ya, n, at); break;
+        case 3: Tile<3, NB>::run(xa, w, k, ya, n, at); break;
+        default: Tile<4, NB>::run(xa, w, k, ya, n, at); break;
+      }
     }
+  };
+  auto tiles = [&](auto nb) {
+    constexpr int NB = decltype(nb)::value;
+    int64_t at = n0;
+    for (; at + NB <= n1; at += NB) groups(nb, at);
+    for (; at < n1; ++at) groups(std::integral_constant<int, 1>{}, at);
+  };
+  switch (std::min<int64_t>(kGroup, m)) {
+    case 1: tiles(std::integral_constant<int, weight_rows_per_tile<1>()>{}); break;
+    case 2: tiles(std::integral_constant<int, weight_rows_per_tile<2>()>{}); break;
+    case 3: tiles(std::integral_constant<int, weight_rows_per_tile<3>()>{}); break;
+    default: tiles(std::integral_constant<int, weight_rows_per_tile<4>()>{}); break;
   }
 }
+
+template <int MB, int NB>
+struct FloatTile {
+  template <typename W>
+  static void run(const float* x, const W* w, int64_t k, float* y, int64_t n, int64_t n0) {
+    tile<MB, NB>(x, w, k, y, n, n0);
+  }
+};
 
 template <typename W>
 void run(const float* x, int64_t m, const W* w, int64_t n, int64_t k, float* y) {
   // Split along the weight rows, so every thread streams its own part of w once.
   const int64_t items = (n + kRowsOfW - 1) / kRowsOfW;
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
-    rows_of_x(x, m, w, k, y, n, i0 * kRowsOfW, std::min(n, i1 * kRowsOfW));
+    weight_tiles<FloatTile>(x, m, w, k, y, n, i0 * kRowsOfW, std::min(n, i1 * kRowsOfW));
   });
 }
 
@@ -167,32 +173,19 @@ inline void tile_bf16(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k,
     }
 }
 
-template <int MB>
-void weight_rows_bf16(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k, float* y,
-                      int64_t n, int64_t n0, int64_t n1) {
-  constexpr int NB = std::max(1, std::min(8, kAccumulators / MB));
-  int64_t at = n0;
-  for (; at + NB <= n1; at += NB) tile_bf16<MB, NB>(x, w, k, y, n, at);
-  for (; at < n1; ++at) tile_bf16<MB, 1>(x, w, k, y, n, at);
-}
-
-template <int... MB>
-void rows_of_x_bf16(const c10::BFloat16* x, int64_t m, const c10::BFloat16* w, int64_t k,
-                    float* y, int64_t n, int64_t n0, int64_t n1,
-                    std::integer_sequence<int, MB...>) {
-  using Fn = void (*)(const c10::BFloat16*, const c10::BFloat16*, int64_t, float*, int64_t,
-                      int64_t, int64_t);
-  static constexpr Fn by_rows[] = {weight_rows_bf16<MB + 1>...};
-  for (int64_t a = 0; a < m; a += kRowsOfX)
-    by_rows[std::min<int64_t>(kRowsOfX, m - a) - 1](x + a * k, w, k, y + a * n, n, n0, n1);
-}
+template <int MB, int NB>
+struct Bf16Tile {
+  static void run(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k, float* y,
+                  int64_t n, int64_t n0) {
+    tile_bf16<MB, NB>(x, w, k, y, n, n0);
+  }
+};
 
 void run_bf16(const c10::BFloat16* x, int64_t m, const c10::BFloat16* w, int64_t n, int64_t k,
               float* y) {
   const int64_t items = (n + kRowsOfW - 1) / kRowsOfW;
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
-    rows_of_x_bf16(x, m, w, k, y, n, i0 * kRowsOfW, std::min(n, i1 * kRowsOfW),
-                   std::make_integer_sequence<int, kRowsOfX>{});
+    weight_tiles<Bf16Tile>(x, m, w, k, y, n, i0 * kRowsOfW, std::min(n, i1 * kRowsOfW));
   });
 }
 #endif
