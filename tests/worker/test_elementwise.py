@@ -58,6 +58,47 @@ def test_silu_mul(kernels, dtype, rows, inter):
     close(kernels.silu_mul(gate_up), F.silu(gate) * up, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,heads,kv_heads,d", [(1, 9, 3, 64), (5, 8, 4, 64), (70, 4, 2, 32),
+                                                   (3, 8, 1, 128)])
+@pytest.mark.parametrize("scaling", [1.0, 1.23])
+def test_rope_store_kv_is_the_torch_rotary_and_writes_bit_for_bit(kernels, dtype, rows, heads,
+                                                                  kv_heads, d, scaling):
+    """rope_store_kv against the model's torch path (Rotary.apply over q and k, then
+    KVCache.write): the same q, the same pages, to the bit, in both dtypes; other slots
+    untouched."""
+    from worker.kv_cache import KVCache
+    from worker.layers import Rotary
+
+    g = torch.Generator().manual_seed(rows * heads + d)
+    qkv = (torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g) * 2).to(dtype)
+    positions = torch.randint(0, 5000, (rows,), generator=g)
+    inv_freq = [10000.0 ** (-2 * i / d) for i in range(d // 2)]
+    cos, sin = Rotary(inv_freq, CPU, scaling).cos_sin(positions, dtype)
+    slots = torch.randperm(6 * 16, generator=g)[:rows]  # scattered over 6 pages of 16
+    caches = []
+    for _ in range(2):
+        kv = KVCache(1, 6, 0, 16, kv_heads, d, dtype, CPU)
+        kv.k.copy_(torch.randn(kv.k.shape, generator=torch.Generator().manual_seed(7)).to(dtype))
+        kv.v.copy_(torch.randn(kv.v.shape, generator=torch.Generator().manual_seed(8)).to(dtype))
+        caches.append(kv)
+    q = kernels.rope_store_kv(qkv, cos, sin, caches[0].k[0], caches[0].v[0], slots, heads)
+    both = heads + kv_heads
+    qk = Rotary.apply(qkv[:, : both * d].view(rows, both, d), cos, sin)
+    q_ref, k_ref = qk.split([heads, kv_heads], dim=1)
+    caches[1].write(0, k_ref, qkv[:, both * d :].view(rows, kv_heads, d), slots)
+    assert q.shape == (rows, heads, d) and torch.equal(q, q_ref)
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
+def test_rope_store_kv_refuses_a_slot_outside_the_pages(kernels):
+    qkv = torch.zeros(2, (2 + 2) * 8)
+    pages = torch.zeros(2, 4, 1, 8)
+    cos = sin = torch.ones(2, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the pages"):
+        kernels.rope_store_kv(qkv, cos, sin, pages, pages.clone(), torch.tensor([0, 8]), 2)
+
+
 def test_refuses_what_it_cannot_compute(kernels):
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         kernels.rms_norm(torch.randn(2, 8).half(), torch.randn(8).half(), 1e-5)

@@ -88,6 +88,45 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
   });
 }
 
+// Rotary embedding (HF's rotate-half) of the q and k heads of each fused qkv row, q to
+// `q` [rows, H, D], k and v stored at the row's slot of this layer's KV pages
+// [slots, Hkv, D]. torch's order and rounding: x * cos rounded, the rotated half's product
+// rounded, their difference (first half) or sum (second half) rounded; no FMA contraction,
+// so float32 is bit for bit torch's too. One pass instead of about ten dispatches a layer
+// (split, the rotary's multiplies and slices, two index copies).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+template <typename T>
+void rope_rows(const T* qkv, int64_t ldq, const T* cos, const T* sin, T* q, T* k_cache,
+               T* v_cache, const int64_t* slots, int64_t rows, int64_t H, int64_t Hkv,
+               int64_t D) {
+  const int64_t half = D / 2, slot_len = Hkv * D;
+  at::parallel_for(0, rows, grain((H + 2 * Hkv) * D), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* x = qkv + r * ldq;
+      const T* c = cos + r * D;
+      const T* s = sin + r * D;
+      T* k_slot = k_cache + slots[r] * slot_len;
+      for (int64_t h = 0; h < H + Hkv; ++h) {
+        const T* xh = x + h * D;
+        T* o = h < H ? q + (r * H + h) * D : k_slot + (h - H) * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = widen(narrow<T>(widen(xh[i]) * widen(c[i])));
+          const float b = widen(narrow<T>(widen(xh[i + half]) * widen(s[i])));
+          o[i] = narrow<T>(a - b);
+        }
+        for (int64_t i = half; i < D; ++i) {
+          const float a = widen(narrow<T>(widen(xh[i]) * widen(c[i])));
+          const float b = widen(narrow<T>(widen(xh[i - half]) * widen(s[i])));
+          o[i] = narrow<T>(a + b);
+        }
+      }
+      std::memcpy(v_cache + slots[r] * slot_len, x + (H + Hkv) * D, slot_len * sizeof(T));
+    }
+  });
+}
+#pragma GCC pop_options
+
 void check_rows(const torch::Tensor& x, const char* what) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, what, ": [rows, n] with contiguous rows");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, what,
@@ -140,4 +179,37 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     silu_mul_rows(gu.data_ptr<T>(), out.data_ptr<T>(), gu.size(0), inter);
   });
   return out;
+}
+
+torch::Tensor rope_store_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                            int64_t num_heads) {
+  check_rows(qkv, "rope_store_kv");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.dim() == 4,
+              "rope_store_kv: one layer's K and V pages [pages, page, Hkv, D], contiguous");
+  const int64_t rows = qkv.size(0), hkv = k_cache.size(2), d = k_cache.size(3);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * hkv) * d && d % 2 == 0,
+              "rope_store_kv: qkv rows are H + 2 Hkv heads of an even head_dim");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == rows * d &&
+                  sin.numel() == rows * d,
+              "rope_store_kv: cos and sin [rows, 1, D], contiguous");
+  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && cos.scalar_type() == qkv.scalar_type() &&
+                  sin.scalar_type() == qkv.scalar_type(),
+              "rope_store_kv: qkv, cos, sin and the pages share a dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == rows,
+              "rope_store_kv: one int64 slot per row");
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < capacity, "rope_store_kv: slot ", slot[r],
+                " outside the pages (", capacity, " slots)");
+  auto q = torch::empty({rows, num_heads, d}, qkv.options());
+  by_dtype(qkv, [&](auto zero) {
+    using T = decltype(zero);
+    rope_rows(qkv.data_ptr<T>(), qkv.stride(0), cos.data_ptr<T>(), sin.data_ptr<T>(),
+              q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), slot, rows,
+              num_heads, hkv, d);
+  });
+  return q;
 }

@@ -25,3 +25,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::Tensor weight,
                            double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+// Rotary of q and k out of fused qkv rows, k and v stored at their slots of one layer's
+// pages; returns q [rows, num_heads, head_dim].
+torch::Tensor rope_store_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                            int64_t num_heads);

@@ -13,4 +13,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, HF's rounding, one pass");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta in place, then its RMSNorm");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [rows, 2 * intermediate] gate_up");
+  m.def("rope_store_kv", &rope_store_kv,
+        "rotary of q and k from fused qkv rows, k and v stored at their KV slots; returns q");
 }
