@@ -145,6 +145,30 @@ class KVCacheManager:
         seq.blocks.extend(blocks.tolist())
         return blocks.tolist()
 
+    def grow(self, needs: Sequence[tuple[int, int]]) -> list[list[int]] | None:
+        """`allocate` for several live sequences at once, all or nothing: ``needs`` are
+        (seq_id, num_tokens), each an `allocate` of a sequence that holds blocks already.
+        Returns the blocks appended to each table, in order, or None (nothing changed)
+        when they do not all fit. The blocks are those the same calls one after the other
+        would give (free ones, then evictions, in the same order), with one eviction and
+        one write-back for the lot: a decode step grows a few sequences by a block each,
+        and numpy's fixed cost per call was most of the work of each."""
+        bs = self.block_size
+        counts = []
+        for seq_id, num_tokens in needs:
+            counts.append(max(0, -(-num_tokens // bs) - len(self._seqs[seq_id].blocks)))
+        total = sum(counts)
+        if total > self.num_allocatable_blocks():
+            return None
+        fresh = self._take_fresh(total).tolist() if total else []
+        out, i = [], 0
+        for (seq_id, _), n in zip(needs, counts):
+            blocks = fresh[i:i + n]
+            i += n
+            self._seqs[seq_id].blocks.extend(blocks)
+            out.append(blocks)
+        return out
+
     def commit(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int,
                step: int, *, closing: bool = False) -> None:
         """Register the full blocks of tokens [0, num_computed_tokens) in the prefix index.

@@ -259,6 +259,7 @@ class Scheduler:
         # Running sequences first (decodes and unfinished prefills), oldest first.
         # When blocks run out, the newest running sequence is preempted (it has not
         # been scheduled in this step yet: the loop goes oldest to newest).
+        self._grow_running(budget)
         i = 0
         num_running_before = len(self.running)
         while i < len(self.running) and budget > 0:
@@ -469,6 +470,32 @@ class Scheduler:
             self.cache.retain(seq.seq_id, [(r.num_tokens, r.ttl_s)
                                            for r in seq.request.retention])
         return True
+
+    def _grow_running(self, budget: int) -> None:
+        """The running sequences' new blocks for this step in one allocation
+        (cache.grow), when they all fit: the loop in `schedule` then finds room for each
+        as it goes. When they do not, nothing is taken here and the loop grows them one
+        by one, preempting the newest. The tokens each is given are the loop's, budget
+        included, so the loop's outcome is the same either way; drafts are decided in the
+        loop, so with speculative decoding the loop grows each itself."""
+        if self.speculative is not None:
+            return
+        bs = self.block_size
+        needs = []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            num_new = min(seq.num_tokens + seq.num_pending - seq.num_computed, budget)
+            budget -= num_new
+            end = seq.num_computed + num_new
+            if -(-end // bs) > len(seq.block_ids):
+                needs.append((seq, end))
+        if not needs:
+            return
+        grown = self.cache.grow([(seq.seq_id, end) for seq, end in needs])
+        if grown is not None:
+            for (seq, _), blocks in zip(needs, grown):
+                seq.block_ids.extend(blocks)
 
     def _grow(self, seq: Sequence, num_new: int) -> bool:
         if -(-(seq.num_computed + num_new) // self.block_size) <= len(seq.block_ids):

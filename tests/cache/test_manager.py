@@ -106,6 +106,41 @@ def test_growing_sequence_registers_blocks_as_they_fill() -> None:
     assert len(digest_state(m).device_map()) == 3  # 13 tokens: 3 full blocks
 
 
+def _grown_pair() -> list[KVCacheManager]:
+    """Two managers in the same state: three sequences of 5 tokens whose cached
+    predecessors fill the rest of the device tier (so growing them evicts to the host)."""
+    out = []
+    for _ in range(2):
+        m = mgr(num_device_blocks=8, num_host_blocks=16)
+        run(m, 9, prompt(8, 500))  # 2 blocks, cached once freed: evicted by the growth
+        m.take_ops()
+        m.free(9, 1)
+        for seq_id in (1, 2, 3):
+            run(m, seq_id, prompt(5, 100 * seq_id), step=1)
+        m.take_ops()
+        out.append(m)
+    return out
+
+
+def test_grow_gives_what_allocating_one_by_one_gives() -> None:
+    one, batched = _grown_pair()
+    needs = [(1, 9), (2, 5), (3, 12)]  # a block each for 1 and 3, both evicted ones
+    seq = [one.allocate(s, prompt(n, 100 * s), n, KEY) for s, n in needs]
+    assert batched.grow(needs) == seq == [[1], [], [0]]  # seq 9's, its tail first
+    assert batched.peek_ops() == one.peek_ops() and len(one.peek_ops().swap_out) == 2
+    assert [batched.block_table(s) for s in (1, 2, 3)] == [one.block_table(s) for s in (1, 2, 3)]
+    assert digest_state(batched).fingerprint() == digest_state(one).fingerprint()
+    batched.check_invariants()
+
+
+def test_grow_is_all_or_nothing() -> None:
+    _, m = _grown_pair()
+    before = (m.usage(), digest_state(m).fingerprint(), m.peek_ops())
+    assert m.grow([(1, 9), (2, 24)]) is None  # 1 + 4 blocks, 4 to be had
+    assert (m.usage(), digest_state(m).fingerprint(), m.peek_ops()) == before
+    assert [len(m.block_table(s)) for s in (1, 2)] == [2, 2]
+
+
 def test_close_in_the_running_step_is_loud() -> None:
     m = mgr()
     run(m, 1, prompt(8))
