@@ -115,7 +115,7 @@ class KVCacheManager:
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
                  extra_key: bytes, chain: BlockHashChain | None = None, *,
-                 count_hit: bool = True) -> list[int] | None:
+                 count_hit: bool = True, budget: int | None = None) -> list[int] | None:
         """Give ``seq_id`` enough device blocks for its first ``num_tokens`` tokens.
 
         ``token_ids``: every known token of the sequence (prompt + generated so far).
@@ -130,11 +130,16 @@ class KVCacheManager:
         them, takes the hit (the blocks read, as host hits).
         ``count_hit=False``: the first call's hit stays out of the stats (a preempted
         sequence, readmitted, hits the blocks it wrote itself).
+        ``budget`` (first call only): at most this many tokens past the hit, i.e. blocks
+        for min(num_tokens, hit + budget) tokens -- a step's token budget, applied to the
+        hit this call finds, so the caller need not `lookup` the prefix first (a second
+        walk of the index for every admission).
         """
         seq = self._seqs.get(seq_id)
         if seq is None:
             return self._allocate_first(seq_id, token_ids, num_tokens, extra_key, chain,
-                                        count_hit)
+                                        count_hit, budget)
+        assert budget is None, "a budget applies to a sequence's first allocation"
         assert seq.extra_key == extra_key, "extra_key changed for a live sequence"
         need = -(-num_tokens // self.block_size) - len(seq.blocks)
         if need <= 0:
@@ -384,7 +389,7 @@ class KVCacheManager:
 
     def _allocate_first(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
                         extra_key: bytes, chain: BlockHashChain | None,
-                        count_hit: bool) -> list[int] | None:
+                        count_hit: bool, budget: int | None = None) -> list[int] | None:
         if self.config.enable_prefix_caching:
             chain = self._chain_for(extra_key, chain)
             if not self.disk_flow.settle(seq_id):
@@ -400,6 +405,8 @@ class KVCacheManager:
             chain = None
             m = Match(0, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
         n_hit = m.num_blocks
+        if budget is not None:
+            num_tokens = min(num_tokens, n_hit * self.block_size + budget)
         on_host = m.device < 0
         dev_hits = m.device[~on_host]
         host_hits = m.host[on_host]

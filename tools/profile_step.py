@@ -133,8 +133,8 @@ def build(args: argparse.Namespace, parts: CpuParts) -> EngineCore:
     runner.digest.apply = timed(parts, "rank digest", runner.digest.apply)
     sched.digest.apply = timed(parts, "sched digest", sched.digest.apply)
     sched.cache.allocate = timed(parts, "sched allocate", sched.cache.allocate)
-    sched.cache.grow = timed(parts, "sched grow", sched.cache.grow)
-    sched.cache.commit = timed(parts, "sched commit", sched.cache.commit)
+    if hasattr(sched.cache, "grow"):
+        sched.cache.grow = timed(parts, "sched grow", sched.cache.grow)
     sched.cache.take_ops = timed(parts, "sched take_ops", sched.cache.take_ops)
     settle_heap()
     return core

@@ -141,6 +141,18 @@ def test_grow_is_all_or_nothing() -> None:
     assert [len(m.block_table(s)) for s in (1, 2)] == [2, 2]
 
 
+def test_a_first_allocation_takes_a_budget_past_its_hit() -> None:
+    m = mgr()
+    p = prompt(16)
+    run(m, 1, p)
+    m.take_ops()
+    # 16 tokens hit (4 blocks); a budget of 5 more: blocks for 21 of the 40 tokens
+    blocks = m.allocate(2, p + prompt(24, 100), 40, KEY, budget=5)
+    assert m.num_cached_tokens(2) == PrefixHit(16, 0) and len(blocks) == 6
+    with pytest.raises(AssertionError):  # a live sequence grows by its tokens, not a budget
+        m.allocate(2, p + prompt(24, 100), 40, KEY, budget=5)
+
+
 def test_close_in_the_running_step_is_loud() -> None:
     m = mgr()
     run(m, 1, prompt(8))

@@ -24,7 +24,7 @@ def req(rid: str, n: int = 20, max_tokens: int = 4, **kw) -> GenerateRequest:
 def run_step(s: Scheduler, token: int = 7):
     """Plan one step and feed back `token` for every sampled chunk."""
     plan = s.schedule()
-    outs = s.update(plan, [(c.seq_id, token) for c in plan.chunks if c.sample])
+    outs = s.update(plan, [(c.seq_id, token) for c in plan.batch() if c.sample])
     return plan, outs
 
 
@@ -60,10 +60,10 @@ def test_token_budget_and_sequence_cap():
     for i in range(3):  # different prompts: no prefix to share
         s.add_request(GenerateRequest(f"r{i}", list(range(100 * i + 10, 100 * i + 30)), 4))
     plan, _ = run_step(s)
-    assert sum(len(c.token_ids) for c in plan.chunks) <= 32
-    assert len({c.seq_id for c in plan.chunks}) <= 2
-    assert [len(c.token_ids) for c in plan.chunks] == [20, 12]  # second prompt chunked
-    assert not plan.chunks[1].sample
+    assert sum(len(c.token_ids) for c in plan.batch()) <= 32
+    assert len({c.seq_id for c in plan.batch()}) <= 2
+    assert [len(c.token_ids) for c in plan.batch()] == [20, 12]  # second prompt chunked
+    assert not plan.batch()[1].sample
     assert len(s.queue) == 1
 
 
@@ -74,9 +74,9 @@ def test_close_is_planned_one_step_after_the_final_token():
     p1, outs = run_step(s)
     assert outs[-1].finished and outs[-1].finish_reason == "length"
     sid = p0.new_seqs[0].seq_id
-    assert sid in {c.seq_id for c in p1.chunks} and sid not in p1.close
+    assert sid in {c.seq_id for c in p1.batch()} and sid not in p1.close
     p2, _ = run_step(s)
-    assert p2.close == [sid] and not p2.chunks
+    assert p2.close == [sid] and not p2.batch()
     assert s.cache.usage()["device"]["used"] == 0
     assert s.cache.usage()["device"]["cached"] == 1  # its full block stays hittable
     assert not s.has_work()
@@ -103,7 +103,7 @@ def test_abort_while_queued_and_while_running():
     out = s.abort_request("run")
     assert out.finished and out.finish_reason == "abort"
     plan, _ = run_step(s)
-    assert len(plan.close) == 1 and not plan.chunks
+    assert len(plan.close) == 1 and not plan.batch()
     assert s.abort_request("run") is None  # already finished: nothing to do
 
 
@@ -121,8 +121,8 @@ def test_preemption_closes_and_requeues_the_newest():
             preempted_at = plan
             break
     assert preempted_at is not None, "the newest sequence was never preempted"
-    assert new_id not in {c.seq_id for c in preempted_at.chunks}
-    assert old_id in {c.seq_id for c in preempted_at.chunks}, "the oldest keeps running"
+    assert new_id not in {c.seq_id for c in preempted_at.batch()}
+    assert old_id in {c.seq_id for c in preempted_at.batch()}, "the oldest keeps running"
     assert s.queue.peek().request_id == "new" and s.queue.peek().num_preemptions == 1
     assert s.queue.peek().num_computed == 0  # recomputed from scratch when readmitted
     # run everything to the end: both finish, nothing stays referenced
@@ -142,7 +142,7 @@ def test_requests_admitted_in_one_step_share_their_prefix():
     s.add_request(req("a", n=100))
     s.add_request(req("b", n=100))
     plan = s.schedule()
-    assert [len(c.token_ids) for c in plan.chunks] == [100, 4]  # b: its last partial block
+    assert [len(c.token_ids) for c in plan.batch()] == [100, 4]  # b: its last partial block
     a, b = (s.sequence(r) for r in ("a", "b"))
     assert b.num_device_cached == 96 and b.block_ids[:6] == a.block_ids[:6]
 

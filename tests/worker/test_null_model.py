@@ -56,7 +56,7 @@ def test_forward_waits_at_least_its_time_and_only_rank_0_samples(default_model):
     t0 = time.perf_counter()
     sampled = rank0.forward(plan)
     assert time.perf_counter() - t0 >= 0.030  # a lower bound only: sleeps overshoot
-    assert sampled == [(1, rank0.token(plan.chunks[0]))]
+    assert sampled == [(1, rank0.token(plan.batch()[0]))]
     assert rank1.forward(plan) == []
 
 
