@@ -424,12 +424,15 @@ class KVCacheManager:
         self.host.lru.touch(host_hits)  # a use: a retained slot's TTL runs from now
         self.host.pin(host_hits[::-1])  # touched tail first: the chain's head stays longest
         read_back = self.disk_flow.take_read_back(seq_id)
-        from_disk = np.flatnonzero(on_host & np.isin(m.host, read_back))
         fresh = self._take_fresh(n_fresh)
         loaded = fresh[:len(host_hits)]
         table = np.empty(n_total, dtype=np.int32)
-        table[np.flatnonzero(~on_host)] = dev_hits
-        table[np.flatnonzero(on_host)] = loaded
+        if len(loaded):
+            hits = table[:n_hit]  # a view
+            hits[~on_host] = dev_hits
+            hits[on_host] = loaded
+        else:  # most admissions: the hit (if any) is on the device alone
+            table[:n_hit] = m.device
         table[n_hit:] = fresh[len(host_hits):]
         if len(loaded):
             lo, hi = chain.keys(0, n_hit)
@@ -437,6 +440,7 @@ class KVCacheManager:
             if self.events is not None:
                 self.events.device_stored(loaded, np.flatnonzero(on_host), lo, 0, token_ids)
                 # the disk hits' host slots hold them too now (their tokens: just recorded)
+                from_disk = np.flatnonzero(on_host & np.isin(m.host, read_back))
                 self.events.host_stored(table[from_disk], lo[from_disk])
             self.device.lru.copy_retention(loaded, self.host.lru, host_hits)
             self.device.mark_busy(loaded)

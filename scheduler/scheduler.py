@@ -408,14 +408,15 @@ class Scheduler:
         this plan, the one after the step that samples that token -- exactly when the
         close-timing rule wants it. It waits in `_awaiting` for its token, which `update`
         emits as the end."""
-        for seq in [s for s in self.running if s.num_pending and self._ends_with_pending(s)]:
+        # its pending token reaches max_tokens or fills the context (a test of every
+        # running sequence, every step: written inline)
+        max_len = self.limits.max_model_len
+        for seq in [s for s in self.running if s.num_pending and (
+                len(s.output) + s.num_pending >= s.request.max_tokens
+                or len(s.tokens) + s.num_pending >= max_len)]:
             self.running.remove(seq)
             self._close(seq, plan)
             self._awaiting[seq.seq_id] = seq
-
-    def _ends_with_pending(self, seq: Sequence) -> bool:
-        return (len(seq.output) + seq.num_pending >= seq.request.max_tokens
-                or seq.num_tokens + seq.num_pending >= self.limits.max_model_len)
 
     def _drafts(self, seq: Sequence, budget: int) -> tuple[list[int], list[bytes]]:
         """Draft tokens for a decode of `seq` (scheduler/speculation.py), and for a guided

@@ -215,3 +215,18 @@ def test_a_sessions_next_prompt_reuses_its_hashes():
     edited[20] = 999
     s.add_request(GenerateRequest("t2", edited, 2, session_id="agent-1"))
     assert list(s.queue)[-1].chain.num_blocks == 1
+
+
+def test_plain_decodes_go_column_by_column_and_prefills_as_chunks():
+    s = make(max_num_batched_tokens=64)
+    prompt = lambda i, n: list(range(100 * i + 10, 100 * i + 10 + n))  # noqa: E731 -- no hits
+    s.add_request(GenerateRequest("a", prompt(0, 20), 4))
+    s.add_request(GenerateRequest("b", prompt(1, 30), 4))
+    first, _ = run_step(s, token=7)
+    assert not first.decodes and [len(c.token_ids) for c in first.chunks] == [20, 30]
+    s.add_request(GenerateRequest("c", prompt(2, 10), 4))
+    plan, _ = run_step(s, token=8)
+    d = plan.decodes  # a and b decode their sampled token, c's prompt is a chunk
+    assert (d.seq_ids, d.token_ids, d.start_pos) == ([1, 2], [7, 7], [20, 30])
+    assert [(c.seq_id, len(c.token_ids)) for c in plan.chunks] == [(3, 10)]
+    assert plan.num_chunks == 3 and [c.seq_id for c in plan.batch()] == [1, 2, 3]
