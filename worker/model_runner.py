@@ -257,8 +257,7 @@ class ModelRunner:
         step.timing.forward_s = t4 - step.launched_at
         self._last_forward_end = t4
         sampled = self._accept_drafts(step.plan, sampled)
-        for seq_id, token in sampled:
-            self.last_token[seq_id] = token
+        self.last_token.update(sampled)  # (seq_id, token) pairs; a drafted decode's last wins
         sampled_digest = samples_digest(sampled) if self.every_rank_samples else 0
         if self.tp.rank != 0:
             sampled = []  # rank 0 answers for the batch

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler.scheduler import RequestRejected, Scheduler
-from wire.client import GenerateRequest
+from wire.client import GenerateRequest, RequestOutput
 from wire.config import EngineConfig
 from wire.lifecycle import EngineLimits
 
@@ -230,3 +230,18 @@ def test_plain_decodes_go_column_by_column_and_prefills_as_chunks():
     assert (d.seq_ids, d.token_ids, d.start_pos) == ([1, 2], [7, 7], [20, 30])
     assert [(c.seq_id, len(c.token_ids)) for c in plan.chunks] == [(3, 10)]
     assert plan.num_chunks == 3 and [c.seq_id for c in plan.batch()] == [1, 2, 3]
+
+
+def test_a_running_sequences_output_names_each_field():
+    """Sequence.take_output builds a running sequence's output positionally (it runs for
+    every sequence, every step): each value must land in its field."""
+    s = make()
+    s.add_request(req("a", n=20, max_tokens=8))
+    run_step(s, token=7)
+    seq = s.sequence("a")
+    seq.num_device_cached, seq.num_host_cached, seq.num_disk_cached = 16, 32, 48
+    seq.num_emitted = 0
+    assert seq.take_output() == RequestOutput(
+        request_id="a", token_ids=[7], finished=False, finish_reason=None,
+        num_prompt_tokens=20, num_device_cached_tokens=16, num_host_cached_tokens=32,
+        error=None, error_type=None, num_reasoning_tokens=0, num_disk_cached_tokens=48)
