@@ -209,12 +209,61 @@ class KVCacheManager:
             self.events.device_stored(blocks[new], start + np.flatnonzero(new),
                                       np.concatenate([parent_lo, lo]), start - len(parent_lo),
                                       token_ids)
-        blocks, lo, hi = blocks[new], lo[new], hi[new]
+        seq.num_registered = n_full
+        self._register(blocks[new], lo[new], hi[new], closing)
+
+    def commit_many(self, commits: Sequence[tuple[int, Sequence[int], int]], step: int) -> None:
+        """`commit` of several sequences in one step, (seq_id, token_ids,
+        num_computed_tokens) each, as the same calls one after the other would do it: the
+        blocks they fill are looked up in the index and registered together. A decode
+        step fills a block in a few of its sequences, and numpy's fixed cost per call
+        was most of each one's registration."""
+        if self.events is not None:  # events name each sequence's parent hashes
+            for seq_id, token_ids, num_computed in commits:
+                self.commit(seq_id, token_ids, num_computed, step)
+            return
+        bs = self.block_size
+        keys: list[tuple[np.ndarray, np.ndarray]] = []
+        tables: list[array] = []
+        for seq_id, token_ids, num_computed in commits:
+            seq = self._seqs[seq_id]
+            seq.last_commit_step = step
+            n_full = num_computed // bs
+            start = seq.num_registered
+            if seq.chain is None or n_full <= start:
+                continue
+            assert num_computed <= len(token_ids), "committing tokens that are not known"
+            assert n_full <= len(seq.blocks), "committing tokens beyond the allocated blocks"
+            num_hashed = seq.chain.extend(token_ids, n_full)
+            assert num_hashed >= n_full
+            keys.append(seq.chain.keys(start, n_full))
+            tables.append(seq.blocks[start:n_full])
+            seq.num_registered = n_full
+        if not keys:
+            return
+        lo = np.concatenate([k[0] for k in keys])
+        hi = np.concatenate([k[1] for k in keys])
+        blocks = np.frombuffer(b"".join(t.tobytes() for t in tables), dtype=np.int32)
+        new = self.device.index.find(lo, hi) < 0
+        # Two sequences may fill blocks of the same hash in one step (the same prompt
+        # and tokens): as one after the other, the first registers it, the second keeps
+        # its copy unindexed.
+        pairs = list(zip(lo.tolist(), hi.tolist()))
+        if len(set(pairs)) < len(pairs):
+            seen: set[tuple[int, int]] = set()
+            for i, key in enumerate(pairs):
+                if new[i]:
+                    new[i] = key not in seen
+                    seen.add(key)
+        self._register(blocks[new], lo[new], hi[new], closing=False)
+
+    def _register(self, blocks: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                  closing: bool) -> None:
+        """Index referenced blocks newly filled (`commit`), and queue them for the ranks."""
         self.device.register(blocks, lo, hi)
         if closing:  # hittable at once, but not evictable before this step's ops drain
             self.device.mark_busy(blocks)
         self._ops.registered.extend(zip(blocks.tolist(), lo.tolist()))
-        seq.num_registered = n_full
         if self.config.write_policy == "write_through" and self.config.host_enabled:
             self._write_through_next.append((blocks, lo, hi))
 

@@ -261,6 +261,9 @@ class Scheduler:
         # When blocks run out, the newest running sequence is preempted (it has not
         # been scheduled in this step yet: the loop goes oldest to newest).
         self._grow_running(budget)
+        # the running sequences' commits, registered together after the loop (before any
+        # admission, which may hit them; none of them is closed in this step)
+        commits: list[tuple[int, list[int], int]] = []
         i = 0
         num_running_before = len(self.running)
         no_drafts: tuple[list[int], list[bytes]] = ([], [])
@@ -277,7 +280,7 @@ class Scheduler:
                 self._preempt(self.running[-1], plan)
                 grown = self._grow(seq, num_new)
             if grown:
-                self._schedule(plan, seq, num_new, drafts, draft_masks)
+                self._schedule(plan, seq, num_new, drafts, draft_masks, commits)
                 budget -= num_new + len(drafts)
                 i += 1
             elif len(self.running) == 1 and seq.num_pending:
@@ -288,6 +291,7 @@ class Scheduler:
                 self._pending_outputs.append(seq.take_output())
             else:
                 self._preempt(seq, plan)
+        self.cache.commit_many(commits, plan.step)
 
         # Then admit from the queue while budget, sequence slots and blocks last; not in
         # a step that had to preempt (blocks are short: admitting would only thrash).
@@ -343,7 +347,8 @@ class Scheduler:
 
     def _schedule(self, plan: StepPlan, seq: Sequence, num_new: int,
                   drafts: list[int] | None = None,
-                  draft_masks: list[bytes] | None = None) -> None:
+                  draft_masks: list[bytes] | None = None,
+                  commits: list[tuple[int, list[int], int]] | None = None) -> None:
         """Run `num_new` more tokens of `seq` in `plan`, with the block-table delta the
         ranks need first. The blocks whose KV this step writes are registered at once:
         steps run in order, and in each layer the ranks write the whole batch's KV
@@ -351,7 +356,10 @@ class Scheduler:
         this one, e.g. a second agent sent the same fresh context -- may hit them. Draft
         tokens (`drafts`, after the last known one) run too but are never committed: a
         block is registered only once every token in it is verified. A guided sequence's
-        drafts come with the mask of the sample after each (`draft_masks`, `_drafts`)."""
+        drafts come with the mask of the sample after each (`draft_masks`, `_drafts`).
+        With `commits`, the registration is queued there instead, and the caller makes
+        all of them at once before anything may hit them (`schedule`: the running
+        sequences', before the admissions)."""
         # Written for the common case, a running sequence's one-token decode, which
         # every sequence of the batch goes through every step: few calls, few lookups.
         seq_id, tokens, num_pending = seq.seq_id, seq.tokens, seq.num_pending
@@ -360,7 +368,10 @@ class Scheduler:
         known = len(tokens)
         # A block whose last token is pending is registered by the sequence's next plan,
         # once the token is known, or by its close if no plan runs it again (`_close`).
-        self.cache.commit(seq_id, tokens, end if end < known else known, plan.step)
+        if commits is None:
+            self.cache.commit(seq_id, tokens, end if end < known else known, plan.step)
+        else:  # the caller commits them all at once (cache.commit_many)
+            commits.append((seq_id, tokens, end if end < known else known))
         block_ids = seq.block_ids
         if not seq.opened:
             plan.new_seqs.append(NewSequence(seq_id, list(block_ids), seq.request.sampling))

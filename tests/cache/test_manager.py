@@ -153,6 +153,32 @@ def test_a_first_allocation_takes_a_budget_past_its_hit() -> None:
         m.allocate(2, p + prompt(24, 100), 40, KEY, budget=5)
 
 
+def test_commit_many_registers_what_commits_one_by_one_register() -> None:
+    # seqs 1 and 2 hold the same tokens (the second fills a block of a hash the first
+    # registers in the same batch: it keeps its copy unindexed); 3 fills nothing new
+    managers = [mgr(), mgr()]
+    same, other = prompt(6), prompt(6, 50)
+    for m in managers:
+        for seq_id, toks in ((1, same), (2, same), (3, other)):
+            assert m.allocate(seq_id, toks, 6, KEY) is not None
+            m.commit(seq_id, toks, 6, 0)
+        m.take_ops()
+    grown = same + [7, 8, 9]
+    commits = [(1, grown, 9), (2, grown, 9), (3, other, 6)]
+    one, batched = managers
+    for seq_id, toks, n in commits:
+        one.allocate(seq_id, toks, n, KEY)
+        one.commit(seq_id, toks, n, 1)
+    for seq_id, toks, n in commits:
+        batched.allocate(seq_id, toks, n, KEY)
+    batched.commit_many(commits, 1)
+    assert batched.peek_ops() == one.peek_ops() and len(one.peek_ops().registered) == 1
+    assert digest_state(batched).fingerprint() == digest_state(one).fingerprint()
+    batched.check_invariants()
+    with pytest.raises(AssertionError, match="closed in step 1"):  # committed in step 1
+        batched.free(3, 1)
+
+
 def test_close_in_the_running_step_is_loud() -> None:
     m = mgr()
     run(m, 1, prompt(8))
