@@ -8,7 +8,9 @@ wall time, which on a small, shared machine is mostly whoever else holds the cor
 runs the same cells (its workload and driver) with the scheduler and one null-model rank
 (zero forward) in this process, every message still through the codec both ways (the plan
 encoded and decoded, the result encoded and decoded, as over the socket), and measures CPU
-time (time.process_time) per step, split into the scheduler's parts and the rank's.
+time per step, split into the scheduler's parts and the rank's. The clock is this thread's
+(time.thread_time): everything runs in it, and the process's clock, which sums every
+thread, cost up to half a millisecond a reading on a loaded machine.
 `--profile PREFIX` writes a cProfile of each cell's measured steps to PREFIX-<mode>.prof.
 """
 
