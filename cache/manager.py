@@ -115,7 +115,7 @@ class KVCacheManager:
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
                  extra_key: bytes, chain: BlockHashChain | None = None, *,
-                 count_hit: bool = True) -> list[int] | None:
+                 count_hit: bool = True, budget: int | None = None) -> list[int] | None:
         """Give ``seq_id`` enough device blocks for its first ``num_tokens`` tokens.
 
         ``token_ids``: every known token of the sequence (prompt + generated so far).
@@ -130,11 +130,16 @@ class KVCacheManager:
         them, takes the hit (the blocks read, as host hits).
         ``count_hit=False``: the first call's hit stays out of the stats (a preempted
         sequence, readmitted, hits the blocks it wrote itself).
+        ``budget`` (first call only): at most this many tokens past the hit, i.e. blocks
+        for min(num_tokens, hit + budget) tokens -- a step's token budget, applied to the
+        hit this call finds, so the caller need not `lookup` the prefix first (a second
+        walk of the index for every admission).
         """
         seq = self._seqs.get(seq_id)
         if seq is None:
             return self._allocate_first(seq_id, token_ids, num_tokens, extra_key, chain,
-                                        count_hit)
+                                        count_hit, budget)
+        assert budget is None, "a budget applies to a sequence's first allocation"
         assert seq.extra_key == extra_key, "extra_key changed for a live sequence"
         need = -(-num_tokens // self.block_size) - len(seq.blocks)
         if need <= 0:
@@ -144,6 +149,30 @@ class KVCacheManager:
         blocks = self._take_fresh(need)
         seq.blocks.extend(blocks.tolist())
         return blocks.tolist()
+
+    def grow(self, needs: Sequence[tuple[int, int]]) -> list[list[int]] | None:
+        """`allocate` for several live sequences at once, all or nothing: ``needs`` are
+        (seq_id, num_tokens), each an `allocate` of a sequence that holds blocks already.
+        Returns the blocks appended to each table, in order, or None (nothing changed)
+        when they do not all fit. The blocks are those the same calls one after the other
+        would give (free ones, then evictions, in the same order), with one eviction and
+        one write-back for the lot: a decode step grows a few sequences by a block each,
+        and numpy's fixed cost per call was most of the work of each."""
+        bs = self.block_size
+        counts = []
+        for seq_id, num_tokens in needs:
+            counts.append(max(0, -(-num_tokens // bs) - len(self._seqs[seq_id].blocks)))
+        total = sum(counts)
+        if total > self.num_allocatable_blocks():
+            return None
+        fresh = self._take_fresh(total).tolist() if total else []
+        out, i = [], 0
+        for (seq_id, _), n in zip(needs, counts):
+            blocks = fresh[i:i + n]
+            i += n
+            self._seqs[seq_id].blocks.extend(blocks)
+            out.append(blocks)
+        return out
 
     def commit(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int,
                step: int, *, closing: bool = False) -> None:
@@ -180,12 +209,61 @@ class KVCacheManager:
             self.events.device_stored(blocks[new], start + np.flatnonzero(new),
                                       np.concatenate([parent_lo, lo]), start - len(parent_lo),
                                       token_ids)
-        blocks, lo, hi = blocks[new], lo[new], hi[new]
+        seq.num_registered = n_full
+        self._register(blocks[new], lo[new], hi[new], closing)
+
+    def commit_many(self, commits: Sequence[tuple[int, Sequence[int], int]], step: int) -> None:
+        """`commit` of several sequences in one step, (seq_id, token_ids,
+        num_computed_tokens) each, as the same calls one after the other would do it: the
+        blocks they fill are looked up in the index and registered together. A decode
+        step fills a block in a few of its sequences, and numpy's fixed cost per call
+        was most of each one's registration."""
+        if self.events is not None:  # events name each sequence's parent hashes
+            for seq_id, token_ids, num_computed in commits:
+                self.commit(seq_id, token_ids, num_computed, step)
+            return
+        bs = self.block_size
+        keys: list[tuple[np.ndarray, np.ndarray]] = []
+        tables: list[array] = []
+        for seq_id, token_ids, num_computed in commits:
+            seq = self._seqs[seq_id]
+            seq.last_commit_step = step
+            n_full = num_computed // bs
+            start = seq.num_registered
+            if seq.chain is None or n_full <= start:
+                continue
+            assert num_computed <= len(token_ids), "committing tokens that are not known"
+            assert n_full <= len(seq.blocks), "committing tokens beyond the allocated blocks"
+            num_hashed = seq.chain.extend(token_ids, n_full)
+            assert num_hashed >= n_full
+            keys.append(seq.chain.keys(start, n_full))
+            tables.append(seq.blocks[start:n_full])
+            seq.num_registered = n_full
+        if not keys:
+            return
+        lo = np.concatenate([k[0] for k in keys])
+        hi = np.concatenate([k[1] for k in keys])
+        blocks = np.frombuffer(b"".join(t.tobytes() for t in tables), dtype=np.int32)
+        new = self.device.index.find(lo, hi) < 0
+        # Two sequences may fill blocks of the same hash in one step (the same prompt
+        # and tokens): as one after the other, the first registers it, the second keeps
+        # its copy unindexed.
+        pairs = list(zip(lo.tolist(), hi.tolist()))
+        if len(set(pairs)) < len(pairs):
+            seen: set[tuple[int, int]] = set()
+            for i, key in enumerate(pairs):
+                if new[i]:
+                    new[i] = key not in seen
+                    seen.add(key)
+        self._register(blocks[new], lo[new], hi[new], closing=False)
+
+    def _register(self, blocks: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                  closing: bool) -> None:
+        """Index referenced blocks newly filled (`commit`), and queue them for the ranks."""
         self.device.register(blocks, lo, hi)
         if closing:  # hittable at once, but not evictable before this step's ops drain
             self.device.mark_busy(blocks)
         self._ops.registered.extend(zip(blocks.tolist(), lo.tolist()))
-        seq.num_registered = n_full
         if self.config.write_policy == "write_through" and self.config.host_enabled:
             self._write_through_next.append((blocks, lo, hi))
 
@@ -360,7 +438,7 @@ class KVCacheManager:
 
     def _allocate_first(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
                         extra_key: bytes, chain: BlockHashChain | None,
-                        count_hit: bool) -> list[int] | None:
+                        count_hit: bool, budget: int | None = None) -> list[int] | None:
         if self.config.enable_prefix_caching:
             chain = self._chain_for(extra_key, chain)
             if not self.disk_flow.settle(seq_id):
@@ -376,6 +454,8 @@ class KVCacheManager:
             chain = None
             m = Match(0, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
         n_hit = m.num_blocks
+        if budget is not None:
+            num_tokens = min(num_tokens, n_hit * self.block_size + budget)
         on_host = m.device < 0
         dev_hits = m.device[~on_host]
         host_hits = m.host[on_host]
@@ -393,12 +473,15 @@ class KVCacheManager:
         self.host.lru.touch(host_hits)  # a use: a retained slot's TTL runs from now
         self.host.pin(host_hits[::-1])  # touched tail first: the chain's head stays longest
         read_back = self.disk_flow.take_read_back(seq_id)
-        from_disk = np.flatnonzero(on_host & np.isin(m.host, read_back))
         fresh = self._take_fresh(n_fresh)
         loaded = fresh[:len(host_hits)]
         table = np.empty(n_total, dtype=np.int32)
-        table[np.flatnonzero(~on_host)] = dev_hits
-        table[np.flatnonzero(on_host)] = loaded
+        if len(loaded):
+            hits = table[:n_hit]  # a view
+            hits[~on_host] = dev_hits
+            hits[on_host] = loaded
+        else:  # most admissions: the hit (if any) is on the device alone
+            table[:n_hit] = m.device
         table[n_hit:] = fresh[len(host_hits):]
         if len(loaded):
             lo, hi = chain.keys(0, n_hit)
@@ -406,6 +489,7 @@ class KVCacheManager:
             if self.events is not None:
                 self.events.device_stored(loaded, np.flatnonzero(on_host), lo, 0, token_ids)
                 # the disk hits' host slots hold them too now (their tokens: just recorded)
+                from_disk = np.flatnonzero(on_host & np.isin(m.host, read_back))
                 self.events.host_stored(table[from_disk], lo[from_disk])
             self.device.lru.copy_retention(loaded, self.host.lru, host_hits)
             self.device.mark_busy(loaded)

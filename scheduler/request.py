@@ -115,19 +115,27 @@ class Sequence:
 
     def take_output(self) -> RequestOutput:
         """The output to stream now: the tokens not sent yet, and the end if it came."""
-        new = self.output[self.num_emitted:]
-        self.num_emitted = len(self.output)
-        finished = self.status is SeqStatus.FINISHED
+        # every running sequence, every step: positional, no properties
+        output = self.output
+        new = output[self.num_emitted:]
+        self.num_emitted = len(output)
+        request = self.request
+        if self.status is not SeqStatus.FINISHED:
+            return RequestOutput(
+                request.request_id, new, False, None, len(request.prompt_token_ids),
+                self.num_device_cached, self.num_host_cached, None, None,
+                self.thinking.num_tokens if self.thinking is not None else 0,
+                self.num_disk_cached)
         return RequestOutput(
-            request_id=self.request_id,
+            request_id=request.request_id,
             token_ids=new,
-            finished=finished,
-            finish_reason=self.finish_reason if finished else None,
-            num_prompt_tokens=len(self.prompt),
+            finished=True,
+            finish_reason=self.finish_reason,
+            num_prompt_tokens=len(request.prompt_token_ids),
             num_device_cached_tokens=self.num_device_cached,
             num_host_cached_tokens=self.num_host_cached,
-            error=self.error if finished else None,
-            error_type=self.error_type if finished else None,
+            error=self.error,
+            error_type=self.error_type,
             num_reasoning_tokens=self.thinking.num_tokens if self.thinking is not None else 0,
             num_disk_cached_tokens=self.num_disk_cached,
         )

@@ -12,6 +12,7 @@ import heapq
 import itertools
 import time
 from collections.abc import Callable
+from operator import itemgetter
 
 import numpy as np
 
@@ -259,11 +260,17 @@ class Scheduler:
         # Running sequences first (decodes and unfinished prefills), oldest first.
         # When blocks run out, the newest running sequence is preempted (it has not
         # been scheduled in this step yet: the loop goes oldest to newest).
+        self._grow_running(budget)
+        # the running sequences' commits, registered together after the loop (before any
+        # admission, which may hit them; none of them is closed in this step)
+        commits: list[tuple[int, list[int], int]] = []
         i = 0
         num_running_before = len(self.running)
+        no_drafts: tuple[list[int], list[bytes]] = ([], [])
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            drafts, draft_masks = self._drafts(seq, budget)
+            drafts, draft_masks = (self._drafts(seq, budget) if seq.ngram is not None
+                                   else no_drafts)
             num_new = min(seq.num_tokens + seq.num_pending - seq.num_computed, budget)
             grown = self._grow(seq, num_new + len(drafts))
             if drafts and not grown:  # no room for the drafts: a plain decode
@@ -273,7 +280,7 @@ class Scheduler:
                 self._preempt(self.running[-1], plan)
                 grown = self._grow(seq, num_new)
             if grown:
-                self._schedule(plan, seq, num_new, drafts, draft_masks)
+                self._schedule(plan, seq, num_new, drafts, draft_masks, commits)
                 budget -= num_new + len(drafts)
                 i += 1
             elif len(self.running) == 1 and seq.num_pending:
@@ -284,6 +291,7 @@ class Scheduler:
                 self._pending_outputs.append(seq.take_output())
             else:
                 self._preempt(seq, plan)
+        self.cache.commit_many(commits, plan.step)
 
         # Then admit from the queue while budget, sequence slots and blocks last; not in
         # a step that had to preempt (blocks are short: admitting would only thrash).
@@ -301,7 +309,7 @@ class Scheduler:
                 self.queue.push_front(seq)
         while room():
             seq = self.queue.peek()
-            if seq is None or not self._settle_grammar(seq, wait=not plan.chunks):
+            if seq is None or not self._settle_grammar(seq, wait=not plan.num_chunks):
                 break
             if seq.status is SeqStatus.FINISHED:  # its grammar failed: popped, ended
                 continue
@@ -339,7 +347,8 @@ class Scheduler:
 
     def _schedule(self, plan: StepPlan, seq: Sequence, num_new: int,
                   drafts: list[int] | None = None,
-                  draft_masks: list[bytes] | None = None) -> None:
+                  draft_masks: list[bytes] | None = None,
+                  commits: list[tuple[int, list[int], int]] | None = None) -> None:
         """Run `num_new` more tokens of `seq` in `plan`, with the block-table delta the
         ranks need first. The blocks whose KV this step writes are registered at once:
         steps run in order, and in each layer the ranks write the whole batch's KV
@@ -347,42 +356,61 @@ class Scheduler:
         this one, e.g. a second agent sent the same fresh context -- may hit them. Draft
         tokens (`drafts`, after the last known one) run too but are never committed: a
         block is registered only once every token in it is verified. A guided sequence's
-        drafts come with the mask of the sample after each (`draft_masks`, `_drafts`)."""
-        drafts = drafts or []
-        draft_masks = draft_masks or []
+        drafts come with the mask of the sample after each (`draft_masks`, `_drafts`).
+        With `commits`, the registration is queued there instead, and the caller makes
+        all of them at once before anything may hit them (`schedule`: the running
+        sequences', before the admissions)."""
+        # Written for the common case, a running sequence's one-token decode, which
+        # every sequence of the batch goes through every step: few calls, few lookups.
+        seq_id, tokens, num_pending = seq.seq_id, seq.tokens, seq.num_pending
         start = seq.num_computed
         end = start + num_new
-        known = seq.num_tokens
+        known = len(tokens)
         # A block whose last token is pending is registered by the sequence's next plan,
         # once the token is known, or by its close if no plan runs it again (`_close`).
-        self.cache.commit(seq.seq_id, seq.tokens, min(end, known), plan.step)
+        if commits is None:
+            self.cache.commit(seq_id, tokens, end if end < known else known, plan.step)
+        else:  # the caller commits them all at once (cache.commit_many)
+            commits.append((seq_id, tokens, end if end < known else known))
+        block_ids = seq.block_ids
         if not seq.opened:
-            plan.new_seqs.append(NewSequence(seq.seq_id, list(seq.block_ids),
-                                             seq.request.sampling))
+            plan.new_seqs.append(NewSequence(seq_id, list(block_ids), seq.request.sampling))
             seq.opened = True
-            seq.num_sent_blocks = len(seq.block_ids)
-        elif len(seq.block_ids) > seq.num_sent_blocks:
-            plan.append.append(AppendBlocks(seq.seq_id, seq.block_ids[seq.num_sent_blocks:]))
-            seq.num_sent_blocks = len(seq.block_ids)
-        sample = end == known + seq.num_pending
+            seq.num_sent_blocks = len(block_ids)
+        elif len(block_ids) > seq.num_sent_blocks:
+            plan.append.append(AppendBlocks(seq_id, block_ids[seq.num_sent_blocks:]))
+            seq.num_sent_blocks = len(block_ids)
+        sample = end == known + num_pending
         allowed = None
-        if sample and self._masked(seq):
-            assert not seq.num_pending, (
+        if sample and (seq.guide is not None or seq.thinking is not None):
+            assert not num_pending, (
                 "a masked sample planned before its sequence's pending token is known")
             allowed = self._allowed(seq)
-        token_ids = seq.tokens[start:end]
+        if num_new == 1 and sample and allowed is None and not drafts:  # a plain decode
+            plan.decodes.append(seq_id, tokens[start] if start < known else PENDING_TOKEN,
+                                start)
+            seq.num_computed = end
+            seq.num_drafts = 0
+            seq.num_pending = num_pending + 1
+            seq.last_step = plan.step
+            return
         if end > known:  # the token sampled by the step in flight, resolved by the ranks
+            token_ids = tokens[start:known]
             token_ids.extend([PENDING_TOKEN] * (end - known))
-        assert not drafts or (sample and end == known), "drafts only after every known token"
-        assert len(draft_masks) == (len(drafts) if allowed is not None else 0), (
+        else:
+            token_ids = tokens[start:end]
+        num_draft = 0
+        if drafts:
+            assert sample and end == known, "drafts only after every known token"
+            token_ids.extend(drafts)
+            num_draft = len(drafts)
+        assert len(draft_masks or ()) == (num_draft if allowed is not None else 0), (
             "a masked drafted decode needs a mask for each draft row, an unmasked one none")
-        token_ids.extend(drafts)
-        plan.chunks.append(ScheduledChunk(seq.seq_id, token_ids, start, sample=sample,
-                                          allowed=allowed, num_draft=len(drafts),
-                                          draft_allowed=draft_masks))
-        seq.num_computed = end + len(drafts)
-        seq.num_drafts = len(drafts)
-        seq.num_pending += sample
+        plan.chunks.append(ScheduledChunk(seq_id, token_ids, start, sample, allowed, num_draft,
+                                          draft_masks if draft_masks else []))
+        seq.num_computed = end + num_draft
+        seq.num_drafts = num_draft
+        seq.num_pending = num_pending + sample
         seq.last_step = plan.step
 
     def _close_ahead(self, plan: StepPlan) -> None:
@@ -391,14 +419,15 @@ class Scheduler:
         this plan, the one after the step that samples that token -- exactly when the
         close-timing rule wants it. It waits in `_awaiting` for its token, which `update`
         emits as the end."""
-        for seq in [s for s in self.running if s.num_pending and self._ends_with_pending(s)]:
+        # its pending token reaches max_tokens or fills the context (a test of every
+        # running sequence, every step: written inline)
+        max_len = self.limits.max_model_len
+        for seq in [s for s in self.running if s.num_pending and (
+                len(s.output) + s.num_pending >= s.request.max_tokens
+                or len(s.tokens) + s.num_pending >= max_len)]:
             self.running.remove(seq)
             self._close(seq, plan)
             self._awaiting[seq.seq_id] = seq
-
-    def _ends_with_pending(self, seq: Sequence) -> bool:
-        return (len(seq.output) + seq.num_pending >= seq.request.max_tokens
-                or seq.num_tokens + seq.num_pending >= self.limits.max_model_len)
 
     def _drafts(self, seq: Sequence, budget: int) -> tuple[list[int], list[bytes]]:
         """Draft tokens for a decode of `seq` (scheduler/speculation.py), and for a guided
@@ -416,10 +445,6 @@ class Scheduler:
         if seq.guide is None or not drafts:
             return drafts, []
         return guided_drafts(drafts, seq.guide, seq.stop_token_ids)
-
-    @staticmethod
-    def _masked(seq: Sequence) -> bool:
-        return seq.guide is not None or seq.thinking is not None
 
     def _settle_grammar(self, seq: Sequence, *, wait: bool) -> bool:
         """Whether the queue's head is settled: it has no grammar, or its grammar has
@@ -450,11 +475,10 @@ class Scheduler:
         """Take the prefix hit and blocks for the first chunk; False (nothing changed) if
         the blocks are not there."""
         tokens = seq.tokens
-        hit = self.cache.lookup(tokens, seq.extra_key, seq.chain)
-        num_new = min(seq.num_tokens - hit.num_tokens, budget)
         first = seq.num_preemptions == 0  # a readmission hits its own blocks: not counted
-        blocks = self.cache.allocate(seq.seq_id, tokens, hit.num_tokens + num_new, seq.extra_key,
-                                     seq.chain, count_hit=first)
+        # the whole prompt, capped at `budget` tokens past the hit the cache finds
+        blocks = self.cache.allocate(seq.seq_id, tokens, len(tokens), seq.extra_key,
+                                     seq.chain, count_hit=first, budget=budget)
         if blocks is None:
             return False
         took = self.cache.num_cached_tokens(seq.seq_id)
@@ -469,6 +493,32 @@ class Scheduler:
             self.cache.retain(seq.seq_id, [(r.num_tokens, r.ttl_s)
                                            for r in seq.request.retention])
         return True
+
+    def _grow_running(self, budget: int) -> None:
+        """The running sequences' new blocks for this step in one allocation
+        (cache.grow), when they all fit: the loop in `schedule` then finds room for each
+        as it goes. When they do not, nothing is taken here and the loop grows them one
+        by one, preempting the newest. The tokens each is given are the loop's, budget
+        included, so the loop's outcome is the same either way; drafts are decided in the
+        loop, so with speculative decoding the loop grows each itself."""
+        if self.speculative is not None:
+            return
+        bs = self.block_size
+        needs = []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            num_new = min(seq.num_tokens + seq.num_pending - seq.num_computed, budget)
+            budget -= num_new
+            end = seq.num_computed + num_new
+            if -(-end // bs) > len(seq.block_ids):
+                needs.append((seq, end))
+        if not needs:
+            return
+        grown = self.cache.grow([(seq.seq_id, end) for seq, end in needs])
+        if grown is not None:
+            for (seq, _), blocks in zip(needs, grown):
+                seq.block_ids.extend(blocks)
 
     def _grow(self, seq: Sequence, num_new: int) -> bool:
         if -(-(seq.num_computed + num_new) // self.block_size) <= len(seq.block_ids):
@@ -508,9 +558,13 @@ class Scheduler:
         by_id = {seq.seq_id: seq for seq in self.running}
         now = time.monotonic()
         outputs, self._pending_outputs = self._pending_outputs, []
-        # a drafted decode yields several tokens in a row; any other chunk one
-        for seq_id, group in itertools.groupby(sampled, key=lambda st: st[0]):
-            tokens = [t for _, t in group]
+        # a drafted decode yields several tokens in a row; any other chunk one (and
+        # without speculative decoding every chunk is another: no grouping to do)
+        groups = (((seq_id, [token]) for seq_id, token in sampled)
+                  if self.speculative is None else
+                  ((seq_id, [t for _, t in group])
+                   for seq_id, group in itertools.groupby(sampled, key=itemgetter(0))))
+        for seq_id, tokens in groups:
             seq = by_id.get(seq_id)
             if seq is None:
                 ended = self._awaiting.pop(seq_id, None)

@@ -167,11 +167,13 @@ class Telemetry:
 
 
 def summarize(plan: StepPlan) -> PlanSummary:
-    chunks = [ChunkSummary(c.seq_id, c.start_pos, len(c.token_ids), c.sample)
-              for c in plan.chunks]
+    d = plan.decodes
+    chunks = [ChunkSummary(s, p, 1, True) for s, p in zip(d.seq_ids, d.start_pos)]
+    chunks += [ChunkSummary(c.seq_id, c.start_pos, len(c.token_ids), c.sample)
+               for c in plan.chunks]
     # a drafted decode (speculative decoding) runs its drafts as decode tokens too
-    decode = sum(1 + c.num_draft for c in plan.chunks
-                 if c.sample and len(c.token_ids) == 1 + c.num_draft)
+    decode = len(d) + sum(1 + c.num_draft for c in plan.chunks
+                          if c.sample and len(c.token_ids) == 1 + c.num_draft)
     return PlanSummary(
         step=plan.step, time=time.time(), duration_s=0.0, close=list(plan.close),
         new_seqs=[s.seq_id for s in plan.new_seqs],

@@ -41,7 +41,7 @@ def run(events: bool, agents: int, turns: int) -> dict:
                 pub.publish(sched.cache.take_events())
             plan_s += time.perf_counter() - t
             steps += 1
-            sched.update(plan, [(c.seq_id, 7) for c in plan.chunks if c.sample])
+            sched.update(plan, [(c.seq_id, 7) for c in plan.batch() if c.sample])
         for h in histories:
             h += [7] * 32 + [rng.randrange(10, 32000) for _ in range(500)]
     batches = pub.num_published if pub is not None else 0

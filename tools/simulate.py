@@ -122,7 +122,8 @@ class CostModelExecutor:
             self._reads.append((self._disk_free_at, op[0]))
             self.disk_read_seconds += self.cost.disk_s_per_block
         decodes = context = 0
-        for c in plan.chunks:
+        batch = plan.batch()
+        for c in batch:
             if len(c.token_ids) == 1 and c.start_pos > 0 and c.sample:
                 decodes += 1
                 context += c.start_pos + 1
@@ -131,14 +132,14 @@ class CostModelExecutor:
             self.prompt_seconds[c.seq_id] = self.prompt_seconds.get(c.seq_id, 0.0) + t
             seconds += t
         seconds += self.cost.decode_seconds(decodes, context)
-        seconds = self.cost.step_seconds(seconds, len(plan.chunks))
-        if not plan.chunks and self._reads:  # nothing to run: wait for the reads, as an
+        seconds = self.cost.step_seconds(seconds, len(batch))
+        if not batch and self._reads:  # nothing to run: wait for the reads, as an
             # idle rank does (at most worker/disk_tier.py's IDLE_WAIT_S, 20 ms)
             seconds = max(seconds, min(self._reads[-1][0] - self.clock, 0.02))
         self.clock += seconds
         read_done = [rid for t, rid in self._reads if t <= self.clock]
         self._reads = self._reads[len(read_done):]
-        sampled = [(c.seq_id, 1000 + c.seq_id % 5000) for c in plan.chunks if c.sample]
+        sampled = [(c.seq_id, 1000 + c.seq_id % 5000) for c in batch if c.sample]
         # a disk write lands in the background: done by this result
         return [StepResult(plan.step, 0, self.mirror.value, sampled,
                            RankTiming(forward_s=seconds),

@@ -102,6 +102,31 @@ class ScheduledChunk:
 
 
 @dataclass
+class DecodeBatch:
+    """A step's plain decodes, column by column: entry i is the chunk
+    ScheduledChunk(seq_ids[i], [token_ids[i]], start_pos[i], sample=True) -- one token, no
+    mask, no drafts. Most of a batch is these, every step, so they cross the wire as three
+    lists of ints (msgpack packs them in C) and ranks read them as arrays, with no object
+    per sequence on either side. A chunk of any other shape goes in StepPlan.chunks."""
+
+    seq_ids: list[int] = field(default_factory=list)
+    start_pos: list[int] = field(default_factory=list)  # the position of its one token
+    token_ids: list[int] = field(default_factory=list)  # that token, or PENDING_TOKEN
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+    def append(self, seq_id: int, token: int, position: int) -> None:
+        self.seq_ids.append(seq_id)
+        self.token_ids.append(token)
+        self.start_pos.append(position)
+
+    def as_chunks(self) -> list[ScheduledChunk]:
+        return [ScheduledChunk(s, [t], p, True)
+                for s, t, p in zip(self.seq_ids, self.token_ids, self.start_pos)]
+
+
+@dataclass
 class StepPlan:
     step: int
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
@@ -123,6 +148,17 @@ class StepPlan:
     # every rank reported it done (StepResult.disk_read_done, cache/disk_flow.py).
     disk_write: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     disk_read: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    # The batch is `decodes`, then `chunks`: rows, samples and results in that order.
+    decodes: DecodeBatch = field(default_factory=DecodeBatch)
+
+    def batch(self) -> list[ScheduledChunk]:
+        """Every chunk this step runs, in batch order, the decodes as ScheduledChunk
+        objects: for readers off the per-step path (tests, tools, inspection)."""
+        return self.decodes.as_chunks() + self.chunks
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.decodes) + len(self.chunks)
 
 
 @dataclass

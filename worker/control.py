@@ -55,6 +55,8 @@ class RankControl:
         """The plan's cache ops and table deltas are applied; its forward pass is next."""
         for seq_id in plan.close:
             self._num_tokens.pop(seq_id, None)
+        d = plan.decodes
+        self._num_tokens.update(zip(d.seq_ids, (p + 1 for p in d.start_pos)))
         for chunk in plan.chunks:
             self._num_tokens[chunk.seq_id] = chunk.start_pos + len(chunk.token_ids)
         self._step_started = time.monotonic()

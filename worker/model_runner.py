@@ -18,7 +18,7 @@ import torch
 from wire.client import SamplingParams
 from wire.config import EngineConfig
 from wire.digest import StateDigest, samples_digest
-from wire.step import PENDING_TOKEN, RankTiming, ScheduledChunk, StepPlan, count_accepted
+from wire.step import PENDING_TOKEN, RankTiming, StepPlan, count_accepted
 from worker.attention import AttentionBackend, AttentionMetadata, create_backend
 from worker.block_table import BlockTable
 from worker.budget import (
@@ -60,7 +60,9 @@ class BatchInputs:
     slots: torch.Tensor
     meta: AttentionMetadata
     sample_rows: list[int]
-    pending: list[tuple[int, ScheduledChunk]]  # (row of token_ids, its chunk)
+    # (row of token_ids, its sequence, the plan's list holding the token, index in it):
+    # each PENDING_TOKEN, resolved at the launch in the batch and in the plan alike
+    pending: list[tuple[int, int, list[int], int]]
     seq_lens: torch.Tensor | None = None  # [T] context at the chunk's end: dynamic NTK only
 
 
@@ -206,7 +208,7 @@ class ModelRunner:
         if self.on_applied is not None:
             self.on_applied(plan)
         step = PreparedStep(plan, self.digest.value, timing)
-        if plan.chunks:
+        if plan.num_chunks:
             t2 = time.perf_counter()
             # the null model takes none of these, but a rank builds them every step all
             # the same (its page tables check every chunk against its block table)
@@ -248,15 +250,14 @@ class ModelRunner:
         if isinstance(self.model, NullModel):
             sampled = self.model.finish()
         else:  # reading the tokens waits for the device
-            rows = [c.seq_id for c in step.plan.chunks if c.sample
-                    for _ in range(c.num_draft + 1)]
+            rows = step.plan.decodes.seq_ids + [c.seq_id for c in step.plan.chunks if c.sample
+                                                for _ in range(c.num_draft + 1)]
             sampled = list(zip(rows, step.sampled.tolist())) if step.sampled is not None else []
         t4 = time.perf_counter()
         step.timing.forward_s = t4 - step.launched_at
         self._last_forward_end = t4
         sampled = self._accept_drafts(step.plan, sampled)
-        for seq_id, token in sampled:
-            self.last_token[seq_id] = token
+        self.last_token.update(sampled)  # (seq_id, token) pairs; a drafted decode's last wins
         sampled_digest = samples_digest(sampled) if self.every_rank_samples else 0
         if self.tp.rank != 0:
             sampled = []  # rank 0 answers for the batch
@@ -277,8 +278,8 @@ class ModelRunner:
         last token) replaced by the token its sequence sampled in the step before, which
         this rank has by now (it sampled it itself)."""
         token_ids = step.batch.token_ids
-        for row, chunk in step.batch.pending:
-            chunk.token_ids[-1] = token_ids[row] = self.last_token[chunk.seq_id]
+        for row, seq_id, holder, i in step.batch.pending:
+            holder[i] = token_ids[row] = self.last_token[seq_id]
         # The embedding must never see an id outside the vocabulary (the
         # scheduler rejects them first; this is the worker's own guard).
         assert 0 <= token_ids.min() and token_ids.max() < self.vocab_size, (
@@ -309,8 +310,8 @@ class ModelRunner:
         the samples gets the same; a rank without them (rank > 0, no overlap) gets []."""
         if not sampled or not any(c.num_draft for c in plan.chunks):
             return sampled
-        out: list[tuple[int, int]] = []
-        i = 0
+        i = len(plan.decodes)  # the decodes' samples come first, one each
+        out: list[tuple[int, int]] = sampled[:i]
         for chunk in plan.chunks:
             if not chunk.sample:
                 continue
@@ -339,7 +340,8 @@ class ModelRunner:
             if self.disk is not None:  # a read in flight into a slot a copy touches
                 self.disk.join([s for _, s in plan.swap_out] + [s for s, _ in plan.swap_in])
             self.kv.swap(plan.swap_out, plan.swap_in)
-        running = {c.seq_id for c in plan.chunks}
+        running = set(plan.decodes.seq_ids).union(c.seq_id for c in plan.chunks) \
+            if plan.close else set()
         for seq_id in plan.close:
             # The close-timing rule (scheduler/scheduler.py `Scheduler._close`), checked
             # again across the process boundary: never closed by a plan that runs it.
@@ -373,16 +375,20 @@ class ModelRunner:
         Only what is per chunk is Python (comprehensions over the chunks); what is per
         token or per page is numpy over the whole batch (block_table.py says why)."""
         bs = self.config.block_size
-        chunks = plan.chunks
-        tables = [self.block_tables[c.seq_id] for c in chunks]
-        n_tok = np.array([len(c.token_ids) for c in chunks])
-        start = np.array([c.start_pos for c in chunks])
+        d, chunks = plan.decodes, plan.chunks
+        nd = len(d)  # the decodes' rows come first, one each (wire/step.py DecodeBatch)
+        bt = self.block_tables
+        tables = [bt[s] for s in d.seq_ids]
+        tables += [bt[c.seq_id] for c in chunks]
+        n_tok = np.ones(len(tables), dtype=np.int64)
+        n_tok[nd:] = [len(c.token_ids) for c in chunks]
+        start = np.array(d.start_pos + [c.start_pos for c in chunks], dtype=np.int64)
         ctx = start + n_tok
         num_pages = -(-ctx // bs)
         table_len = np.array([len(t) for t in tables])
         if not ((n_tok > 0).all() and (ctx <= self.max_model_len).all()
                 and (num_pages <= table_len).all()):
-            self._refuse_chunks(chunks, ctx, num_pages, table_len)
+            self._refuse_chunks(plan.batch(), ctx, num_pages, table_len)
         pages = [t.pages(p) for t, p in zip(tables, num_pages.tolist())]
         qo_indptr = np.concatenate(([0], np.cumsum(n_tok)))
         kv_indptr = np.concatenate(([0], np.cumsum(num_pages)))
@@ -393,22 +399,26 @@ class ModelRunner:
         page = np.repeat(kv_indptr[:-1], n_tok) + positions // bs
         slots = kv_indices[page].astype(np.int64) * bs + positions % bs
         last_page_len = ctx - (num_pages - 1) * bs
-        token_ids = np.array([t for c in chunks for t in c.token_ids], dtype=np.int64)
+        token_ids = np.array(d.token_ids + [t for c in chunks for t in c.token_ids],
+                             dtype=np.int64)
         i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
         meta = AttentionMetadata(i32(qo_indptr), i32(kv_indptr), i32(kv_indices),
                                  i32(last_page_len), bs)
         dev = self.device
-        ends = qo_indptr[1:].tolist()
+        ends = qo_indptr[nd + 1:].tolist()  # the chunks' (after the decodes')
+        pending = [(row, s, d.token_ids, row) for row, s in enumerate(d.seq_ids)
+                   if d.token_ids[row] == PENDING_TOKEN] if PENDING_TOKEN in d.token_ids else []
+        pending += [(end - 1, c.seq_id, c.token_ids, len(c.token_ids) - 1)
+                    for end, c in zip(ends, chunks) if c.token_ids[-1] == PENDING_TOKEN]
         return BatchInputs(
             token_ids=token_ids,
             positions=torch.from_numpy(positions.astype(np.int64)).to(dev),
             slots=torch.from_numpy(slots).to(dev),
             meta=meta,
             # a drafted decode samples at each draft and after the last
-            sample_rows=[row for end, c in zip(ends, chunks) if c.sample
-                         for row in range(end - 1 - c.num_draft, end)],
-            pending=[(end - 1, c) for end, c in zip(ends, chunks)
-                     if c.token_ids[-1] == PENDING_TOKEN],
+            sample_rows=[*range(nd)] + [row for end, c in zip(ends, chunks) if c.sample
+                                        for row in range(end - 1 - c.num_draft, end)],
+            pending=pending,
             seq_lens=(torch.from_numpy(np.repeat(ctx, n_tok).astype(np.int64)).to(dev)
                       if self.model_config.dynamic_rope else None),
         )
@@ -428,11 +438,13 @@ class ModelRunner:
         per sample, a drafted decode's rows its last num_draft + 1 positions, each sampled
         as plain decoding would sample it there (its seed, its position, and a guided
         one's mask there: the grammar's after the drafts before it)."""
-        rows_of = [(c, c.start_pos + len(c.token_ids) - c.num_draft + k)
-                   for c in plan.chunks if c.sample for k in range(c.num_draft + 1)]
+        d = plan.decodes  # first: one row each, at the position after its token, no mask
+        rows_of = [(s, p + 1) for s, p in zip(d.seq_ids, d.start_pos)]
+        rows_of += [(c.seq_id, c.start_pos + len(c.token_ids) - c.num_draft + k)
+                    for c in plan.chunks if c.sample for k in range(c.num_draft + 1)]
         assert len(rows_of) == len(rows)
-        params = [self.sampling[c.seq_id][0] for c, _ in rows_of]
-        seeds = [self.sampling[c.seq_id][1] for c, _ in rows_of]
+        params = [self.sampling[s][0] for s, _ in rows_of]
+        seeds = [self.sampling[s][1] for s, _ in rows_of]
         positions = [p for _, p in rows_of]
-        masks = [m for c in plan.chunks if c.sample for m in c.row_masks()]
+        masks = [None] * len(d) + [m for c in plan.chunks if c.sample for m in c.row_masks()]
         return sample_tensor(logits, params, seeds, positions, masks)

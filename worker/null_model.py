@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 # the digest's fixed, seedless integer hash: the same in every process and every run
-from wire.digest import _mix64
+from wire.digest import _mix64, _mix64_np
 from wire.step import ScheduledChunk, StepPlan
 from worker.distributed import TensorParallelGroup
 from worker.model_config import ModelConfig
@@ -80,9 +80,13 @@ class NullModel:
         # real model) has a (seq_id, token) for each chunk that samples, the others none
         # (a drafted decode samples at each draft position too, each row under its own
         # mask, as the real model does)
-        self._sampled = ([(c.seq_id, self.token(c, len(c.token_ids) - c.num_draft + k))
+        if not self.samples:
+            self._sampled = []
+            return
+        d = plan.decodes  # the batch's first rows (wire/step.py DecodeBatch)
+        self._sampled = list(zip(d.seq_ids, self.decode_tokens(d.token_ids, d.start_pos)))
+        self._sampled += [(c.seq_id, self.token(c, len(c.token_ids) - c.num_draft + k))
                           for c in plan.chunks if c.sample for k in range(c.num_draft + 1)]
-                         if self.samples else [])
 
     def busy_s(self) -> float:
         """How long the forward in flight still runs."""
@@ -106,6 +110,16 @@ class NullModel:
         if allowed is not None:
             index = self._first_allowed(index, allowed)
         return int(self._tokens[index])
+
+    def decode_tokens(self, token_ids: list[int], start_pos: list[int]) -> list[int]:
+        """`token` of each plain decode (one token, no mask) of a DecodeBatch, over the
+        whole batch at once: the token after `token_ids[i]`, at `start_pos[i] + 1`."""
+        if not token_ids:
+            return []
+        x = ((np.array(token_ids, dtype=np.uint64) << np.uint64(32))
+             ^ (np.array(start_pos, dtype=np.uint64) + np.uint64(1)))
+        index = _mix64_np(x) % np.uint64(len(self._tokens))
+        return self._tokens[index.astype(np.int64)].tolist()
 
     def _first_allowed(self, index: int, allowed: bytes) -> int:
         """The first emittable token at or after `index` (cyclically) that the mask allows

@@ -106,6 +106,79 @@ def test_growing_sequence_registers_blocks_as_they_fill() -> None:
     assert len(digest_state(m).device_map()) == 3  # 13 tokens: 3 full blocks
 
 
+def _grown_pair() -> list[KVCacheManager]:
+    """Two managers in the same state: three sequences of 5 tokens whose cached
+    predecessors fill the rest of the device tier (so growing them evicts to the host)."""
+    out = []
+    for _ in range(2):
+        m = mgr(num_device_blocks=8, num_host_blocks=16)
+        run(m, 9, prompt(8, 500))  # 2 blocks, cached once freed: evicted by the growth
+        m.take_ops()
+        m.free(9, 1)
+        for seq_id in (1, 2, 3):
+            run(m, seq_id, prompt(5, 100 * seq_id), step=1)
+        m.take_ops()
+        out.append(m)
+    return out
+
+
+def test_grow_gives_what_allocating_one_by_one_gives() -> None:
+    one, batched = _grown_pair()
+    needs = [(1, 9), (2, 5), (3, 12)]  # a block each for 1 and 3, both evicted ones
+    seq = [one.allocate(s, prompt(n, 100 * s), n, KEY) for s, n in needs]
+    assert batched.grow(needs) == seq == [[1], [], [0]]  # seq 9's, its tail first
+    assert batched.peek_ops() == one.peek_ops() and len(one.peek_ops().swap_out) == 2
+    assert [batched.block_table(s) for s in (1, 2, 3)] == [one.block_table(s) for s in (1, 2, 3)]
+    assert digest_state(batched).fingerprint() == digest_state(one).fingerprint()
+    batched.check_invariants()
+
+
+def test_grow_is_all_or_nothing() -> None:
+    _, m = _grown_pair()
+    before = (m.usage(), digest_state(m).fingerprint(), m.peek_ops())
+    assert m.grow([(1, 9), (2, 24)]) is None  # 1 + 4 blocks, 4 to be had
+    assert (m.usage(), digest_state(m).fingerprint(), m.peek_ops()) == before
+    assert [len(m.block_table(s)) for s in (1, 2)] == [2, 2]
+
+
+def test_a_first_allocation_takes_a_budget_past_its_hit() -> None:
+    m = mgr()
+    p = prompt(16)
+    run(m, 1, p)
+    m.take_ops()
+    # 16 tokens hit (4 blocks); a budget of 5 more: blocks for 21 of the 40 tokens
+    blocks = m.allocate(2, p + prompt(24, 100), 40, KEY, budget=5)
+    assert m.num_cached_tokens(2) == PrefixHit(16, 0) and len(blocks) == 6
+    with pytest.raises(AssertionError):  # a live sequence grows by its tokens, not a budget
+        m.allocate(2, p + prompt(24, 100), 40, KEY, budget=5)
+
+
+def test_commit_many_registers_what_commits_one_by_one_register() -> None:
+    # seqs 1 and 2 hold the same tokens (the second fills a block of a hash the first
+    # registers in the same batch: it keeps its copy unindexed); 3 fills nothing new
+    managers = [mgr(), mgr()]
+    same, other = prompt(6), prompt(6, 50)
+    for m in managers:
+        for seq_id, toks in ((1, same), (2, same), (3, other)):
+            assert m.allocate(seq_id, toks, 6, KEY) is not None
+            m.commit(seq_id, toks, 6, 0)
+        m.take_ops()
+    grown = same + [7, 8, 9]
+    commits = [(1, grown, 9), (2, grown, 9), (3, other, 6)]
+    one, batched = managers
+    for seq_id, toks, n in commits:
+        one.allocate(seq_id, toks, n, KEY)
+        one.commit(seq_id, toks, n, 1)
+    for seq_id, toks, n in commits:
+        batched.allocate(seq_id, toks, n, KEY)
+    batched.commit_many(commits, 1)
+    assert batched.peek_ops() == one.peek_ops() and len(one.peek_ops().registered) == 1
+    assert digest_state(batched).fingerprint() == digest_state(one).fingerprint()
+    batched.check_invariants()
+    with pytest.raises(AssertionError, match="closed in step 1"):  # committed in step 1
+        batched.free(3, 1)
+
+
 def test_close_in_the_running_step_is_loud() -> None:
     m = mgr()
     run(m, 1, prompt(8))

@@ -61,11 +61,11 @@ def test_a_router_reads_load_and_cache_under_vllms_names(tokenizer: Tokenizer) -
     sched.add_request(GenerateRequest("first", shared + [5, 6], 2))
     while sched.has_work():  # the first one runs alone and leaves its blocks cached
         plan = sched.schedule()
-        sched.update(plan, [(c.seq_id, 7) for c in plan.chunks if c.sample])
+        sched.update(plan, [(c.seq_id, 7) for c in plan.batch() if c.sample])
     for i in range(4):
         sched.add_request(GenerateRequest(f"r{i}", shared + [10 + i] * 9, 8))
     plan = sched.schedule()  # two admitted (max_num_seqs), two waiting
-    sched.update(plan, [(c.seq_id, 7) for c in plan.chunks if c.sample])
+    sched.update(plan, [(c.seq_id, 7) for c in plan.batch() if c.sample])
 
     app = build_app(SchedulerEngine(sched), tokenizer, model_name=["tiny-llama", "claude"])
     with TestClient(app) as client:

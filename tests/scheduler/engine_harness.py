@@ -33,7 +33,7 @@ class RecordingExecutor:
 
     def submit(self, plan: StepPlan) -> None:
         self.plans.append(plan)
-        self.num_pending.append(sum(c.token_ids[-1] == PENDING_TOKEN for c in plan.chunks))
+        self.num_pending.append(sum(c.token_ids[-1] == PENDING_TOKEN for c in plan.batch()))
         self.inner.submit(plan)
 
     def collect(self) -> list[StepResult]:

@@ -28,8 +28,8 @@ def test_batching_and_chunking_change_nothing_at_world_size_4(default_model):
     with zmq_engine(default_model, 4, max_num_batched_tokens=64) as core:
         together = run_until_done(core, requests("t"))
         plans = core.executor.plans
-        assert max(len(p.chunks) for p in plans) >= 4, "requests were never batched"
-        assert any(len(c.token_ids) > 1 for p in plans for c in p.chunks if not c.sample), \
+        assert max(len(p.batch()) for p in plans) >= 4, "requests were never batched"
+        assert any(len(c.token_ids) > 1 for p in plans for c in p.batch() if not c.sample), \
             "no prefill was chunked"
         core.scheduler.cache.reset_prefix_cache()
         alone = {}
@@ -60,7 +60,7 @@ def test_close_comes_in_the_plan_after_the_final_token(default_model, overlap):
         plans = core.executor.plans
         finals: dict[int, int] = {}  # seq id -> step that sampled its final token / last ran
         for plan in plans:
-            for chunk in plan.chunks:
+            for chunk in plan.batch():
                 finals[chunk.seq_id] = plan.step
         closes = {sid: p.step for p in plans for sid in p.close}
         assert set(closes) == set(finals), "every sequence is closed exactly once"

@@ -54,7 +54,7 @@ def test_output_follows_the_schema(default_model) -> None:
     with pytest.raises(json.JSONDecodeError):
         json.loads(tokenizer.decode(alone["free"]["tokens"]))
     # the mask went to the ranks with the sampled chunk only
-    chunks = [c for plan in core.executor.plans for c in plan.chunks]
+    chunks = [c for plan in core.executor.plans for c in plan.batch()]
     assert all((c.allowed is not None) == c.sample for c in chunks if c.seq_id != 1)
     assert all(c.allowed is None for c in chunks if c.seq_id == 1)
 

@@ -56,7 +56,7 @@ class Replica:
             self.sched.add_request(r)
         while self.sched.has_work():
             plan = self.sched.schedule()
-            self.sched.update(plan, [(c.seq_id, 7) for c in plan.chunks if c.sample])
+            self.sched.update(plan, [(c.seq_id, 7) for c in plan.batch() if c.sample])
             self._publish()
 
     def index(self) -> dict[str, set[int]]:

@@ -65,13 +65,13 @@ def test_null_model_serves_through_the_real_engine(default_model, world_size, ov
     assert stats.num_host_hit_tokens > 0 and stats.num_swap_in_blocks > 0
     assert stats.num_swap_out_blocks > 0
     assert any(p.swap_in for p in plans) and any(p.swap_out for p in plans)
-    assert max(len(p.chunks) for p in plans) >= 6, "requests were batched"
+    assert max(len(p.batch()) for p in plans) >= 6, "requests were batched"
     # every rank answered every step with the scheduler's digest (checked by the engine)
     for step in results:
         assert len({r.digest for r in step}) == 1 and len(step) == world_size
         assert {r.rank for r in step} == set(range(world_size))
     # the timing every rank reports: a forward in each step with chunks, idle between
-    ran = [(p, step) for p, step in zip(plans, results) if p.chunks]
+    ran = [(p, step) for p, step in zip(plans, results) if p.batch()]
     assert all(r.timing.decode_s > 0 and r.timing.apply_s > 0 for _, step in ran for r in step)
     assert sum(r.timing.gap_s for _, step in ran for r in step) > 0
     totals = core.totals.breakdown()
@@ -90,6 +90,6 @@ def test_null_model_forward_time_is_honoured(default_model):
         run_until_done(core, requests("t", prompts(3, n=2), max_tokens=4))
         wall = time.perf_counter() - t0
         plans, results = core.executor.plans, core.executor.results
-    forwards = [r.timing.forward_s for p, step in zip(plans, results) if p.chunks for r in step]
+    forwards = [r.timing.forward_s for p, step in zip(plans, results) if p.batch() for r in step]
     assert forwards and min(forwards) >= forward_ms / 1000  # lower bounds only: no flakes
-    assert wall >= sum(1 for p in plans if p.chunks) * forward_ms / 1000
+    assert wall >= sum(1 for p in plans if p.batch()) * forward_ms / 1000

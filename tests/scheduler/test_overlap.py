@@ -64,7 +64,7 @@ def check_close_timing(plans) -> None:
         for sid in plan.close:
             closes.setdefault(sid, []).append(plan.step)
             assert closes[sid][-1] > last[sid]
-        for chunk in plan.chunks:
+        for chunk in plan.batch():
             last[sid := chunk.seq_id] = plan.step
     for sid, steps in closes.items():
         # a preempted sequence closes more than once; its final close follows its last run
@@ -170,6 +170,6 @@ def test_max_tokens_is_never_planned_past(default_model):
             tokens += o.token_ids
             reason = o.finish_reason or reason
     assert len(tokens) == 3 and reason == "length"
-    ran = [p.step for p in core.executor.plans for c in p.chunks]
+    ran = [p.step for p in core.executor.plans for c in p.batch()]
     closed = [p.step for p in core.executor.plans if p.close]
     assert len(ran) == 3 and closed == [ran[-1] + 1]

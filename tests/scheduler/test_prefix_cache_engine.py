@@ -56,7 +56,7 @@ def test_requests_sharing_a_prefix_in_one_step_match_running_alone(default_model
     assert {rid: r["tokens"] for rid, r in both.items()} == alone
     first = core.executor.plans[0]
     if budget >= 2 * len(shared):  # one step: b admitted beside a, onto a's fresh blocks
-        assert both["b"]["cached"] == 112 and len(first.chunks) == 2
+        assert both["b"]["cached"] == 112 and len(first.batch()) == 2
 
 
 def test_same_tokens_cold_device_hit_and_host_hit(default_model):

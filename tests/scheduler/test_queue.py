@@ -148,7 +148,7 @@ def test_deadline_ends_a_waiting_and_a_running_request_with_timeout():
     plan, outs = run_step(s)
     # Expired while the plan was built: the running one is closed by that same plan
     # (it last ran in the step before), its blocks kept in the cache.
-    assert plan.close == [runs.seq_id] and not plan.chunks
+    assert plan.close == [runs.seq_id] and not plan.batch()
     ended = {o.request_id: o for o in outs if o.finished}
     assert set(ended) == {"runs", "waits"}
     for o in ended.values():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler.scheduler import RequestRejected, Scheduler
-from wire.client import GenerateRequest
+from wire.client import GenerateRequest, RequestOutput
 from wire.config import EngineConfig
 from wire.lifecycle import EngineLimits
 
@@ -24,7 +24,7 @@ def req(rid: str, n: int = 20, max_tokens: int = 4, **kw) -> GenerateRequest:
 def run_step(s: Scheduler, token: int = 7):
     """Plan one step and feed back `token` for every sampled chunk."""
     plan = s.schedule()
-    outs = s.update(plan, [(c.seq_id, token) for c in plan.chunks if c.sample])
+    outs = s.update(plan, [(c.seq_id, token) for c in plan.batch() if c.sample])
     return plan, outs
 
 
@@ -60,10 +60,10 @@ def test_token_budget_and_sequence_cap():
     for i in range(3):  # different prompts: no prefix to share
         s.add_request(GenerateRequest(f"r{i}", list(range(100 * i + 10, 100 * i + 30)), 4))
     plan, _ = run_step(s)
-    assert sum(len(c.token_ids) for c in plan.chunks) <= 32
-    assert len({c.seq_id for c in plan.chunks}) <= 2
-    assert [len(c.token_ids) for c in plan.chunks] == [20, 12]  # second prompt chunked
-    assert not plan.chunks[1].sample
+    assert sum(len(c.token_ids) for c in plan.batch()) <= 32
+    assert len({c.seq_id for c in plan.batch()}) <= 2
+    assert [len(c.token_ids) for c in plan.batch()] == [20, 12]  # second prompt chunked
+    assert not plan.batch()[1].sample
     assert len(s.queue) == 1
 
 
@@ -74,9 +74,9 @@ def test_close_is_planned_one_step_after_the_final_token():
     p1, outs = run_step(s)
     assert outs[-1].finished and outs[-1].finish_reason == "length"
     sid = p0.new_seqs[0].seq_id
-    assert sid in {c.seq_id for c in p1.chunks} and sid not in p1.close
+    assert sid in {c.seq_id for c in p1.batch()} and sid not in p1.close
     p2, _ = run_step(s)
-    assert p2.close == [sid] and not p2.chunks
+    assert p2.close == [sid] and not p2.batch()
     assert s.cache.usage()["device"]["used"] == 0
     assert s.cache.usage()["device"]["cached"] == 1  # its full block stays hittable
     assert not s.has_work()
@@ -103,7 +103,7 @@ def test_abort_while_queued_and_while_running():
     out = s.abort_request("run")
     assert out.finished and out.finish_reason == "abort"
     plan, _ = run_step(s)
-    assert len(plan.close) == 1 and not plan.chunks
+    assert len(plan.close) == 1 and not plan.batch()
     assert s.abort_request("run") is None  # already finished: nothing to do
 
 
@@ -121,8 +121,8 @@ def test_preemption_closes_and_requeues_the_newest():
             preempted_at = plan
             break
     assert preempted_at is not None, "the newest sequence was never preempted"
-    assert new_id not in {c.seq_id for c in preempted_at.chunks}
-    assert old_id in {c.seq_id for c in preempted_at.chunks}, "the oldest keeps running"
+    assert new_id not in {c.seq_id for c in preempted_at.batch()}
+    assert old_id in {c.seq_id for c in preempted_at.batch()}, "the oldest keeps running"
     assert s.queue.peek().request_id == "new" and s.queue.peek().num_preemptions == 1
     assert s.queue.peek().num_computed == 0  # recomputed from scratch when readmitted
     # run everything to the end: both finish, nothing stays referenced
@@ -142,7 +142,7 @@ def test_requests_admitted_in_one_step_share_their_prefix():
     s.add_request(req("a", n=100))
     s.add_request(req("b", n=100))
     plan = s.schedule()
-    assert [len(c.token_ids) for c in plan.chunks] == [100, 4]  # b: its last partial block
+    assert [len(c.token_ids) for c in plan.batch()] == [100, 4]  # b: its last partial block
     a, b = (s.sequence(r) for r in ("a", "b"))
     assert b.num_device_cached == 96 and b.block_ids[:6] == a.block_ids[:6]
 
@@ -215,3 +215,33 @@ def test_a_sessions_next_prompt_reuses_its_hashes():
     edited[20] = 999
     s.add_request(GenerateRequest("t2", edited, 2, session_id="agent-1"))
     assert list(s.queue)[-1].chain.num_blocks == 1
+
+
+def test_plain_decodes_go_column_by_column_and_prefills_as_chunks():
+    s = make(max_num_batched_tokens=64)
+    prompt = lambda i, n: list(range(100 * i + 10, 100 * i + 10 + n))  # noqa: E731 -- no hits
+    s.add_request(GenerateRequest("a", prompt(0, 20), 4))
+    s.add_request(GenerateRequest("b", prompt(1, 30), 4))
+    first, _ = run_step(s, token=7)
+    assert not first.decodes and [len(c.token_ids) for c in first.chunks] == [20, 30]
+    s.add_request(GenerateRequest("c", prompt(2, 10), 4))
+    plan, _ = run_step(s, token=8)
+    d = plan.decodes  # a and b decode their sampled token, c's prompt is a chunk
+    assert (d.seq_ids, d.token_ids, d.start_pos) == ([1, 2], [7, 7], [20, 30])
+    assert [(c.seq_id, len(c.token_ids)) for c in plan.chunks] == [(3, 10)]
+    assert plan.num_chunks == 3 and [c.seq_id for c in plan.batch()] == [1, 2, 3]
+
+
+def test_a_running_sequences_output_names_each_field():
+    """Sequence.take_output builds a running sequence's output positionally (it runs for
+    every sequence, every step): each value must land in its field."""
+    s = make()
+    s.add_request(req("a", n=20, max_tokens=8))
+    run_step(s, token=7)
+    seq = s.sequence("a")
+    seq.num_device_cached, seq.num_host_cached, seq.num_disk_cached = 16, 32, 48
+    seq.num_emitted = 0
+    assert seq.take_output() == RequestOutput(
+        request_id="a", token_ids=[7], finished=False, finish_reason=None,
+        num_prompt_tokens=20, num_device_cached_tokens=16, num_host_cached_tokens=32,
+        error=None, error_type=None, num_reasoning_tokens=0, num_disk_cached_tokens=48)

@@ -339,7 +339,7 @@ def test_thinking_sequences_get_no_drafts_and_masked_ones_keep_their_tokens(defa
         plans = core.executor.plans
     assert runs[True] == runs[False]
     assert runs[True]["guided"]["reason"] == "stop"
-    drafted = {c.seq_id for p in plans for c in p.chunks if c.num_draft}
+    drafted = {c.seq_id for p in plans for c in p.batch() if c.num_draft}
     assert 1 in drafted and 3 not in drafted  # seq ids follow the requests' order
 
 
@@ -377,11 +377,11 @@ def test_guided_tokens_are_the_same_with_speculation(default_model, overlap):
         plans, stats = core.executor.plans, core.scheduler.spec_stats
     assert runs[True] == runs[False]
     assert {runs[True][r]["reason"] for r in ("regex", "json", "regex2")} == {"stop"}
-    guided = [c for p in plans for c in p.chunks if c.num_draft and c.allowed is not None]
+    guided = [c for p in plans for c in p.batch() if c.num_draft and c.allowed is not None]
     assert guided and all(len(c.draft_allowed) == c.num_draft for c in guided)
     # kept and rejected drafts, counted over the guided sequences alone (seq ids 1, 2, 4)
     kept = sum(len(toks) - 1 for r, p in zip(core.executor.results, plans)
-               for c in p.chunks if c.num_draft and c.allowed is not None
+               for c in p.batch() if c.num_draft and c.allowed is not None
                for toks in [[t for s, t in r[0].sampled if s == c.seq_id]])
     drafted = sum(c.num_draft for c in guided)
     assert 0 < kept < drafted
@@ -439,7 +439,7 @@ def test_a_draft_token_the_grammar_refuses_ends_the_draft(default_model):
 
     seq.ngram = Stub()
     core.step()
-    (chunk,) = [c for c in core.executor.plans[-1].chunks if c.seq_id == seq.seq_id]
+    (chunk,) = [c for c in core.executor.plans[-1].batch() if c.seq_id == seq.seq_id]
     assert chunk.token_ids[-2:] == good and chunk.num_draft == 2
     assert chunk.allowed == before and chunk.draft_allowed == masks
     # the model kept what it kept; the grammar took those tokens and nothing else

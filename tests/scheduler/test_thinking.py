@@ -88,7 +88,7 @@ def test_the_engine_ends_a_span_at_its_budget(default_model) -> None:
     reported = {rid: outs[-1].num_reasoning_tokens for rid, outs in outputs.items()}
     assert reported == {"free": 0, "capped": 5, "counted": 12}
     # the mask went out once, with the sample after the fifth reasoning token
-    masks = [mask_tokens(c.allowed) for plan in core.executor.plans for c in plan.chunks
+    masks = [mask_tokens(c.allowed) for plan in core.executor.plans for c in plan.batch()
              if c.allowed is not None]
     assert masks == [{END}]
 

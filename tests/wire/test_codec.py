@@ -13,7 +13,9 @@ from wire.codec import SCHEMA_VERSION
 from wire.config import EngineConfig, SpeculativeConfig
 from wire.digest import StateDigest
 from wire.step import (
+    PENDING_TOKEN,
     AppendBlocks,
+    DecodeBatch,
     NewSequence,
     RankTiming,
     ScheduledChunk,
@@ -39,6 +41,8 @@ def test_plans_round_trip(step, tables, swaps, register, temperature):
                   for sid, blocks in tables],
         chunks=[ScheduledChunk(sid, blocks or [1], 3, True) for sid, blocks in tables],
         register=register,
+        decodes=DecodeBatch([sid for sid, _ in tables], [7] * len(tables),
+                            [PENDING_TOKEN] * len(tables)),
     )
     assert codec.decode(codec.encode(plan)) == plan
 

@@ -53,11 +53,11 @@ def install(runner, rank: int, control_dir: Path | None, log) -> None:
             inner(plan)
         if diverge and plan.step == int(diverge[0]):
             runner.digest.add_blocks(-1, [0])  # a phantom table entry: state diverges
-        if pending["corrupt"] and plan.step >= int(corrupt[0]) and plan.chunks:
+        if pending["corrupt"] and plan.step >= int(corrupt[0]) and plan.batch():
             pending["corrupt"] = False
-            table = runner.block_tables[plan.chunks[0].seq_id]
+            table = runner.block_tables[plan.batch()[0].seq_id]
             good, table[0] = table[0], (table[0] + 1) % runner.num_device_blocks
-            log.warning("fault_corrupt_table", seq_id=plan.chunks[0].seq_id, index=0,
+            log.warning("fault_corrupt_table", seq_id=plan.batch()[0].seq_id, index=0,
                         block=table[0], expected=good)
         if stall and plan.step == int(stall[0]):
             log.warning("fault_stall", seconds=float(stall[1]))

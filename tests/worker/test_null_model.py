@@ -11,7 +11,14 @@ import torch
 from scheduler.guided import token_mask
 from wire.config import EngineConfig
 from wire.digest import StateDigest
-from wire.step import AppendBlocks, NewSequence, ScheduledChunk, StepPlan
+from wire.step import (
+    PENDING_TOKEN,
+    AppendBlocks,
+    DecodeBatch,
+    NewSequence,
+    ScheduledChunk,
+    StepPlan,
+)
 from worker.distributed import TensorParallelGroup
 from worker.gguf import load_config
 from worker.model_runner import ModelRunner
@@ -56,7 +63,7 @@ def test_forward_waits_at_least_its_time_and_only_rank_0_samples(default_model):
     t0 = time.perf_counter()
     sampled = rank0.forward(plan)
     assert time.perf_counter() - t0 >= 0.030  # a lower bound only: sleeps overshoot
-    assert sampled == [(1, rank0.token(plan.chunks[0]))]
+    assert sampled == [(1, rank0.token(plan.batch()[0]))]
     assert rank1.forward(plan) == []
 
 
@@ -99,3 +106,42 @@ def test_runner_applies_plans_through_the_real_paths_without_weights(default_mod
     # the page table is still checked against the block table, as for the real model
     with pytest.raises(AssertionError, match="blocks"):
         runner.execute(StepPlan(4, chunks=[ScheduledChunk(2, [1] * 20, 1, True)]))
+
+
+def test_decodes_run_as_the_same_chunks_would(default_model):
+    """A plan's columnar decodes (StepPlan.decodes) are the batch's first rows: the same
+    inputs, samples and digests as the one-token chunks they stand for, put first; a
+    PENDING_TOKEN among them is resolved in the batch and in the plan."""
+    config = EngineConfig(model=str(default_model), dtype="float32", null_model_forward_ms=0.0,
+                          kv_cache_memory=64 * 1024, max_model_len=256)
+    runners = [ModelRunner(config, TensorParallelGroup(0, 1), torch.device("cpu"))
+               for _ in range(2)]
+    opened = StepPlan(0, new_seqs=[NewSequence(1, [0, 1]), NewSequence(2, [2]),
+                                   NewSequence(3, [3, 4])])
+    for r in runners:
+        r.execute(opened)
+        r.last_token[2] = 4321  # what seq 2 sampled in the step before
+    prefill = ScheduledChunk(3, list(range(10, 30)), 0, True)
+    columnar = StepPlan(1, decodes=DecodeBatch([1, 2], [20, 9], [55, PENDING_TOKEN]),
+                        chunks=[prefill])
+    chunked = StepPlan(1, chunks=[ScheduledChunk(1, [55], 20, True),
+                                  ScheduledChunk(2, [PENDING_TOKEN], 9, True), prefill])
+    assert [(c.seq_id, c.token_ids, c.start_pos) for c in columnar.batch()] == [
+        (c.seq_id, c.token_ids, c.start_pos) for c in chunked.chunks]
+    steps = [r.prepare(p) for r, p in zip(runners, (columnar, chunked))]
+    a, b = (s.batch for s in steps)
+    assert a.token_ids.tolist() == b.token_ids.tolist()
+    assert a.positions.tolist() == b.positions.tolist() == [20, 9, *range(20)]
+    assert a.slots.tolist() == b.slots.tolist() and a.sample_rows == b.sample_rows == [0, 1, 21]
+    for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"):
+        assert getattr(a.meta, name).tolist() == getattr(b.meta, name).tolist(), name
+    outs = []
+    for r, step in zip(runners, steps):
+        r.launch(step)
+        outs.append(r.finish(step))
+    assert columnar.decodes.token_ids == [55, 4321]  # resolved in place, as in a chunk
+    assert outs[0].sampled == outs[1].sampled and outs[0].digest == outs[1].digest
+    assert [s for s, _ in outs[0].sampled] == [1, 2, 3]
+    model = runners[0].model
+    assert outs[0].sampled[:2] == [(1, model.token(ScheduledChunk(1, [55], 20, True))),
+                                   (2, model.token(ScheduledChunk(2, [4321], 9, True)))]

@@ -72,7 +72,7 @@ def main() -> None:
         out = runner.execute(plan, return_logits=True)
         if out.logits is not None:
             logits.append(out.logits)
-        if any(c.sample for c in plan.chunks):
+        if any(c.sample for c in plan.batch()):
             # every rank needs the sampled token: rank 0 sends it, as the scheduler would
             t = torch.tensor([out.sampled[0][1] if out.sampled else 0])
             if info.world_size > 1:
