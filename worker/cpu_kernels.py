@@ -4,7 +4,8 @@ Decoding is memory-bound on CPU, and plain torch reads memory badly in both plac
 - Attention reads every sequence's whole context once per layer. Gathering the pages
   into a padded copy first (all plain torch can do) reads and writes that context twice
   more; at 16 sequences of 3,000 tokens the gather cost several times the attention
-  itself. `csrc/paged_decode.cpp` reads the pages where they are.
+  itself. `csrc/paged_decode.cpp` reads the pages where they are, 16 keys' dot products
+  reduced together and bf16 pairs multiplied by the CPU's bf16 dot product.
 - A linear layer over a few rows (a decode batch, a speculative verify) is a read of
   its weights; torch's GEMM reads them at a fraction of the memory's rate.
   `csrc/small_linear.cpp` streams them once (worker/linear.py picks it).
@@ -12,8 +13,9 @@ Decoding is memory-bound on CPU, and plain torch reads memory badly in both plac
   gathered first and computes bfloat16 in float32 FMAs, at half a bf16 CPU's rate.
   `csrc/paged_prefill.cpp` reads the pages in place and multiplies bf16 pairs with
   the CPU's bf16 dot product (AVX512_BF16) where it has one.
-- The elementwise passes of a layer (RMSNorm after the residual add, SiLU * up) are
-  one pass each in `csrc/elementwise.cpp`, not four to six torch ops.
+- The elementwise passes of a layer (RMSNorm after the residual add, SiLU * up, the
+  rotary of q and k with the K/V stores) are one pass each in `csrc/elementwise.cpp`,
+  not four to ten torch ops.
 
 It is compiled once per machine by torch's extension builder (`make install` does
 it: `python -m worker.cpu_kernels`), for this CPU's instruction set: the build's name
