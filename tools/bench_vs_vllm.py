@@ -61,6 +61,7 @@ from orchestrator.launcher import free_port
 from tools.bench_agents import percentile
 from tools.machine import describe, summary_line
 from tools.served import Served, wait_healthy
+from wire.threads import without_our_openmp_defaults
 
 RESULTS_DIR = Path("bench-results")
 SERVED_NAME = "bench"  # the `model` both engines are asked for
@@ -362,7 +363,8 @@ class PeerServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = {k: v for k, v in os.environ.items()
+        # the peer's own OpenMP defaults, not the ones DeepInfer's modules set here
+        env = {k: v for k, v in without_our_openmp_defaults(dict(os.environ)).items()
                if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PIP_CONFIG_FILE")}
         env.update(PEER_ENV)
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
