@@ -271,7 +271,7 @@ class Scheduler:
             seq = self.running[i]
             drafts, draft_masks = (self._drafts(seq, budget) if seq.ngram is not None
                                    else no_drafts)
-            num_new = min(seq.num_tokens + seq.num_pending - seq.num_computed, budget)
+            num_new = _tokens_to_run(seq, budget)
             grown = self._grow(seq, num_new + len(drafts))
             if drafts and not grown:  # no room for the drafts: a plain decode
                 drafts, draft_masks = [], []
@@ -503,15 +503,14 @@ class Scheduler:
         loop, so with speculative decoding the loop grows each itself."""
         if self.speculative is not None:
             return
-        bs = self.block_size
         needs = []
         for seq in self.running:
             if budget <= 0:
                 break
-            num_new = min(seq.num_tokens + seq.num_pending - seq.num_computed, budget)
+            num_new = _tokens_to_run(seq, budget)
             budget -= num_new
             end = seq.num_computed + num_new
-            if -(-end // bs) > len(seq.block_ids):
+            if not self._has_room(seq, end):
                 needs.append((seq, end))
         if not needs:
             return
@@ -520,8 +519,12 @@ class Scheduler:
             for (seq, _), blocks in zip(needs, grown):
                 seq.block_ids.extend(blocks)
 
+    def _has_room(self, seq: Sequence, end: int) -> bool:
+        """Whether `seq`'s blocks hold its first `end` tokens."""
+        return -(-end // self.block_size) <= len(seq.block_ids)
+
     def _grow(self, seq: Sequence, num_new: int) -> bool:
-        if -(-(seq.num_computed + num_new) // self.block_size) <= len(seq.block_ids):
+        if self._has_room(seq, seq.num_computed + num_new):
             return True  # most decode steps: the last block has room
         blocks = self.cache.allocate(seq.seq_id, seq.tokens, seq.num_computed + num_new,
                                      seq.extra_key)
@@ -620,3 +623,9 @@ class Scheduler:
         assert reason is not None, f"seq {seq.seq_id} was closed ahead of a token not its last"
         self._finish(seq, reason)  # closed already: it only leaves
         return seq.take_output()
+
+
+def _tokens_to_run(seq: Sequence, budget: int) -> int:
+    """The tokens a running sequence runs this step: what it has not computed (its
+    pending samples included), at most `budget`."""
+    return min(seq.num_tokens + seq.num_pending - seq.num_computed, budget)

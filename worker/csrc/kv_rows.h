@@ -49,6 +49,11 @@ inline void for_each_row(const scalar_t* cache, const int32_t* pages, int64_t t0
   }
 }
 
+// Every 64-byte line of [p, p + bytes) fetched towards L1 ahead of its use.
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at, 0, 3);
+}
+
 // The checks paged_decode and paged_prefill share: their tensors' shapes, dtypes and
 // layouts (see paged_decode.cpp).
 inline void check_paged_inputs(const torch::Tensor& out, const torch::Tensor& q,

@@ -82,12 +82,6 @@ inline __m512 widen16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Every 64-byte line of [p, p + bytes) towards L1 (T0) or L2 (T1).
-template <_mm_hint kHint>
-inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(static_cast<const char*>(p) + at, kHint);
-}
-
 template <typename scalar_t, int64_t kD>
 struct DecodeAvx512 {
 #ifdef __AVX512BF16__
@@ -120,24 +114,18 @@ struct DecodeAvx512 {
 
   // scores[r * kSplit + i] = scale * q_r . k_i for the rows r (reading the KV head at
   // offset kv_of[r] of a token row) and the keys i < n (their rows in krow, padded to a
-  // multiple of 16 by repeats). A token row is `row_bytes` long; the pages are scattered
-  // runs of a few KiB, too short for the hardware prefetcher to reach the memory's rate
-  // from one core, so each 16 keys fetch the next 16 K rows and their own V rows (for the
-  // value pass, into L2) ahead.
+  // multiple of 16 by repeats). (Fetching the next rows ahead by hand, at several
+  // distances, into L1 or L2, moved the read rate from memory by under 5%: not done.)
   static void scores(const q_t* qbuf, const int64_t* kv_of, int64_t nrows,
-                     const scalar_t* const* krow, const scalar_t* const* vrow, int64_t n,
-                     int64_t row_bytes, float scale, float* scores) {
+                     const scalar_t* const* krow, int64_t n, float scale, float* scores) {
     const __m512 sc = _mm512_set1_ps(scale);
     __m512 part[16];
-    for (int64_t i0 = 0; i0 < n; i0 += 16) {
-      for (int64_t i = i0 + 16; i < std::min(n, i0 + 32); ++i) prefetch<_MM_HINT_T0>(krow[i], row_bytes);
-      for (int64_t i = i0; i < std::min(n, i0 + 16); ++i) prefetch<_MM_HINT_T1>(vrow[i], row_bytes);
+    for (int64_t i0 = 0; i0 < n; i0 += 16)
       for (int64_t r = 0; r < nrows; ++r) {
         const q_t* q = qbuf + r * kD;
         for (int u = 0; u < 16; ++u) part[u] = dot(q, krow[i0 + u] + kv_of[r]);
         _mm512_storeu_ps(scores + r * kSplit + i0, _mm512_mul_ps(lane_sums16(part), sc));
       }
-    }
   }
 
   // out[r] = sum_i w[r][i] v_i for RT query rows reading the KV head at offset `kv` of a
@@ -265,8 +253,7 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
           else
             std::memcpy(qbuf + qh * D, as_float(src, row.data(), D), D * sizeof(float));
         }
-        Avx::scores(qbuf, kv_offset.data(), nqh, krow.data(), vrow.data(), n,
-                    slot_stride * static_cast<int64_t>(sizeof(scalar_t)), scale, scores.data());
+        Avx::scores(qbuf, kv_offset.data(), nqh, krow.data(), n, scale, scores.data());
 #endif
       } else {
         for (int64_t j = 0; j < nq; ++j)

@@ -407,8 +407,7 @@ struct Prefill {
       const int64_t next = std::min(kb + 2 * kBlockK, end);
       if (kb + kBlockK < next) {
         auto fetch = [&](int64_t, const scalar_t* r) {
-          for (int64_t at = 0; at < kD * 2; at += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(r + hk * kD) + at, _MM_HINT_T0);
+          prefetch_lines(r + hk * kD, kD * sizeof(scalar_t));
         };
         for_each_row(k_cache, pages, kb + kBlockK, next, page_size, slot_stride, fetch);
         for_each_row(v_cache, pages, kb + kBlockK, next, page_size, slot_stride, fetch);
