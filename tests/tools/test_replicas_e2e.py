@@ -53,7 +53,11 @@ def test_agents_land_on_the_replica_holding_their_prefix(default_model, tmp_path
             for prev, cur in zip(turns, turns[1:]):
                 # all but the last, partial block of the previous prompt is a hit
                 assert cur.cached_tokens >= prev.prompt_tokens - 16, (prev, cur)
-        assert all(requests_served(u) > 0 for u in r.replica_urls), "one replica took all"
+        # Every turn was served once. How many replicas took a share is SMG's choice
+        # among replicas that hold none of a new agent's prefix (ties, tree sizes, the
+        # order the replicas came up), so it is not asserted: what matters is below,
+        # each agent's history on exactly one replica and its turns following it there.
+        assert sum(requests_served(u) for u in r.replica_urls) == len(load.turns)
 
         # Each replica's KV events (read from seq 0 by the replay) name the blocks of
         # the agents it served: their first prompts, as the render endpoint gives them
