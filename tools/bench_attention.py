@@ -17,7 +17,8 @@ cases run a whole step: every layer of the model with its own KV pool (the tiny 
 8, SmolLM2's 30; fewer with `--max-layers`), so the context comes from memory and not
 from a cache that one layer's pages would fit in. The agent load's decode (4 sequences
 of 3,000 tokens), a speculative verify (1 + 4 query rows) and a wide batch. Printed: ms
-per step and the KV read rate in GB/s. The fastest of `--repeats` runs counts: other
+per step and the KV read rate in GB/s (each sequence's whole context counted: on a shared
+prefix the kernel reads fewer bytes than that). The fastest of `--repeats` runs counts: other
 load only ever slows a run.
 """
 
@@ -45,29 +46,38 @@ CASES = [
     ("tiny: 2,000 cold", 8, 4, 64, [(2000, 2000)]),
 ]
 
-# (label, query heads, KV heads, head dim, layers, [(query rows, context) per sequence])
+# (label, query heads, KV heads, head dim, layers, [(query rows, context) per sequence],
+# context tokens every sequence shares with the first: the same pages)
 DECODE_CASES = [
-    ("tiny: 4 x 3,000", 8, 4, 64, 8, [(1, 3000)] * 4),
-    ("SmolLM2: 4 x 3,000", 9, 3, 64, 30, [(1, 3000)] * 4),
-    ("SmolLM2: verify 1 + 4 behind 3,000", 9, 3, 64, 30, [(5, 3000)]),
-    ("tiny: 64 x 500", 8, 4, 64, 8, [(1, 500)] * 64),
+    ("tiny: 4 x 3,000", 8, 4, 64, 8, [(1, 3000)] * 4, 0),
+    ("tiny: 4 x 3,000 on a shared 2,000", 8, 4, 64, 8, [(1, 3000)] * 4, 2000),
+    ("SmolLM2: 4 x 3,000", 9, 3, 64, 30, [(1, 3000)] * 4, 0),
+    ("SmolLM2: 4 x 3,000 on a shared 2,000", 9, 3, 64, 30, [(1, 3000)] * 4, 2000),
+    ("SmolLM2: verify 1 + 4 behind 3,000", 9, 3, 64, 30, [(5, 3000)], 0),
+    ("tiny: 64 x 500", 8, 4, 64, 8, [(1, 500)] * 64, 0),
 ]
 
 
 def make_step(lens: list[tuple[int, int]], heads: int, kv_heads: int, d: int,
-              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                           AttentionMetadata]:
-    """Random q and KV pages for one step, each sequence's pages scattered."""
+              dtype: torch.dtype, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor,
+                                                          torch.Tensor, AttentionMetadata]:
+    """Random q and KV pages for one step, each sequence's pages scattered; every
+    sequence's first `shared` tokens (whole pages) on the first sequence's pages, as
+    the prefix cache gives agents with one system prompt."""
     g = torch.Generator().manual_seed(0)
     num_pages = sum(-(-kv // PAGE) for _, kv in lens) + 8
     k = torch.randn(num_pages, PAGE, kv_heads, d, generator=g).to(dtype)
     v = torch.randn(num_pages, PAGE, kv_heads, d, generator=g).to(dtype)
     perm = torch.randperm(num_pages, generator=g).tolist()
     qo, kvp, idx, last = [0], [0], [], []
+    common: list[int] = []
     for q_len, kv_len in lens:
         n = -(-kv_len // PAGE)
-        idx += perm[:n]
-        perm = perm[n:]
+        own = perm[: n - len(common)]
+        perm = perm[n - len(common):]
+        idx += common + own
+        if not common and shared:
+            common = own[: shared // PAGE]
         qo.append(qo[-1] + q_len)
         kvp.append(len(idx))
         last.append(kv_len - (n - 1) * PAGE)
@@ -102,9 +112,9 @@ def decode_table(kernels, dtypes: list[torch.dtype], repeats: int, max_layers: i
                 "speed-up"):
         table.add_column(col, justify="left" if col in ("dtype", "case") else "right")
     for dtype in dtypes:
-        for label, heads, kv_heads, d, layers, lens in DECODE_CASES:
+        for label, heads, kv_heads, d, layers, lens, shared in DECODE_CASES:
             layers = min(layers, max_layers)
-            steps = [make_step(lens, heads, kv_heads, d, dtype) for _ in range(layers)]
+            steps = [make_step(lens, heads, kv_heads, d, dtype, shared) for _ in range(layers)]
             seconds = []
             for module in (kernels, None):
                 backend = TorchAttentionBackend(heads, kv_heads, d, kernels=module)

@@ -292,6 +292,93 @@ def test_decode_kernel_matches_dense(lens, heads, kv_heads, d, dtype, kernels):
         assert relative_error(out, ref) < 1e-2
 
 
+# Decodes whose page lists share a prefix (the agents' system prompt through the prefix
+# cache): (query rows, keys, (the sequence it shares with, pages shared) or None). The
+# kernel reads a split of 256 keys once for every sequence naming the same pages there.
+SHARED_PREFIX_CASES = [
+    # four agents on 40 shared pages (640 keys: two whole splits), one verifying 4 rows;
+    # a fork sharing 17 pages (one split); 10 pages (no whole split); one alone; one
+    # whose whole context is the shared splits (no split of its own)
+    [(1, 900), (1, 700, (0, 40)), (4, 1100, (0, 40)), (1, 641, (0, 40)), (1, 800, (0, 17)),
+     (1, 500, (0, 10)), (1, 300), (1, 512, (0, 32))],
+    # more sequences on one prefix than an item's rows hold (144: 16 of 9 heads)
+    [(1, 600)] + [(1, 520 + 7 * i, (0, 33)) for i in range(19)],
+]
+# Each case's shared items, (split, sequences) (for 9 heads): split 0 by all that share a
+# whole split, split 1 by those sharing two.
+SHARED_ITEMS = [
+    [(0, [0, 1, 2, 3, 7, 4]), (1, [0, 1, 2, 3, 7])],
+    [(0, list(range(16))), (0, list(range(16, 20))), (1, list(range(16))),
+     (1, list(range(16, 20)))],
+]
+
+
+def build_shared_case(specs, heads, kv_heads, d, dtype, seed=0):
+    """q and KV pages for `specs` (see SHARED_PREFIX_CASES), the pages scattered; a
+    sequence sharing n pages with another names the same n page ids first."""
+    g = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-spec[1] // PAGE) for spec in specs) + 7
+    k_cache = torch.randn(num_pages, PAGE, kv_heads, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_pages, PAGE, kv_heads, d, generator=g).to(dtype)
+    free = torch.randperm(num_pages, generator=g).tolist()
+    seqs = []  # (q, its pages, kv_len)
+    for q_len, kv_len, *share in specs:
+        n = -(-kv_len // PAGE)
+        shared = seqs[share[0][0]][1][: share[0][1]] if share else []
+        fresh, free = free[: n - len(shared)], free[n - len(shared):]
+        pages = shared + fresh
+        seqs.append((torch.randn(q_len, heads, d, generator=g).to(dtype), pages, kv_len))
+    return seqs, k_cache, v_cache
+
+
+def decode_metadata(seqs):
+    qo, kvp, idx, last = [0], [0], [], []
+    for q, pages, kv_len in seqs:
+        qo.append(qo[-1] + q.shape[0])
+        idx += pages
+        kvp.append(len(idx))
+        last.append(kv_len - (len(pages) - 1) * PAGE)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    return AttentionMetadata(i32(qo), i32(kvp), i32(idx), i32(last), PAGE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 2, 32)])
+@pytest.mark.parametrize("case", range(len(SHARED_PREFIX_CASES)))
+def test_decode_kernel_reads_a_shared_prefix_once_with_the_same_result(case, heads, kv_heads,
+                                                                       d, dtype, kernels):
+    """Sequences on shared pages decode together bit for bit as each does alone (a split
+    is where it would be alone, and a row's sums do not depend on its neighbours), and
+    as dense attention does; a shared split is one work item for all who share it."""
+    seqs, k_cache, v_cache = build_shared_case(SHARED_PREFIX_CASES[case], heads, kv_heads, d,
+                                               dtype)
+    backend = create_backend("torch", heads, kv_heads, d, PAGE, dtype, torch.device("cpu"))
+    meta = decode_metadata(seqs)
+    backend.plan(meta)
+    if heads == 9:
+        b = backend._kernel_decode
+        items = kernels.paged_decode_items(b.n_q, b.page_start, b.kv_lens, b.kv_indices,
+                                           heads, PAGE)
+        assert [(s, m) for s, m in items if len(m) > 1] == SHARED_ITEMS[case]
+        # every split of every sequence once
+        assert sorted((s, x) for s, m in items for x in m) == sorted(
+            (s, x) for x, (_, _, kv_len) in enumerate(seqs) for s in range(-(-kv_len // 256)))
+    together = backend.forward(torch.cat([q for q, _, _ in seqs]), k_cache, v_cache)
+    row = 0
+    for q, pages, kv_len in seqs:
+        backend.plan(decode_metadata([(q, pages, kv_len)]))
+        alone = backend.forward(q, k_cache, v_cache)
+        assert torch.equal(together[row : row + q.shape[0]], alone)
+        k = k_cache[pages].flatten(0, 1)[:kv_len]
+        v = v_cache[pages].flatten(0, 1)[:kv_len]
+        ref = dense_reference(q, k, v)
+        if dtype == torch.float32:
+            torch.testing.assert_close(alone.float(), ref, atol=1e-5, rtol=1e-5)
+        else:
+            assert relative_error(alone, ref) < 1e-2
+        row += q.shape[0]
+
+
 # The prefill kernel's edges: several key blocks (64 keys) and query blocks (64 tokens) with
 # the causal diagonal across both, an odd key count (the bf16 path pairs keys), chunks
 # with no prefix (3 tokens: no decode-sized shortcut) and behind one, next to decodes.

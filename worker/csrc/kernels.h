@@ -9,6 +9,12 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                   torch::Tensor page_start, torch::Tensor kv_lens, torch::Tensor kv_indices,
                   double scale);
 
+// paged_decode's work items for these sequences: (split, the sequences reading it
+// together), for tests and benchmarks.
+std::vector<std::pair<int64_t, std::vector<int64_t>>> paged_decode_items(
+    torch::Tensor n_q, torch::Tensor page_start, torch::Tensor kv_lens, torch::Tensor kv_indices,
+    int64_t num_heads, int64_t page_size);
+
 // Paged prefill attention, flash-style over the pages in place (paged_prefill.cpp); the
 // same inputs as paged_decode, any number of queries per sequence, head_dim 32, 64 or 128.
 void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,

@@ -5,6 +5,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode,
         "paged decode attention, a few causal queries per sequence, read in place from the "
         "KV pages");
+  m.def("paged_decode_items", &paged_decode_items,
+        "paged_decode's work items: (split, the sequences that read it together)");
   m.def("paged_prefill", &paged_prefill,
         "paged prefill attention, causal behind a cached prefix, read in place from the KV "
         "pages");

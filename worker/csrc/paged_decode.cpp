@@ -114,18 +114,24 @@ struct DecodeAvx512 {
 
   // scores[r * kSplit + i] = scale * q_r . k_i for the rows r (reading the KV head at
   // offset kv_of[r] of a token row) and the keys i < n (their rows in krow, padded to a
-  // multiple of 16 by repeats). (Fetching the next rows ahead by hand, at several
-  // distances, into L1 or L2, moved the read rate from memory by under 5%: not done.)
+  // multiple of 16 by repeats). Each 16 keys fetch the next 16 K rows and their own V
+  // rows (for the value pass) ahead: a head's slice of a token row is a short strided
+  // stream the hardware prefetcher barely follows (on an AMD EPYC Zen 5 this took a
+  // step's KV read from memory from 12 to 15 GB/s a core).
   static void scores(const q_t* qbuf, const int64_t* kv_of, int64_t nrows,
-                     const scalar_t* const* krow, int64_t n, float scale, float* scores) {
+                     const scalar_t* const* krow, const scalar_t* const* vrow, int64_t n,
+                     int64_t row_bytes, float scale, float* scores) {
     const __m512 sc = _mm512_set1_ps(scale);
     __m512 part[16];
-    for (int64_t i0 = 0; i0 < n; i0 += 16)
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+      for (int64_t i = i0 + 16; i < std::min(n, i0 + 32); ++i) prefetch_lines(krow[i], row_bytes);
+      for (int64_t i = i0; i < std::min(n, i0 + 16); ++i) prefetch_lines(vrow[i], row_bytes);
       for (int64_t r = 0; r < nrows; ++r) {
         const q_t* q = qbuf + r * kD;
         for (int u = 0; u < 16; ++u) part[u] = dot(q, krow[i0 + u] + kv_of[r]);
         _mm512_storeu_ps(scores + r * kSplit + i0, _mm512_mul_ps(lane_sums16(part), sc));
       }
+    }
   }
 
   // out[r] = sum_i w[r][i] v_i for RT query rows reading the KV head at offset `kv` of a
@@ -161,6 +167,92 @@ struct DecodeAvx512 {
 };
 #endif
 
+// A work item: one split of context (kSplit tokens from a multiple of kSplit) read
+// once for the query rows of one sequence, or of every sequence of a group whose page
+// lists name the same pages for the whole split (a prefix they share through the
+// prefix cache: the agents' system prompt). A split is where a sequence alone would
+// split, and a row's scores and weighted sums do not depend on the other rows of its
+// item, so a sequence's output is the same bit for bit whichever sequences it runs
+// beside.
+struct Item {
+  int64_t first;  // its sequences: members[first, first + count)
+  int64_t count;
+  int64_t split;
+};
+
+// Query rows an item of a group may hold (a sequence alone always fits): 16 sequences
+// of 9 heads, 4 of 32. The scores of one split for all of them stay in L2.
+constexpr int64_t kGroupRows = 144;
+
+// The work items of a call: the shared splits of each group of sequences, then every
+// sequence's other splits. Sequences group when their first pages are the same page
+// (the first of them leads); each shares with the leader the leading splits that its
+// first query row sees whole and whose pages the two name alike, so a split's item holds
+// the leader and every member sharing that far (a fork that shares less leaves the
+// others' longer share intact).
+inline void plan_items(const int64_t* n_q, const int64_t* page_start, const int64_t* kv_lens,
+                       const int32_t* kv_indices, int64_t B, int64_t H, int64_t page_size,
+                       int64_t QH, std::vector<int64_t>& members, std::vector<Item>& items) {
+  std::vector<int64_t> shared(B, 0);  // leading splits of b its group's items compute
+  auto whole_splits = [&](int64_t b) { return (kv_lens[b] - (n_q[b] - 1)) / kSplit; };
+  auto first_page = [&](int64_t b) { return kv_indices[page_start[b]]; };
+  std::vector<int64_t> order;
+  for (int64_t b = 0; b < B; ++b)
+    if (whole_splits(b) > 0) order.push_back(b);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return first_page(a) < first_page(b); });
+  const int64_t max_rows = std::max(QH, kGroupRows);
+  for (size_t i = 0; i < order.size();) {
+    size_t j = i + 1;
+    while (j < order.size() && first_page(order[j]) == first_page(order[i])) ++j;
+    // order[i, j): one first page; order[i] leads
+    const int64_t leader = order[i];
+    const int32_t* lead_pages = kv_indices + page_start[leader];
+    std::vector<std::pair<int64_t, int64_t>> group;  // (splits shared with the leader, b)
+    for (size_t k = i + 1; k < j; ++k) {
+      const int64_t b = order[k];
+      const int32_t* pages = kv_indices + page_start[b];
+      const int64_t most = std::min(whole_splits(b), whole_splits(leader));
+      const int64_t limit = (most * kSplit + page_size - 1) / page_size;
+      int64_t same = 0;
+      while (same < limit && pages[same] == lead_pages[same]) ++same;
+      const int64_t splits = std::min(most, same * page_size / kSplit);
+      if (splits > 0) group.emplace_back(splits, b);
+    }
+    i = j;
+    if (group.empty()) continue;
+    std::stable_sort(group.begin(), group.end(), [](const auto& a, const auto& b) {
+      return a.first > b.first;
+    });
+    // members: the leader, then the others, longest share first: split s's sequences
+    // are a prefix of it
+    const int64_t start = static_cast<int64_t>(members.size());
+    members.push_back(leader);
+    for (const auto& [splits, b] : group) {
+      members.push_back(b);
+      shared[b] = splits;
+    }
+    shared[leader] = group.front().first;
+    for (int64_t s = 0; s < shared[leader]; ++s) {
+      int64_t count = 1;  // the leader
+      while (count <= static_cast<int64_t>(group.size()) && group[count - 1].first > s) ++count;
+      // at most max_rows query rows an item (a sequence alone always fits)
+      for (int64_t c0 = 0; c0 < count;) {
+        int64_t c1 = c0, rows = 0;
+        while (c1 < count && (c1 == c0 || rows + n_q[members[start + c1]] * H <= max_rows))
+          rows += n_q[members[start + c1++]] * H;
+        items.push_back({start + c0, c1 - c0, s});
+        c0 = c1;
+      }
+    }
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t first = static_cast<int64_t>(members.size());
+    members.push_back(b);
+    for (int64_t s = shared[b]; s * kSplit < kv_lens[b]; ++s) items.push_back({first, 1, s});
+  }
+}
+
 // kD > 0: the head dim fixed at compile time (64 and 128 are the common ones), so the
 // per-head loops unroll; 0: any head dim, read from D.
 template <typename scalar_t, int64_t kD>
@@ -179,14 +271,15 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
   const int64_t S = (max_len + kSplit - 1) / kSplit;
   const int64_t QH = max_q * H;  // a sequence's (query row, head) pairs: qh = j * H + h
   const int64_t slot_stride = Hkv * D;  // one token's K (or V) of every KV head: contiguous
-  // where the KV head that (query row, head) qh reads sits in a token row: a table, so no
-  // division per token and pair (a verify's 5 x 9 pairs paid an integer modulo each)
-  std::vector<int64_t> kv_offset(QH);
-  for (int64_t qh = 0; qh < QH; ++qh) kv_offset[qh] = ((qh % H) / G) * D;
+  const int64_t max_rows = std::max(QH, kGroupRows);
+
+  std::vector<int64_t> members;
+  std::vector<Item> items;
+  plan_items(n_q, page_start, kv_lens, kv_indices, B, H, page_size, QH, members, items);
 
   // Per (sequence, split, query row and head): running max, sum of exp, and the weighted
-  // V. A work item takes every query and head of a run of tokens, so it reads whole token
-  // rows once and the pages stream through memory in order.
+  // V. A work item takes every query and head of its sequences over a run of tokens, so
+  // it reads whole token rows once and the pages stream through memory in order.
   std::vector<float> part_max(B * S * QH, -std::numeric_limits<float>::infinity());
   std::vector<float> part_sum(B * S * QH, 0.f);
   std::vector<float> part_acc(B * S * QH * D, 0.f);
@@ -220,21 +313,42 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
     }
   };
   std::vector<std::atomic<int64_t>> splits_left(B);
-  for (auto& left : splits_left) left.store(S, std::memory_order_relaxed);
+  for (int64_t b = 0; b < B; ++b)
+    splits_left[b].store((kv_lens[b] + kSplit - 1) / kSplit, std::memory_order_relaxed);
 
-  at::parallel_for(0, B * S, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(QH * D), scores(QH * kSplit), row(slot_stride), o(D);
+  // Items are taken from a counter: a group's item carries several sequences' rows, so
+  // equal shares of the item list are not equal shares of the work.
+  std::atomic<int64_t> next_item{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> qf(max_rows * D), scores(max_rows * kSplit), row(slot_stride), o(D);
     std::vector<const scalar_t*> krow(kSplit), vrow(kSplit);
-    std::vector<const float*> wrow(QH);
-    std::vector<float*> orow(QH);
-    // one split of one sequence: its part_max, part_sum and part_acc
-    auto split = [&](int64_t b, int64_t s) {
-      const int64_t t0 = s * kSplit, t1 = std::min(kv_lens[b], t0 + kSplit);
-      if (t0 >= t1) return;
-      const int64_t n = t1 - t0, nq = n_q[b], nqh = nq * H;
-      const int32_t* pages = kv_indices + page_start[b];
-      const int64_t base = (b * S + s) * QH;  // then + qh
-      float* acc = part_acc.data() + base * D;
+    std::vector<const float*> wrow(max_rows);
+    std::vector<float*> orow(max_rows);
+    // a row of the item: its part index (b, split, qh), its KV head's offset in a token
+    // row, the keys of the split it sees, where its query is
+    std::vector<int64_t> part_at(max_rows), kv_of(max_rows), seen_of(max_rows);
+    std::vector<const scalar_t*> q_of(max_rows);
+    auto run = [&](const Item& item) {
+      const int64_t s = item.split, lead = members[item.first];
+      const int64_t t0 = s * kSplit, t1 = std::min(kv_lens[lead], t0 + kSplit);
+      const int64_t n = t1 - t0;
+      const int32_t* pages = kv_indices + page_start[lead];  // the group's alike here
+      int64_t nrows = 0;
+      for (int64_t k = 0; k < item.count; ++k) {
+        const int64_t b = members[item.first + k];
+        for (int64_t j = 0; j < n_q[b]; ++j) {
+          // row j sees the keys before kv_lens[b] - (n_q[b] - 1 - j): of this split, `seen`
+          const int64_t seen = std::min(n, std::max<int64_t>(0, kv_lens[b] - (n_q[b] - 1 - j) - t0));
+          for (int64_t h = 0; h < H; ++h, ++nrows) {
+            part_at[nrows] = (b * S + s) * QH + j * H + h;
+            kv_of[nrows] = (h / G) * D;
+            seen_of[nrows] = seen;
+            q_of[nrows] = q + (rows[b] + j) * q_row_stride + h * q_head_stride;
+          }
+        }
+      }
       if constexpr (kAvx) {
 #ifdef __AVX512F__
         // the split's K and V rows, the last repeated up to a multiple of 16 keys (their
@@ -246,38 +360,33 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
         for (int64_t i = n; i % 16 != 0; ++i) krow[i] = krow[n - 1];
         using q_t = typename Avx::q_t;
         q_t* qbuf = reinterpret_cast<q_t*>(qf.data());  // bf16 pairs use half of it
-        for (int64_t qh = 0; qh < nqh; ++qh) {
-          const scalar_t* src = q + (rows[b] + qh / H) * q_row_stride + (qh % H) * q_head_stride;
+        for (int64_t r = 0; r < nrows; ++r) {
           if constexpr (std::is_same_v<q_t, scalar_t>)
-            std::memcpy(qbuf + qh * D, src, D * sizeof(scalar_t));
+            std::memcpy(qbuf + r * D, q_of[r], D * sizeof(scalar_t));
           else
-            std::memcpy(qbuf + qh * D, as_float(src, row.data(), D), D * sizeof(float));
+            std::memcpy(qbuf + r * D, as_float(q_of[r], row.data(), D), D * sizeof(float));
         }
-        Avx::scores(qbuf, kv_offset.data(), nqh, krow.data(), n, scale, scores.data());
+        Avx::scores(qbuf, kv_of.data(), nrows, krow.data(), vrow.data(), n,
+                    slot_stride * static_cast<int64_t>(sizeof(scalar_t)), scale, scores.data());
 #endif
       } else {
-        for (int64_t j = 0; j < nq; ++j)
-          for (int64_t h = 0; h < H; ++h) {
-            const scalar_t* qh = q + (rows[b] + j) * q_row_stride + h * q_head_stride;
-            for (int64_t d = 0; d < D; ++d) qf[(j * H + h) * D + d] = static_cast<float>(qh[d]) * scale;
-          }
-        for_each_row(k_cache, pages, t0, t1, page_size, slot_stride, [&](int64_t i, const scalar_t* r) {
-          const float* kt = as_float(r, row.data(), slot_stride);
-          for (int64_t qh = 0; qh < nqh; ++qh) {  // query head h reads KV head h / G
-            const float* qv = qf.data() + qh * D;
-            const float* kp = kt + kv_offset[qh];
+        for (int64_t r = 0; r < nrows; ++r)
+          for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(q_of[r][d]) * scale;
+        for_each_row(k_cache, pages, t0, t1, page_size, slot_stride, [&](int64_t i, const scalar_t* kr) {
+          const float* kt = as_float(kr, row.data(), slot_stride);
+          for (int64_t r = 0; r < nrows; ++r) {  // query head h reads KV head h / G
+            const float* qv = qf.data() + r * D;
+            const float* kp = kt + kv_of[r];
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < D; ++d) dot += qv[d] * kp[d];
-            scores[qh * kSplit + i] = dot;
+            scores[r * kSplit + i] = dot;
           }
         });
       }
-      for (int64_t qh = 0; qh < nqh; ++qh) {
-        // row j sees the keys before kv_lens[b] - (nq - 1 - j): of this split, `seen`
-        const int64_t j = qh / H;
-        const int64_t seen = std::min(n, std::max<int64_t>(0, kv_lens[b] - (nq - 1 - j) - t0));
-        float* sh = scores.data() + qh * kSplit;
+      for (int64_t r = 0; r < nrows; ++r) {
+        const int64_t seen = seen_of[r];
+        float* sh = scores.data() + r * kSplit;
         for (int64_t i = seen; i < n; ++i) sh[i] = 0.f;  // a later key: weight 0
         if (seen == 0) continue;  // nothing this row sees: part_sum stays 0, skipped
         float m = -std::numeric_limits<float>::infinity();
@@ -288,19 +397,18 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
           sh[i] = exp_nonpositive(sh[i] - m);
           sum += sh[i];
         }
-        part_max[base + qh] = m;
-        part_sum[base + qh] = sum;
+        part_max[part_at[r]] = m;
+        part_sum[part_at[r]] = sum;
       }
       if constexpr (kAvx) {
 #ifdef __AVX512F__
-        // a KV head's query rows (j * H + hk * G + g) in tiles that share each V row
+        // each KV head's query rows in tiles that share each V row
         for (int64_t hk = 0; hk < Hkv; ++hk) {
           int64_t m = 0;
-          for (int64_t j = 0; j < nq; ++j)
-            for (int64_t g = 0; g < G; ++g, ++m) {
-              const int64_t qh = j * H + hk * G + g;
-              wrow[m] = scores.data() + qh * kSplit;
-              orow[m] = acc + qh * D;
+          for (int64_t r = 0; r < nrows; ++r)
+            if (kv_of[r] == hk * D) {
+              wrow[m] = scores.data() + r * kSplit;
+              orow[m++] = part_acc.data() + part_at[r] * D;
             }
           int64_t r = 0;
           for (; r + Avx::kTile <= m; r += Avx::kTile)
@@ -311,28 +419,54 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
         }
 #endif
       } else {
-        for_each_row(v_cache, pages, t0, t1, page_size, slot_stride, [&](int64_t i, const scalar_t* r) {
-          const float* vt = as_float(r, row.data(), slot_stride);
-          for (int64_t qh = 0; qh < nqh; ++qh) {
-            const float p = scores[qh * kSplit + i];
-            const float* vp = vt + kv_offset[qh];
-            float* ah = acc + qh * D;
+        for_each_row(v_cache, pages, t0, t1, page_size, slot_stride, [&](int64_t i, const scalar_t* vr) {
+          const float* vt = as_float(vr, row.data(), slot_stride);
+          for (int64_t r = 0; r < nrows; ++r) {
+            const float p = scores[r * kSplit + i];
+            const float* vp = vt + kv_of[r];
+            float* ah = part_acc.data() + part_at[r] * D;
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) ah[d] += p * vp[d];
           }
         });
       }
     };
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / S;
-      split(b, item % S);
+    for (int64_t i = next_item.fetch_add(1, std::memory_order_relaxed); i < num_items;
+         i = next_item.fetch_add(1, std::memory_order_relaxed)) {
+      const Item& item = items[i];
+      run(item);
       // acq_rel: the last one here sees every other split's partial results
-      if (splits_left[b].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(b, o);
+      for (int64_t k = 0; k < item.count; ++k) {
+        const int64_t b = members[item.first + k];
+        if (splits_left[b].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(b, o);
+      }
     }
   });
 }
 
 }  // namespace
+
+std::vector<std::pair<int64_t, std::vector<int64_t>>> paged_decode_items(
+    torch::Tensor n_q, torch::Tensor page_start, torch::Tensor kv_lens, torch::Tensor kv_indices,
+    int64_t num_heads, int64_t page_size) {
+  TORCH_CHECK(n_q.scalar_type() == at::kLong && page_start.scalar_type() == at::kLong &&
+                  kv_lens.scalar_type() == at::kLong && kv_indices.scalar_type() == at::kInt,
+              "n_q, page_start, kv_lens: int64; kv_indices: int32");
+  const int64_t B = n_q.numel();
+  const int64_t* nq = n_q.data_ptr<int64_t>();
+  int64_t max_q = 1;
+  for (int64_t b = 0; b < B; ++b) max_q = std::max(max_q, nq[b]);
+  std::vector<int64_t> members;
+  std::vector<Item> items;
+  plan_items(nq, page_start.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(),
+             kv_indices.data_ptr<int32_t>(), B, num_heads, page_size, max_q * num_heads, members,
+             items);
+  std::vector<std::pair<int64_t, std::vector<int64_t>>> result;
+  for (const Item& item : items)
+    result.emplace_back(item.split, std::vector<int64_t>(members.begin() + item.first,
+                                                         members.begin() + item.first + item.count));
+  return result;
+}
 
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                   torch::Tensor v_cache, torch::Tensor rows, torch::Tensor n_q,
