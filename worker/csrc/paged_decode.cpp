@@ -135,29 +135,73 @@ struct DecodeAvx512 {
   }
 
   // out[r] = sum_i w[r][i] v_i for RT query rows reading the KV head at offset `kv` of a
-  // token row, over the keys i < n: V rows widened once for the whole tile.
+  // token row, over the keys i < n. Float32 weights against V rows widened once for the
+  // whole tile; with bf16 pairs (kPairs) w[r] holds a row's weights rounded to bf16, keys
+  // (2j, 2j + 1) in word j (as the prefill kernel and GPU flash attention round them),
+  // and each two V rows are interleaved in registers (VPERMT2W) into (v[2j][d],
+  // v[2j + 1][d]) pairs: one VDPBF16PS takes two keys of 16 dims. Widening every V row
+  // and one FMA per key made this pass the decode kernel's largest cost. For an odd n
+  // vrow[n] must be readable (its weight is 0).
   template <int RT>
-  static void values(const float* const* w, const scalar_t* const* vrow, int64_t n, int64_t kv,
+  static void values(const void* const* w, const scalar_t* const* vrow, int64_t n, int64_t kv,
                      float* const* out) {
     __m512 acc[RT][VD];
     for (int r = 0; r < RT; ++r)
       for (int64_t v = 0; v < VD; ++v) acc[r][v] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; ++i) {
-      const scalar_t* row = vrow[i] + kv;
-      __m512 x[VD];
-      for (int64_t v = 0; v < VD; ++v) x[v] = widen16(row + 16 * v);
-      for (int r = 0; r < RT; ++r) {
-        const __m512 p = _mm512_set1_ps(w[r][i]);
-        for (int64_t v = 0; v < VD; ++v) acc[r][v] = _mm512_fmadd_ps(p, x[v], acc[r][v]);
+    if constexpr (kPairs) {
+#ifdef __AVX512BF16__
+      alignas(64) static const uint16_t kIdx[2][32] = {
+          {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+           8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+          {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+           24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+      const __m512i lo = _mm512_load_si512(kIdx[0]), hi = _mm512_load_si512(kIdx[1]);
+      for (int64_t j = 0; 2 * j < n; ++j) {
+        const scalar_t* a = vrow[2 * j] + kv;
+        const scalar_t* b = vrow[2 * j + 1] + kv;
+        __m512bh pv[VD];
+        for (int64_t c = 0; c < kD / 32; ++c) {
+          const __m512i x = _mm512_loadu_si512(a + 32 * c), y = _mm512_loadu_si512(b + 32 * c);
+          pv[2 * c] = (__m512bh)_mm512_permutex2var_epi16(x, lo, y);
+          pv[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(x, hi, y);
+        }
+        for (int r = 0; r < RT; ++r) {
+          const __m512bh wb =
+              (__m512bh)_mm512_set1_epi32(static_cast<const uint32_t*>(w[r])[j]);
+          for (int64_t v = 0; v < VD; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], wb, pv[v]);
+        }
+      }
+#endif
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        const scalar_t* row = vrow[i] + kv;
+        __m512 x[VD];
+        for (int64_t v = 0; v < VD; ++v) x[v] = widen16(row + 16 * v);
+        for (int r = 0; r < RT; ++r) {
+          const __m512 p = _mm512_set1_ps(static_cast<const float*>(w[r])[i]);
+          for (int64_t v = 0; v < VD; ++v) acc[r][v] = _mm512_fmadd_ps(p, x[v], acc[r][v]);
+        }
       }
     }
     for (int r = 0; r < RT; ++r)
       for (int64_t v = 0; v < VD; ++v) _mm512_storeu_ps(out[r] + 16 * v, acc[r][v]);
   }
 
+  // A row's weights (i < n, zeros from there to the next multiple of 32) as bf16 pairs
+  // for values(), in place: word j (keys 2j, 2j + 1) lands before the floats still to read.
+  static void weights_to_pairs(float* sh, int64_t n) {
+#ifdef __AVX512BF16__
+    uint32_t* pairs = reinterpret_cast<uint32_t*>(sh);
+    for (int64_t i = 0; i < n; i += 32) {
+      const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(sh + i + 16), _mm512_loadu_ps(sh + i));
+      _mm512_storeu_si512(pairs + i / 2, (__m512i)h);
+    }
+#endif
+  }
+
   // values<RT> for the last `rows` (< kTile) rows of a head.
   template <int RT>
-  static void values_tail(int64_t rows, const float* const* w, const scalar_t* const* vrow, int64_t n,
+  static void values_tail(int64_t rows, const void* const* w, const scalar_t* const* vrow, int64_t n,
                           int64_t kv, float* const* out) {
     if constexpr (RT > 1) {
       if (rows < RT) return values_tail<RT - 1>(rows, w, vrow, n, kv, out);
@@ -312,6 +356,12 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(o[d] / total);
     }
   };
+  // bf16 KV with bf16 dot products: the value pass takes the weights as bf16 pairs
+#ifdef __AVX512F__
+  constexpr bool pairs_of_weights = kAvx && Avx::kPairs;
+#else
+  constexpr bool pairs_of_weights = false;
+#endif
   std::vector<std::atomic<int64_t>> splits_left(B);
   for (int64_t b = 0; b < B; ++b)
     splits_left[b].store((kv_lens[b] + kSplit - 1) / kSplit, std::memory_order_relaxed);
@@ -323,8 +373,8 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> qf(max_rows * D), scores(max_rows * kSplit), row(slot_stride), o(D);
-    std::vector<const scalar_t*> krow(kSplit), vrow(kSplit);
-    std::vector<const float*> wrow(max_rows);
+    std::vector<const scalar_t*> krow(kSplit), vrow(kSplit + 1);
+    std::vector<const void*> wrow(max_rows);
     std::vector<float*> orow(max_rows);
     // a row of the item: its part index (b, split, qh), its KV head's offset in a token
     // row, the keys of the split it sees, where its query is
@@ -384,10 +434,12 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
           }
         });
       }
+      // the bf16 value pass takes the weights as pairs, 32 at a time
+      const int64_t padded = pairs_of_weights ? (n + 31) / 32 * 32 : n;
       for (int64_t r = 0; r < nrows; ++r) {
         const int64_t seen = seen_of[r];
         float* sh = scores.data() + r * kSplit;
-        for (int64_t i = seen; i < n; ++i) sh[i] = 0.f;  // a later key: weight 0
+        for (int64_t i = seen; i < padded; ++i) sh[i] = 0.f;  // a later key: weight 0
         if (seen == 0) continue;  // nothing this row sees: part_sum stays 0, skipped
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t i = 0; i < seen; ++i) m = std::max(m, sh[i]);
@@ -399,6 +451,12 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
         }
         part_max[part_at[r]] = m;
         part_sum[part_at[r]] = sum;
+      }
+      if constexpr (pairs_of_weights) {
+#ifdef __AVX512F__
+        for (int64_t r = 0; r < nrows; ++r) Avx::weights_to_pairs(scores.data() + r * kSplit, n);
+        if (n % 2 == 1) vrow[n] = vrow[n - 1];  // the pair's second key: weight 0
+#endif
       }
       if constexpr (kAvx) {
 #ifdef __AVX512F__
