@@ -5,7 +5,8 @@ Decoding is memory-bound on CPU, and plain torch reads memory badly in both plac
   into a padded copy first (all plain torch can do) reads and writes that context twice
   more; at 16 sequences of 3,000 tokens the gather cost several times the attention
   itself. `csrc/paged_decode.cpp` reads the pages where they are, 16 keys' dot products
-  reduced together and bf16 pairs multiplied by the CPU's bf16 dot product.
+  reduced together and bf16 pairs multiplied by the CPU's bf16 dot product, and reads
+  the pages that several sequences share (a common system prompt) once for all of them.
 - A linear layer over a few rows (a decode batch, a speculative verify) is a read of
   its weights; torch's GEMM reads them at a fraction of the memory's rate.
   `csrc/small_linear.cpp` streams them once (worker/linear.py picks it).

@@ -4,10 +4,17 @@
 // sequence (flash-decoding), then merged. A sequence's query rows share each read of a
 // K or V row: a verify of 1 + K tokens reads the context once, not 1 + K times.
 //
+// Sequences whose page lists name the same pages (agents on one system prompt, through
+// the prefix cache) read each split they share once, as one work item for all their
+// query rows (plan_items): a decode step of 4 agents on a shared 2,000 tokens reads
+// about half the bytes. Splits sit where each sequence alone would split them, so a
+// sequence's output does not depend on who shares its pages.
+//
 // With AVX-512 and head dim 64 or 128 a split runs as vector passes (DecodeAvx512): the
 // scores of 16 keys at a time per query row, bf16 dot products in VDPBF16PS where the
 // CPU has it; the weighted V rows summed into register tiles of the query rows that
-// share a KV head. Elsewhere a scalar loop the compiler vectorizes per dot product.
+// share a KV head (bf16: weights and V rows as bf16 pairs, VDPBF16PS again). Elsewhere a
+// scalar loop the compiler vectorizes per dot product.
 //
 // Layouts (the torch backend's): q [T, H, D] (any row and head stride, D contiguous),
 // k_cache / v_cache [num_pages, page_size, Hkv, D] contiguous, out [T, H, D]
