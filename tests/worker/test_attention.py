@@ -379,14 +379,15 @@ def test_decode_kernel_reads_a_shared_prefix_once_with_the_same_result(case, hea
         row += q.shape[0]
 
 
-# The prefill kernel's edges: several key blocks (64 keys) and query blocks (64 tokens) with
-# the causal diagonal across both, an odd key count (the bf16 path pairs keys), chunks
+# The prefill kernel's edges: several key blocks (64 keys) and query blocks (128 tokens)
+# with the causal diagonal across both, an odd key count (the bf16 path pairs keys), chunks
 # with no prefix (3 tokens: no decode-sized shortcut) and behind one, next to decodes.
 PREFILL_KERNEL_CASES = [
     [(130, 300)],
     [(200, 200), (1, 77)],
     [(3, 3), (65, 65), (17, 131)],
     [(97, 400), (129, 129), (2, 5)],
+    [(300, 300), (257, 520)],
 ]
 
 
