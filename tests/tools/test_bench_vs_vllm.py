@@ -121,10 +121,14 @@ def test_end_to_end_against_a_stand_in_peer(default_model, tmp_path, capsys):
     out = tmp_path / "r.json"
     bvv.main(["--model", str(default_model), "--peer", "deepinfer", "--agents", "2",
               "--system-tokens", "64", "--steps", "2", "--tool-result-tokens", "16",
-              "--max-tokens", "4", "--no-machine-rates", "--json", str(out)],
+              "--max-tokens", "4", "--no-machine-rates", "--json", str(out), "--repeats", "2"],
              console=Console(width=200))
     result = json.loads(out.read_text())
     rows = list(result["runs"].values())
+    for row in rows:  # two rounds each, on prompts of their own; the median one reported
+        rates = row["rounds_prompt_tok_s"]
+        assert len(rates) == 2 and rates == sorted(rates) and row["prompt_tok_s"] == rates[1]
+        assert (row["prompt_tok_s_min"], row["prompt_tok_s_max"]) == (rates[0], rates[1])
     assert len(rows) == 2 and result["ratio_of"] == "DeepInfer / DeepInfer (stand-in peer)"
     for row in rows:
         assert row["requests"] == 4 and row["output_tokens"] == 16
