@@ -33,3 +33,16 @@ def test_kv_bytes_counts_k_and_v_of_every_context() -> None:
 def test_flop_counts_causal_keys_behind_the_prefix() -> None:
     # one head, head dim 1: 4 x (2 queries x 3 prefix keys + 1 + 2 causal keys)
     assert bench_attention.flop([(2, 5)], 1, 1) == 4 * (2 * 3 + 3)
+
+
+def test_make_step_shares_the_first_sequences_pages() -> None:
+    """`shared` tokens: every sequence's first pages are the first sequence's (the prefix
+    cache's doing), the rest its own."""
+    *_, meta = bench_attention.make_step([(1, 100), (1, 70), (1, 50)], 2, 1, 4, torch.float32,
+                                         shared=48)
+    idx, kvp = meta.kv_indices.tolist(), meta.kv_indptr.tolist()
+    pages = [idx[kvp[i]:kvp[i + 1]] for i in range(3)]
+    assert [len(p) for p in pages] == [7, 5, 4]
+    assert pages[1][:3] == pages[2][:3] == pages[0][:3]
+    own = pages[0] + pages[1][3:] + pages[2][3:]
+    assert len(set(own)) == len(own)  # nothing else shared
