@@ -70,6 +70,7 @@ def make_step(lens: list[tuple[int, int]], heads: int, kv_heads: int, d: int,
     v = torch.randn(num_pages, PAGE, kv_heads, d, generator=g).to(dtype)
     perm = torch.randperm(num_pages, generator=g).tolist()
     qo, kvp, idx, last = [0], [0], [], []
+    assert all(kv >= shared for _, kv in lens), "a sequence shorter than the shared prefix"
     common: list[int] = []
     for q_len, kv_len in lens:
         n = -(-kv_len // PAGE)

@@ -495,7 +495,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--salt", default=None, help="default: drawn per run")
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of the load against each engine, each with prompts of its "
-                        "own (another salt); the median round by read rate is the row")
+                        "own (another salt); the median round by read rate (prompt tok/s; "
+                        "the faster middle one of an even count) is the row")
     p.add_argument("--peer", choices=("vllm", "deepinfer"), default="vllm",
                    help="deepinfer: a second DeepInfer stands in for the peer (tests)")
     p.add_argument("--peer-first", action="store_true",
@@ -570,6 +571,7 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> int:
             runs[name] = {**summary, "load_avg": load_before,
                           "load_avg_end": os.getloadavg()[0], "startup_s": startup_s,
                           "rounds_prompt_tok_s": rates,
+                          "round_salts": [prompts.load.salt for prompts in rounds],
                           **({"prompt_tok_s_min": rates[0], "prompt_tok_s_max": rates[-1]}
                              if len(rates) > 1 else {}),
                           "steps": [asdict(s) for s in steps]}

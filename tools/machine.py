@@ -23,12 +23,10 @@ def cpu_model() -> str:
     """The model name, with the x86 family and model numbers where the name alone does not
     tell the generation (a VM's "AMD EPYC" was a Zen 4 one session and a Zen 5 the next,
     and the kernels' figures differ between them)."""
-    fields: dict[str, str] = {}
+    fields: dict[str, str] = {}  # each key's first value: the first processor's
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if not line.strip():
-                    break  # the first processor is enough
                 key, _, value = line.partition(":")
                 fields.setdefault(key.strip(), value.strip())
     except OSError:

@@ -129,6 +129,8 @@ def test_end_to_end_against_a_stand_in_peer(default_model, tmp_path, capsys):
         rates = row["rounds_prompt_tok_s"]
         assert len(rates) == 2 and rates == sorted(rates) and row["prompt_tok_s"] == rates[1]
         assert (row["prompt_tok_s_min"], row["prompt_tok_s_max"]) == (rates[0], rates[1])
+        salts = row["round_salts"]
+        assert len(set(salts)) == 2 and all(s.startswith(result["load"]["salt"]) for s in salts)
     assert len(rows) == 2 and result["ratio_of"] == "DeepInfer / DeepInfer (stand-in peer)"
     for row in rows:
         assert row["requests"] == 4 and row["output_tokens"] == 16

@@ -218,6 +218,24 @@ struct DecodeAvx512 {
 };
 #endif
 
+// A float buffer whose data starts on a 64-byte line. The softmax's sum is a vectorized
+// reduction: were the compiler to peel iterations up to an aligned address, its order
+// (and last bit) would depend on where a thread's buffer happened to land, and a
+// sequence's output would not be the same bit for bit on every thread.
+class AlignedFloats {
+ public:
+  explicit AlignedFloats(int64_t n) : storage_(n + 16) {
+    const auto at = reinterpret_cast<uintptr_t>(storage_.data());
+    data_ = storage_.data() + ((64 - at % 64) % 64) / sizeof(float);
+  }
+  float* data() { return data_; }
+  float& operator[](int64_t i) { return data_[i]; }
+
+ private:
+  std::vector<float> storage_;
+  float* data_;
+};
+
 // A work item: one split of context (kSplit tokens from a multiple of kSplit) read
 // once for the query rows of one sequence, or of every sequence of a group whose page
 // lists name the same pages for the whole split (a prefix they share through the
@@ -240,7 +258,9 @@ constexpr int64_t kGroupRows = 144;
 // (the first of them leads); each shares with the leader the leading splits that its
 // first query row sees whole and whose pages the two name alike, so a split's item holds
 // the leader and every member sharing that far (a fork that shares less leaves the
-// others' longer share intact).
+// others' longer share intact). Two members that share more with each other than with
+// the leader read their extra splits apart: a deeper tree of groups was not needed for
+// agents on one system prompt.
 inline void plan_items(const int64_t* n_q, const int64_t* page_start, const int64_t* kv_lens,
                        const int32_t* kv_indices, int64_t B, int64_t H, int64_t page_size,
                        int64_t QH, std::vector<int64_t>& members, std::vector<Item>& items) {
@@ -379,7 +399,8 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> qf(max_rows * D), scores(max_rows * kSplit), row(slot_stride), o(D);
+    AlignedFloats qf(max_rows * D), scores(max_rows * kSplit), row(slot_stride);
+    std::vector<float> o(D);
     std::vector<const scalar_t*> krow(kSplit), vrow(kSplit + 1);
     std::vector<const void*> wrow(max_rows);
     std::vector<float*> orow(max_rows);
