@@ -57,7 +57,8 @@ def test_agents_land_on_the_replica_holding_their_prefix(default_model, tmp_path
         # among replicas that hold none of a new agent's prefix (ties, tree sizes, the
         # order the replicas came up), so it is not asserted: what matters is below,
         # each agent's history on exactly one replica and its turns following it there.
-        assert sum(requests_served(u) for u in r.replica_urls) == len(load.turns)
+        served = [requests_served(u) for u in r.replica_urls]
+        assert sum(served) == len(load.turns)
 
         # Each replica's KV events (read from seq 0 by the replay) name the blocks of
         # the agents it served: their first prompts, as the render endpoint gives them
@@ -65,9 +66,10 @@ def test_agents_land_on_the_replica_holding_their_prefix(default_model, tmp_path
         subs = [Subscriber(ep, f"tcp://127.0.0.1:{port + 2 * i + 1}")
                 for i, ep in enumerate(r.kv_event_endpoints)]
         try:
-            for sub in subs:
+            for sub, requests in zip(subs, served):
                 sub.replay(0)
-                assert sub.num_events["AllBlocksCleared"] == 1 and sub.held["GPU"]
+                assert sub.num_events["AllBlocksCleared"] == 1
+                assert bool(sub.held["GPU"]) == (requests > 0)  # what it served, it holds
             for a, body in load.first_bodies.items():
                 ids = httpx.post(f"{r.replica_urls[0]}/v1/chat/completions/render",
                                  json=body, timeout=60).json()["token_ids"]
