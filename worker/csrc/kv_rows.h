@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
@@ -53,6 +53,32 @@ inline void for_each_row(const scalar_t* cache, const int32_t* pages, int64_t t0
 inline void prefetch_lines(const void* p, int64_t bytes) {
   for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at, 0, 3);
 }
+
+#ifdef __AVX512BF16__
+// Two bf16 rows x and y interleaved into (x[d], y[d]) pairs, one 32-bit word each, for
+// VDPBF16PS against a weight pair per key pair: pairs(x, y, out) puts dims 0..15 of the
+// 32 in out[0], 16..31 in out[1] (one VPERMT2W each). The attention kernels' value
+// passes take two keys at a time this way.
+class PairInterleave {
+ public:
+  PairInterleave() {
+    alignas(64) static const uint16_t kIdx[2][32] = {
+        {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+         8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+        {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+         24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+    lo_ = _mm512_load_si512(kIdx[0]);
+    hi_ = _mm512_load_si512(kIdx[1]);
+  }
+  inline void operator()(__m512i x, __m512i y, __m512i out[2]) const {
+    out[0] = _mm512_permutex2var_epi16(x, lo_, y);
+    out[1] = _mm512_permutex2var_epi16(x, hi_, y);
+  }
+
+ private:
+  __m512i lo_, hi_;
+};
+#endif
 
 // The checks paged_decode and paged_prefill share: their tensors' shapes, dtypes and
 // layouts (see paged_decode.cpp).

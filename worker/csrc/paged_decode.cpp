@@ -157,20 +157,16 @@ struct DecodeAvx512 {
       for (int64_t v = 0; v < VD; ++v) acc[r][v] = _mm512_setzero_ps();
     if constexpr (kPairs) {
 #ifdef __AVX512BF16__
-      alignas(64) static const uint16_t kIdx[2][32] = {
-          {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-           8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
-          {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-           24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
-      const __m512i lo = _mm512_load_si512(kIdx[0]), hi = _mm512_load_si512(kIdx[1]);
+      const PairInterleave pairs;
       for (int64_t j = 0; 2 * j < n; ++j) {
         const scalar_t* a = vrow[2 * j] + kv;
         const scalar_t* b = vrow[2 * j + 1] + kv;
         __m512bh pv[VD];
         for (int64_t c = 0; c < kD / 32; ++c) {
-          const __m512i x = _mm512_loadu_si512(a + 32 * c), y = _mm512_loadu_si512(b + 32 * c);
-          pv[2 * c] = (__m512bh)_mm512_permutex2var_epi16(x, lo, y);
-          pv[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(x, hi, y);
+          __m512i out[2];
+          pairs(_mm512_loadu_si512(a + 32 * c), _mm512_loadu_si512(b + 32 * c), out);
+          pv[2 * c] = (__m512bh)out[0];
+          pv[2 * c + 1] = (__m512bh)out[1];
         }
         for (int r = 0; r < RT; ++r) {
           const __m512bh wb =

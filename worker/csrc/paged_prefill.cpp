@@ -206,24 +206,20 @@ inline void pack_keys_bf16(const c10::BFloat16* const* krow, int64_t n, uint32_t
 }
 
 // The key block's V rows as (v[2j][d], v[2j+1][d]) pairs along d: v32[j * kD + d] for the
-// (n + 1) / 2 key pairs j (an odd last key paired with zeros). One VPERMT2W interleaves
-// 16 dims of two rows.
+// (n + 1) / 2 key pairs j (an odd last key paired with zeros).
 template <int64_t kD>
 inline void pack_values_bf16(const c10::BFloat16* const* vrow, int64_t n, uint32_t* v32) {
-  alignas(64) static const uint16_t kIdx[2][32] = {
-      {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
-      {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
-  const __m512i lo = _mm512_load_si512(kIdx[0]), hi = _mm512_load_si512(kIdx[1]);
+  const PairInterleave pairs;
   for (int64_t j = 0; 2 * j < n; ++j) {
     const c10::BFloat16* a = vrow[2 * j];
     const c10::BFloat16* b = 2 * j + 1 < n ? vrow[2 * j + 1] : nullptr;
     for (int64_t d = 0; d < kD; d += 32) {
       const __m512i x = _mm512_loadu_si512(a + d);
       const __m512i y = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
-      _mm512_storeu_si512(v32 + j * kD + d, _mm512_permutex2var_epi16(x, lo, y));
-      _mm512_storeu_si512(v32 + j * kD + d + 16, _mm512_permutex2var_epi16(x, hi, y));
+      __m512i out[2];
+      pairs(x, y, out);
+      _mm512_storeu_si512(v32 + j * kD + d, out[0]);
+      _mm512_storeu_si512(v32 + j * kD + d + 16, out[1]);
     }
   }
 }
