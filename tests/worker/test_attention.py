@@ -379,7 +379,7 @@ def test_decode_kernel_reads_a_shared_prefix_once_with_the_same_result(case, hea
         row += q.shape[0]
 
 
-# The prefill kernel's edges: several key blocks (64 keys) and query blocks (128 tokens)
+# The prefill kernel's edges: several key blocks (128 keys) and query blocks (128 tokens)
 # with the causal diagonal across both, an odd key count (the bf16 path pairs keys), chunks
 # with no prefix (3 tokens: no decode-sized shortcut) and behind one, next to decodes.
 PREFILL_KERNEL_CASES = [
@@ -388,6 +388,7 @@ PREFILL_KERNEL_CASES = [
     [(3, 3), (65, 65), (17, 131)],
     [(97, 400), (129, 129), (2, 5)],
     [(300, 300), (257, 520)],
+    [(128, 384), (256, 256)],  # blocks and chunks ending on key-block edges
 ]
 
 

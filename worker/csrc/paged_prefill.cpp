@@ -57,8 +57,14 @@ constexpr int64_t kBlockQ = 128;         // query tokens a work item takes (time
                                          // packs every key block of the context, so 128
                                          // over 64 halves the packing (4 x 216 behind 2,800
                                          // tokens: +5-7%)
-constexpr int64_t kKeyVectors = 4;       // a key block is this many vectors wide
-constexpr int64_t kBlockK = kKeyVectors * kLanes;
+constexpr int64_t kKeyVectors = 4;       // a score tile is this many vectors of keys wide
+constexpr int64_t kBlockVectors = 8;     // a key block is this many: the softmax's per-row
+                                         // work (max and sum across the lanes, rescaling
+                                         // the output) comes once a block, so 128 keys over
+                                         // 64 halve it (216 queries behind 2,800: +5-10%
+                                         // on one thread; 256 keys lost 3-13%)
+constexpr int64_t kBlockK = kBlockVectors * kLanes;
+static_assert(kBlockVectors % kKeyVectors == 0, "a key block is whole score tiles");
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline vfloat vload(const float* p) {
@@ -71,21 +77,23 @@ inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
 inline vfloat vsplat(float x) { return vfloat{} + x; }
 
-// S[r, :] = Q[r, :] . Kt[:, j] for RT rows r0.. and the kBlockK keys of the block.
+// S[r, k0 + j] = Q[r, :] . Kt[:, k0 + j] for RT rows r0.. and the kKeyVectors vectors of
+// keys from k0.
 template <int RT, int64_t kD>
-inline void scores_tile(const float* qt, const float* kt, float* s, int64_t r0, int64_t D) {
-  const int64_t dim = kD > 0 ? kD : D;
+inline void scores_tile(const float* qt, const float* kt, float* s, int64_t r0, int64_t k0) {
+  constexpr int64_t dim = kD;
   vfloat acc[RT][kKeyVectors] = {};
   for (int64_t d = 0; d < dim; ++d) {
     vfloat kv[kKeyVectors];
-    for (int v = 0; v < kKeyVectors; ++v) kv[v] = vload(kt + d * kBlockK + v * kLanes);
+    for (int v = 0; v < kKeyVectors; ++v) kv[v] = vload(kt + d * kBlockK + k0 + v * kLanes);
     for (int r = 0; r < RT; ++r) {
       const vfloat qb = vsplat(qt[(r0 + r) * dim + d]);
       for (int v = 0; v < kKeyVectors; ++v) acc[r][v] += qb * kv[v];
     }
   }
   for (int r = 0; r < RT; ++r)
-    for (int v = 0; v < kKeyVectors; ++v) vstore(s + (r0 + r) * kBlockK + v * kLanes, acc[r][v]);
+    for (int v = 0; v < kKeyVectors; ++v)
+      vstore(s + (r0 + r) * kBlockK + k0 + v * kLanes, acc[r][v]);
 }
 
 // O[r, :] += P[r, :n] @ V[:n, :] for RT rows r0.. (V rows contiguous, kD wide).
@@ -116,14 +124,14 @@ inline void values_tile(const float* p, const float* vb, float* o, int64_t r0, i
 // as GPU flash attention rounds them.
 template <int RT, int64_t kD>
 inline void scores_tile_bf16(const uint32_t* qt, const uint32_t* kp, float* s, int64_t r0,
-                             float scale) {
+                             int64_t k0, float scale) {
   __m512 acc[RT][kKeyVectors];
   for (int r = 0; r < RT; ++r)
     for (int v = 0; v < kKeyVectors; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t p = 0; p < kD / 2; ++p) {
     __m512bh kv[kKeyVectors];
     for (int v = 0; v < kKeyVectors; ++v)
-      kv[v] = (__m512bh)_mm512_loadu_si512(kp + p * kBlockK + v * kLanes);
+      kv[v] = (__m512bh)_mm512_loadu_si512(kp + p * kBlockK + k0 + v * kLanes);
     for (int r = 0; r < RT; ++r) {
       const __m512bh qb = (__m512bh)_mm512_set1_epi32(qt[(r0 + r) * (kD / 2) + p]);
       for (int v = 0; v < kKeyVectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], qb, kv[v]);
@@ -132,7 +140,7 @@ inline void scores_tile_bf16(const uint32_t* qt, const uint32_t* kp, float* s, i
   const __m512 sc = _mm512_set1_ps(scale);
   for (int r = 0; r < RT; ++r)
     for (int v = 0; v < kKeyVectors; ++v)
-      _mm512_storeu_ps(s + (r0 + r) * kBlockK + v * kLanes, _mm512_mul_ps(acc[r][v], sc));
+      _mm512_storeu_ps(s + (r0 + r) * kBlockK + k0 + v * kLanes, _mm512_mul_ps(acc[r][v], sc));
 }
 
 template <int RT, int64_t kD>
@@ -232,24 +240,29 @@ constexpr bool kHasBf16Dot = false;
 // them), its running max m and sum l move on; returns the factor its output so far is
 // rescaled by. With AVX-512 the row is four vectors, the max and sum reduced in
 // registers (the plain loops were half of a bf16 prefill's time).
+template <bool kBf16Weights>
 inline float softmax_row(float* sr, int64_t seen, float& m, float& l) {
 #ifdef __AVX512F__
-  static_assert(kBlockK == 4 * 16, "a key block is four AVX-512 vectors");
-  __m512 x[4];
-  __mmask16 valid[4];
+  static_assert(kLanes == 16, "a key block is AVX-512 vectors");
+  __m512 x[kBlockVectors];
+  __mmask16 valid[kBlockVectors];
   __m512 vmax = _mm512_set1_ps(kNegInf);
-  for (int v = 0; v < 4; ++v) {
+  for (int v = 0; v < kBlockVectors; ++v) {
     const int64_t lanes = std::clamp<int64_t>(seen - 16 * v, 0, 16);
     valid[v] = static_cast<__mmask16>((1u << lanes) - 1u);
     x[v] = _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), valid[v], sr + 16 * v);
     vmax = _mm512_max_ps(vmax, x[v]);
   }
   const float m_new = std::max(m, _mm512_reduce_max_ps(vmax));
-  const float alpha = exp_nonpositive(m - m_new);  // ~0 at the row's first block
+  // ~0 at the row's first block; 1 while the max stands
+  const float alpha = m_new == m ? 1.f : exp_nonpositive(m - m_new);
   const __m512 shift = _mm512_set1_ps(m_new);
+  const __m512 shift_log2e = _mm512_set1_ps(m_new * 1.4426950408889634f);
   __m512 sum = _mm512_setzero_ps();
-  for (int v = 0; v < 4; ++v) {
-    const __m512 p = _mm512_maskz_mov_ps(valid[v], exp_nonpositive(_mm512_sub_ps(x[v], shift)));
+  for (int v = 0; v < kBlockVectors; ++v) {
+    const __m512 p =
+        kBf16Weights ? exp_shifted_for_bf16(x[v], shift_log2e, valid[v])
+                     : _mm512_maskz_mov_ps(valid[v], exp_nonpositive(_mm512_sub_ps(x[v], shift)));
     _mm512_storeu_ps(sr + 16 * v, p);
     sum = _mm512_add_ps(sum, p);
   }
@@ -274,22 +287,22 @@ inline float softmax_row(float* sr, int64_t seen, float& m, float& l) {
 #endif
 }
 
-// The online softmax of one key block (scores in `s`, n keys of which the rows see a
-// causal share): each row's weights replace its scores, its running max `m` and sum `l`
-// move on, and its output so far is rescaled. Query token t (row r = t * G + g) sees keys
-// up to first_limit + t.
-template <int64_t kD>
-inline void softmax_block(float* s, float* m, float* l, float* o, int64_t M, int64_t G,
-                          int64_t kb, int64_t n, int64_t first_limit) {
+// The online softmax of rows [r0, r1) of one key block (scores in `s`, n keys of which
+// the rows see a causal share): each row's weights replace its scores, its running max
+// `m` and sum `l` move on, and its output so far is rescaled. Query token t (row
+// r = t * G + g) sees keys up to first_limit + t.
+template <int64_t kD, bool kBf16Weights>
+inline void softmax_rows(float* s, float* m, float* l, float* o, int64_t r0, int64_t r1,
+                         int64_t G, int64_t kb, int64_t n, int64_t first_limit) {
   const bool diagonal = kb + n - 1 > first_limit;  // some row sees only part of the block
-  for (int64_t r = 0; r < M; ++r) {
+  for (int64_t r = r0; r < r1; ++r) {
     float* sr = s + r * kBlockK;
     const int64_t seen = diagonal ? std::min(n, first_limit + r / G + 1 - kb) : n;
     if (seen <= 0) {  // keys all after this row's position: weight 0
       std::fill(sr, sr + kBlockK, 0.f);
       continue;
     }
-    const float alpha = softmax_row(sr, seen, m[r], l[r]);
+    const float alpha = softmax_row<kBf16Weights>(sr, seen, m[r], l[r]);
     if (alpha != 1.f) {
       float* orow = o + r * kD;
       for (int64_t d = 0; d < kD; ++d) orow[d] *= alpha;
@@ -312,6 +325,40 @@ struct Prefill {
   static constexpr int RS = std::max<int>(1, kAccumulators / kKeyVectors);  // score rows
   static constexpr int RV = std::max<int>(1, kAccumulators / (kD / kLanes));  // value rows
   static constexpr bool kBf16Dot = kHasBf16Dot && std::is_same_v<scalar_t, c10::BFloat16>;
+  static constexpr int kGroup = std::max(RS, RV);  // rows through the passes at once
+
+  struct BlockRows {  // one key block's buffers, as run() lays them out
+    const float* qt;
+    const float* kt;
+    const float* vb;
+    float* s;
+    float* w;
+    float* m;
+    float* l;
+    float* o;
+    int64_t G, kb, n, first_limit;
+  };
+
+  // Rows [r0, r0 + R) of the tile through one key block: scores, online softmax, then the
+  // weights times V into their outputs.
+  template <int R>
+  void block_rows(const BlockRows& b, int64_t r0) const {
+    constexpr int kS = std::min(R, RS), kV = std::min(R, RV);
+    for (int i = 0; i < R; i += kS) scores<kS>(b.qt, b.kt, b.s, r0 + i);
+    softmax_rows<kD, kBf16Dot>(b.s, b.m, b.l, b.o, r0, r0 + R, b.G, b.kb, b.n, b.first_limit);
+    if constexpr (kBf16Dot) {
+#ifdef __AVX512BF16__
+      uint32_t* w16 = reinterpret_cast<uint32_t*>(b.w);
+      for (int i = 0; i < R; ++i)
+        weights_to_bf16(b.s + (r0 + i) * kBlockK, w16 + (r0 + i) * (kBlockK / 2));
+      const uint32_t* v16 = reinterpret_cast<const uint32_t*>(b.vb);
+      const int64_t pairs = (b.n + 1) / 2;
+      for (int i = 0; i < R; i += kV) values_tile_bf16<kV, kD>(w16, v16, b.o, r0 + i, pairs);
+#endif
+    } else {
+      for (int i = 0; i < R; i += kV) values_tile<kV, kD>(b.s, b.vb, b.o, r0 + i, b.n);
+    }
+  }
 
   void run(int64_t row0, int64_t prefix, int64_t t0, int64_t nt, int64_t hk,
            const int32_t* pages, std::vector<float>& buf) const {
@@ -345,23 +392,13 @@ struct Prefill {
     for (int64_t kb = 0; kb < end; kb += kBlockK) {
       const int64_t n = std::min(kBlockK, end - kb);
       pack(kt, vb, row, kb, n, end, hk, pages, slot_stride);
+      // A group of rows at a time through all three passes (scores, softmax, weights
+      // times V), so that its scores and weights are still in L1 when the next pass reads
+      // them (a pass over all M rows streamed them through L2 three times).
+      const BlockRows rows{qt, kt, vb, s, w, m, l, o, G, kb, n, first_limit};
       int64_t r = 0;
-      for (; r + RS <= M; r += RS) scores<RS>(qt, kt, s, r);
-      for (; r < M; ++r) scores<1>(qt, kt, s, r);
-      softmax_block<kD>(s, m, l, o, M, G, kb, n, first_limit);
-      if constexpr (kBf16Dot) {
-#ifdef __AVX512BF16__
-        uint32_t* w16 = reinterpret_cast<uint32_t*>(w);
-        for (int64_t rr = 0; rr < M; ++rr) weights_to_bf16(s + rr * kBlockK, w16 + rr * (kBlockK / 2));
-        const uint32_t* v16 = reinterpret_cast<const uint32_t*>(vb);
-        const int64_t pairs = (n + 1) / 2;
-        for (r = 0; r + RV <= M; r += RV) values_tile_bf16<RV, kD>(w16, v16, o, r, pairs);
-        for (; r < M; ++r) values_tile_bf16<1, kD>(w16, v16, o, r, pairs);
-#endif
-      } else {
-        for (r = 0; r + RV <= M; r += RV) values_tile<RV, kD>(s, vb, o, r, n);
-        for (; r < M; ++r) values_tile<1, kD>(s, vb, o, r, n);
-      }
+      for (; r + kGroup <= M; r += kGroup) block_rows<kGroup>(rows, r);
+      for (; r < M; ++r) block_rows<1>(rows, r);
     }
     for (int64_t t = 0; t < nt; ++t)
       for (int64_t g = 0; g < G; ++g) {
@@ -372,15 +409,18 @@ struct Prefill {
       }
   }
 
+  // Scores of RT rows from r0 against the whole key block, a tile of keys at a time.
   template <int RT>
   void scores(const float* qt, const float* kt, float* s, int64_t r0) const {
-    if constexpr (kBf16Dot) {
+    for (int64_t k0 = 0; k0 < kBlockK; k0 += kKeyVectors * kLanes) {
+      if constexpr (kBf16Dot) {
 #ifdef __AVX512BF16__
-      scores_tile_bf16<RT, kD>(reinterpret_cast<const uint32_t*>(qt),
-                               reinterpret_cast<const uint32_t*>(kt), s, r0, scale);
+        scores_tile_bf16<RT, kD>(reinterpret_cast<const uint32_t*>(qt),
+                                 reinterpret_cast<const uint32_t*>(kt), s, r0, k0, scale);
 #endif
-    } else {
-      scores_tile<RT, kD>(qt, kt, s, r0, kD);
+      } else {
+        scores_tile<RT, kD>(qt, kt, s, r0, k0);
+      }
     }
   }
 

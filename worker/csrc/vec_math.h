@@ -45,4 +45,20 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
+
+// exp(x - m) for the softmax weights of a bf16 product with V (they are rounded to bf16,
+// 2^-9, right after), where `m_log2e` is m log2(e): a degree-4 polynomial (relative error
+// 3e-6) and the shift folded into one FMA, zero in the lanes `keep` leaves out (their x
+// may be -inf). Three instructions a vector fewer than exp_nonpositive.
+inline __m512 exp_shifted_for_bf16(__m512 x, __m512 m_log2e, __mmask16 keep) {
+  const __m512 t = _mm512_fmsub_ps(x, _mm512_set1_ps(1.4426950408889634f), m_log2e);
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(9.582850150763988e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.590643361210823e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024099111557007e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931241750717163e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(keep, p, n);
+}
 #endif
