@@ -217,10 +217,13 @@ struct DecodeAvx512 {
 // A float buffer whose data starts on a 64-byte line. The softmax's sum is a vectorized
 // reduction: were the compiler to peel iterations up to an aligned address, its order
 // (and last bit) would depend on where a thread's buffer happened to land, and a
-// sequence's output would not be the same bit for bit on every thread.
+// sequence's output would not be the same bit for bit on every thread. A thread keeps
+// its buffers from call to call (fit grows them): fresh ones each layer's call, 150 KB
+// of scores a thread, cost page faults and zeroing in every decode step.
 class AlignedFloats {
  public:
-  explicit AlignedFloats(int64_t n) : storage_(n + 16) {
+  void fit(int64_t n) {
+    if (static_cast<int64_t>(storage_.size()) < n + 16) storage_.resize(n + 16);
     const auto at = reinterpret_cast<uintptr_t>(storage_.data());
     data_ = storage_.data() + ((64 - at % 64) % 64) / sizeof(float);
   }
@@ -229,8 +232,26 @@ class AlignedFloats {
 
  private:
   std::vector<float> storage_;
-  float* data_;
+  float* data_ = nullptr;
 };
+
+// The largest of x[0, n) (n > 0): exact in any order, so vectorized (the plain loop was
+// a chain of scalar maxima, most of a decode call on a short context).
+inline float row_max(const float* x, int64_t n) {
+#ifdef __AVX512F__
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
+  if (i < n)
+    m = _mm512_mask_max_ps(m, static_cast<__mmask16>((1u << (n - i)) - 1u), m,
+                           _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (n - i)) - 1u), x + i));
+  return _mm512_reduce_max_ps(m);
+#else
+  float m = x[0];
+  for (int64_t i = 1; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+#endif
+}
 
 // A work item: one split of context (kSplit tokens from a multiple of kSplit) read
 // once for the query rows of one sequence, or of every sequence of a group whose page
@@ -347,9 +368,16 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
   // Per (sequence, split, query row and head): running max, sum of exp, and the weighted
   // V. A work item takes every query and head of its sequences over a run of tokens, so
   // it reads whole token rows once and the pages stream through memory in order.
-  std::vector<float> part_max(B * S * QH, -std::numeric_limits<float>::infinity());
-  std::vector<float> part_sum(B * S * QH, 0.f);
-  std::vector<float> part_acc(B * S * QH * D, 0.f);
+  // (The calling thread keeps them from call to call; the workers reach them through
+  // these pointers, not by name, which would be each worker's own thread_local.)
+  thread_local std::vector<float> kept_max, kept_sum, kept_acc;
+  const int64_t parts = B * S * QH;
+  kept_max.assign(parts, -std::numeric_limits<float>::infinity());
+  kept_sum.assign(parts, 0.f);
+  if (static_cast<int64_t>(kept_acc.size()) < parts * D) kept_acc.resize(parts * D);
+  float* const part_max = kept_max.data();
+  float* const part_sum = kept_sum.data();
+  float* const part_acc = kept_acc.data();  // the value pass stores whole rows
 
 #ifdef __AVX512F__
   constexpr bool kAvx = kD == 64 || kD == 128;
@@ -357,6 +385,7 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
 #else
   constexpr bool kAvx = false;
 #endif
+  if constexpr (!kAvx) std::fill(part_acc, part_acc + parts * D, 0.f);  // the scalar one adds
   // Merge the splits of sequence b (each query row and head): run by whichever thread
   // finishes the sequence's last split, so a call is one parallel region, not two (on a
   // short context the second region's wake-up cost more than the attention).
@@ -371,7 +400,7 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
         if (part_sum[at] == 0.f) continue;  // a split past what this row sees
         const float w = std::exp(part_max[at] - m);
         total += part_sum[at] * w;
-        const float* acc = part_acc.data() + at * D;
+        const float* acc = part_acc + at * D;
         for (int64_t d = 0; d < D; ++d) o[d] += w * acc[d];
       }
       const int64_t j = qh / H, h = qh % H;
@@ -395,7 +424,10 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    AlignedFloats qf(max_rows * D), scores(max_rows * kSplit), row(slot_stride);
+    thread_local AlignedFloats qf, scores, row;
+    qf.fit(max_rows * D);
+    scores.fit(max_rows * kSplit);
+    row.fit(slot_stride);
     std::vector<float> o(D);
     std::vector<const scalar_t*> krow(kSplit), vrow(kSplit + 1);
     std::vector<const void*> wrow(max_rows);
@@ -465,8 +497,7 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
         float* sh = scores.data() + r * kSplit;
         for (int64_t i = seen; i < padded; ++i) sh[i] = 0.f;  // a later key: weight 0
         if (seen == 0) continue;  // nothing this row sees: part_sum stays 0, skipped
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < seen; ++i) m = std::max(m, sh[i]);
+        const float m = row_max(sh, seen);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < seen; ++i) {
@@ -490,7 +521,7 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
           for (int64_t r = 0; r < nrows; ++r)
             if (kv_of[r] == hk * D) {
               wrow[m] = scores.data() + r * kSplit;
-              orow[m++] = part_acc.data() + part_at[r] * D;
+              orow[m++] = part_acc + part_at[r] * D;
             }
           int64_t r = 0;
           for (; r + Avx::kTile <= m; r += Avx::kTile)
@@ -506,7 +537,7 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
           for (int64_t r = 0; r < nrows; ++r) {
             const float p = scores[r * kSplit + i];
             const float* vp = vt + kv_of[r];
-            float* ah = part_acc.data() + part_at[r] * D;
+            float* ah = part_acc + part_at[r] * D;
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) ah[d] += p * vp[d];
           }
