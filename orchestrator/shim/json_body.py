@@ -58,6 +58,11 @@ def check_value(value: Any, what: str) -> None:
     _check_tree(value, what, strings=True)
 
 
+# Values with nothing to check inside them (and no depth): a container of only these needs
+# no visit of each element.
+_NOTHING_INSIDE = {int, bool, type(None)}
+
+
 def _check_tree(root: Any, what: str, *, strings: bool) -> None:
     """Depth (iteratively: the point is not to recurse) and, if asked, every string."""
     stack: list[tuple[Any, int]] = [(root, 1)]
@@ -78,6 +83,8 @@ def _check_tree(root: Any, what: str, *, strings: bool) -> None:
             continue
         if depth > MAX_DEPTH:
             raise ApiError(f"{what} is nested more than {MAX_DEPTH} levels deep")
+        if set(map(type, children)) <= _NOTHING_INSIDE:
+            continue  # a list of token ids, say: nothing in it to check, and thousands long
         stack.extend((child, depth + 1) for child in children)
 
 

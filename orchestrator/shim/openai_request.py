@@ -21,6 +21,7 @@ from orchestrator.shim.retention import ttl_of
 from orchestrator.shim.state import ServerState, tokenize
 from orchestrator.shim.structured_output import json_grammar
 from orchestrator.shim.validate import (
+    all_int64,
     cache_salt,
     describe,
     invalid,
@@ -284,10 +285,10 @@ def _stop_strings(body: dict[str, Any]) -> list[str]:
 
 
 def _token_ids(v: Any, name: str, vocab_size: int) -> list[int]:
-    if not isinstance(v, list) or not all(is_int64(t) for t in v):
+    if not isinstance(v, list) or not all_int64(v):
         raise ApiError(f"'{name}' must be a list of integers", param=name)
-    bad = [t for t in v if not 0 <= t < vocab_size]
-    if bad:
+    if v and (min(v) < 0 or max(v) >= vocab_size):
+        bad = [t for t in v if not 0 <= t < vocab_size]
         raise ApiError(
             f"token id {bad[0]} in '{name}' is out of range [0, {vocab_size})", param=name
         )
@@ -310,7 +311,7 @@ def prompt_input(body: dict[str, Any]) -> str | list[int]:
         p = p[0]
     if isinstance(p, str):
         return p
-    if isinstance(p, list) and all(is_int64(t) for t in p):
+    if isinstance(p, list) and all_int64(p):
         return p
     raise ApiError("'prompt' must be a string or a list of token ids", param="prompt")
 

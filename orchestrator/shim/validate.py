@@ -27,6 +27,14 @@ def is_int64(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and INT64_MIN <= v <= INT64_MAX
 
 
+def all_int64(values: list[Any]) -> bool:
+    """is_int64 of every element, the usual case (a prompt of token ids: thousands of
+    plain ints) checked by type and range in C, not element by element in Python."""
+    if set(map(type, values)) <= {int}:
+        return not values or (INT64_MIN <= min(values) and max(values) <= INT64_MAX)
+    return all(is_int64(v) for v in values)  # bools, int subclasses: one by one
+
+
 def is_positive_int64(v: Any) -> bool:
     """A count (max_tokens, a thinking budget): an integer the wire carries, 1 at least."""
     return is_int64(v) and v >= 1

@@ -64,3 +64,12 @@ def test_json_inside_a_string_is_held_to_the_same_rules() -> None:
                       ('{"a": "\\udfff"}', "arguments holds a lone UTF-16 surrogate")):
         with pytest.raises(ApiError, match=why):
             loads(text, "arguments")
+
+
+def test_a_long_list_of_ints_is_not_walked_but_anything_else_in_it_is() -> None:
+    """A list of only ints (a prompt of token ids) skips the element-by-element walk; a
+    NaN or a lone surrogate among thousands of ids is still found."""
+    ids = list(range(5000))
+    assert parse_json_object(json.dumps({"prompt": ids}).encode()) == {"prompt": ids}
+    assert "not a JSON number" in refused(b'{"prompt": [' + b"1, " * 5000 + b"NaN]}")
+    assert "surrogate" in refused(b'{"prompt": [' + b"1, " * 5000 + b'"\\ud800"]}')
