@@ -464,6 +464,17 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
         for_each_row(v_cache, pages, t0, t1, page_size, slot_stride,
                      [&](int64_t i, const scalar_t* r) { vrow[i] = r; });
         for (int64_t i = n; i % 16 != 0; ++i) krow[i] = krow[n - 1];
+        // The whole split's K and V rows towards L2 at once (~200 KB for SmolLM2). Its
+        // pages are scattered 6 KB runs, which the hardware prefetcher restarts at every
+        // 4 KB page, and the next 16 rows fetched into L1 as the scores go (below) keep
+        // few misses in flight: asked for all at once, the rows arrive in parallel (a
+        // SmolLM2 step's decode attention, 30 layers, 4 x 2,600: 13.8 -> 9.5 ms on its
+        // own pages, 8.4 -> 5.8 on a shared 2,000; the KV read at 21 -> 30 GB/s).
+        const int64_t row_bytes = slot_stride * static_cast<int64_t>(sizeof(scalar_t));
+        for (int64_t i = 0; i < n; ++i) {
+          prefetch_lines_l2(krow[i], row_bytes);
+          prefetch_lines_l2(vrow[i], row_bytes);
+        }
         using q_t = typename Avx::q_t;
         q_t* qbuf = reinterpret_cast<q_t*>(qf.data());  // bf16 pairs use half of it
         for (int64_t r = 0; r < nrows; ++r) {
