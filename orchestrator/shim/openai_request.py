@@ -287,10 +287,10 @@ def _stop_strings(body: dict[str, Any]) -> list[str]:
 def _token_ids(v: Any, name: str, vocab_size: int) -> list[int]:
     if not isinstance(v, list) or not all_int64(v):
         raise ApiError(f"'{name}' must be a list of integers", param=name)
-    if v and (min(v) < 0 or max(v) >= vocab_size):
-        bad = [t for t in v if not 0 <= t < vocab_size]
+    if v and (min(v) < 0 or max(v) >= vocab_size):  # in C; the culprit only if needed
+        bad = next(t for t in v if not 0 <= t < vocab_size)
         raise ApiError(
-            f"token id {bad[0]} in '{name}' is out of range [0, {vocab_size})", param=name
+            f"token id {bad} in '{name}' is out of range [0, {vocab_size})", param=name
         )
     return v
 

@@ -242,9 +242,8 @@ inline float row_max(const float* x, int64_t n) {
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
-  if (i < n)
-    m = _mm512_mask_max_ps(m, static_cast<__mmask16>((1u << (n - i)) - 1u), m,
-                           _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (n - i)) - 1u), x + i));
+  if (i < n)  // the tail's missing lanes keep m's own values
+    m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, static_cast<__mmask16>((1u << (n - i)) - 1u), x + i));
   return _mm512_reduce_max_ps(m);
 #else
   float m = x[0];
@@ -483,8 +482,8 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
           else
             std::memcpy(qbuf + r * D, as_float(q_of[r], row.data(), D), D * sizeof(float));
         }
-        Avx::scores(qbuf, kv_of.data(), nrows, krow.data(), vrow.data(), n,
-                    slot_stride * static_cast<int64_t>(sizeof(scalar_t)), scale, scores.data());
+        Avx::scores(qbuf, kv_of.data(), nrows, krow.data(), vrow.data(), n, row_bytes, scale,
+                    scores.data());
 #endif
       } else {
         for (int64_t r = 0; r < nrows; ++r)

@@ -81,13 +81,12 @@ inline vfloat vsplat(float x) { return vfloat{} + x; }
 // keys from k0.
 template <int RT, int64_t kD>
 inline void scores_tile(const float* qt, const float* kt, float* s, int64_t r0, int64_t k0) {
-  constexpr int64_t dim = kD;
   vfloat acc[RT][kKeyVectors] = {};
-  for (int64_t d = 0; d < dim; ++d) {
+  for (int64_t d = 0; d < kD; ++d) {
     vfloat kv[kKeyVectors];
     for (int v = 0; v < kKeyVectors; ++v) kv[v] = vload(kt + d * kBlockK + k0 + v * kLanes);
     for (int r = 0; r < RT; ++r) {
-      const vfloat qb = vsplat(qt[(r0 + r) * dim + d]);
+      const vfloat qb = vsplat(qt[(r0 + r) * kD + d]);
       for (int v = 0; v < kKeyVectors; ++v) acc[r][v] += qb * kv[v];
     }
   }
@@ -238,8 +237,9 @@ constexpr bool kHasBf16Dot = false;
 
 // One row of a key block: its `seen` scores become weights exp(score - max) (0 past
 // them), its running max m and sum l move on; returns the factor its output so far is
-// rescaled by. With AVX-512 the row is four vectors, the max and sum reduced in
-// registers (the plain loops were half of a bf16 prefill's time).
+// rescaled by. With AVX-512 the row is kBlockVectors vectors, the max and sum reduced in
+// registers (the plain loops were half of a bf16 prefill's time); weights for a bf16
+// product with V come from the shorter exp (vec_math.h).
 template <bool kBf16Weights>
 inline float softmax_row(float* sr, int64_t seen, float& m, float& l) {
 #ifdef __AVX512F__
@@ -256,13 +256,14 @@ inline float softmax_row(float* sr, int64_t seen, float& m, float& l) {
   const float m_new = std::max(m, _mm512_reduce_max_ps(vmax));
   // ~0 at the row's first block; 1 while the max stands
   const float alpha = m_new == m ? 1.f : exp_nonpositive(m - m_new);
-  const __m512 shift = _mm512_set1_ps(m_new);
-  const __m512 shift_log2e = _mm512_set1_ps(m_new * 1.4426950408889634f);
+  const __m512 shift = _mm512_set1_ps(kBf16Weights ? m_new * 1.4426950408889634f : m_new);
   __m512 sum = _mm512_setzero_ps();
   for (int v = 0; v < kBlockVectors; ++v) {
-    const __m512 p =
-        kBf16Weights ? exp_shifted_for_bf16(x[v], shift_log2e, valid[v])
-                     : _mm512_maskz_mov_ps(valid[v], exp_nonpositive(_mm512_sub_ps(x[v], shift)));
+    __m512 p;
+    if constexpr (kBf16Weights)
+      p = exp_shifted_for_bf16(x[v], shift, valid[v]);  // the shift times log2(e)
+    else
+      p = _mm512_maskz_mov_ps(valid[v], exp_nonpositive(_mm512_sub_ps(x[v], shift)));
     _mm512_storeu_ps(sr + 16 * v, p);
     sum = _mm512_add_ps(sum, p);
   }

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -30,19 +31,28 @@ inline float exp_nonpositive(float x) {
 #ifdef __AVX512F__
 #include <immintrin.h>
 
+// 2^t on 16 lanes: n = round(t) and the fraction f = t - n in [-0.5, 0.5], 2^f by
+// Horner's rule on `coeffs` (highest power first, the constant 1 last); returns that
+// polynomial and sets n, for VSCALEFPS to make p * 2^n. The exps below differ only in
+// the polynomial and in what they do around it.
+template <size_t N>
+inline __m512 pow2_fraction(__m512 t, const float (&coeffs)[N], __m512& n) {
+  n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(coeffs[0]);
+  for (size_t i = 1; i < N; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(coeffs[i]));
+  return p;
+}
+
 // exp_nonpositive on 16 lanes: the same polynomial, the power of two by VSCALEFPS.
 inline __m512 exp_nonpositive(__m512 x) {
+  static constexpr float kPow2[] = {1.5465312520617985e-4f, 1.3395279800723324e-3f,
+                                    9.6180399450030800e-3f, 5.5503406807439634e-2f,
+                                    2.4022651101321707e-1f, 6.9314720006268040e-1f, 1.f};
   const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)),
                                  _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5465312520617985e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3395279800723324e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6180399450030800e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503406807439634e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651101321707e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314720006268040e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  __m512 n;
+  const __m512 p = pow2_fraction(t, kPow2, n);
   return _mm512_scalef_ps(p, n);
 }
 
@@ -51,14 +61,11 @@ inline __m512 exp_nonpositive(__m512 x) {
 // 3e-6) and the shift folded into one FMA, zero in the lanes `keep` leaves out (their x
 // may be -inf). Three instructions a vector fewer than exp_nonpositive.
 inline __m512 exp_shifted_for_bf16(__m512 x, __m512 m_log2e, __mmask16 keep) {
+  static constexpr float kPow2[] = {9.582850150763988e-3f, 5.590643361210823e-2f,
+                                    2.4024099111557007e-1f, 6.931241750717163e-1f, 1.f};
   const __m512 t = _mm512_fmsub_ps(x, _mm512_set1_ps(1.4426950408889634f), m_log2e);
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(9.582850150763988e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.590643361210823e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024099111557007e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931241750717163e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  __m512 n;
+  const __m512 p = pow2_fraction(t, kPow2, n);
   return _mm512_maskz_scalef_ps(keep, p, n);
 }
 #endif
