@@ -10,7 +10,8 @@
 //
 // Weights float32 or bfloat16 (widened in registers: bf16 is float32's top half); x of the
 // weights' dtype, computed in float32, the result rounded to that dtype once (as torch
-// accumulates in float32). Where the CPU has bf16 dot products (AVX512_BF16), bf16 x and
+// accumulates in float32), as each thread stores it: no float32 result and no second pass
+// (a torch conversion per call, 4 a layer, each its own dispatch and parallel region). Where the CPU has bf16 dot products (AVX512_BF16), bf16 x and
 // weights are multiplied as they are, 32 pairs an instruction summed into float32 lanes:
 // widening every weight had made bf16 compute-bound at half float32's weight bandwidth. The vector width is the machine's: 16 floats with AVX-512,
 // 8 without; register blocking is sized to that register file.
@@ -84,8 +85,8 @@ struct NextTile {
 
 // y[a, n0 + b] for a < MB, b < NB: MB rows of x against NB weight rows, MB * NB
 // accumulators in registers.
-template <int MB, int NB, typename W>
-inline void tile(const float* x, const W* w, int64_t k, float* y, int64_t n, int64_t n0,
+template <int MB, int NB, typename W, typename Y>
+inline void tile(const float* x, const W* w, int64_t k, Y* y, int64_t n, int64_t n0,
                  NextTile next) {
   vfloat acc[MB][NB] = {};
   const int64_t k_vec = k / kLanes * kLanes;
@@ -102,7 +103,7 @@ inline void tile(const float* x, const W* w, int64_t k, float* y, int64_t n, int
     for (int b = 0; b < NB; ++b) {
       float s = horizontal_sum(acc[a][b]);
       for (int64_t i = k_vec; i < k; ++i) s += x[a * k + i] * widen(w[(n0 + b) * k + i]);
-      y[a * n + n0 + b] = s;
+      y[a * n + n0 + b] = static_cast<Y>(s);
     }
 }
 
@@ -117,14 +118,14 @@ constexpr int weight_rows_per_tile() { return std::max(1, std::min(8, kAccumulat
 
 // y rows [0, m) for the weight rows [n0, n1): Tile<MB, NB>::run(x, w, k, y, n, n0) is
 // one tile. NB is the first group's (every group shares the weight tile).
-template <template <int, int> class Tile, typename X, typename W>
-void weight_tiles(const X* x, int64_t m, const W* w, int64_t k, float* y, int64_t n,
+template <template <int, int> class Tile, typename X, typename W, typename Y>
+void weight_tiles(const X* x, int64_t m, const W* w, int64_t k, Y* y, int64_t n,
                   int64_t n0, int64_t n1) {
   auto groups = [&](auto nb, int64_t at) {
     constexpr int NB = decltype(nb)::value;
     for (int64_t a = 0; a < m; a += kGroup) {
       const X* xa = x + a * k;
-      float* ya = y + a * n;
+      Y* ya = y + a * n;
       // the first group fetches the next tile (the others find this one in L1); one row
       // of x alone (a tile of MB = 1) streams the weights as fast without, and was
       // slower with it on 2 cores
@@ -156,15 +157,15 @@ void weight_tiles(const X* x, int64_t m, const W* w, int64_t k, float* y, int64_
 template <int MB, int NB>
 struct FloatTile {
   static constexpr int64_t kStep = kLanes;  // k per step
-  template <typename W>
-  static void run(const float* x, const W* w, int64_t k, float* y, int64_t n, int64_t n0,
+  template <typename W, typename Y>
+  static void run(const float* x, const W* w, int64_t k, Y* y, int64_t n, int64_t n0,
                   NextTile next) {
     tile<MB, NB>(x, w, k, y, n, n0, next);
   }
 };
 
-template <typename W>
-void run(const float* x, int64_t m, const W* w, int64_t n, int64_t k, float* y) {
+template <typename W, typename Y>
+void run(const float* x, int64_t m, const W* w, int64_t n, int64_t k, Y* y) {
   // Split along the weight rows, so every thread streams its own part of w once.
   const int64_t items = (n + kRowsOfW - 1) / kRowsOfW;
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
@@ -175,8 +176,8 @@ void run(const float* x, int64_t m, const W* w, int64_t n, int64_t k, float* y) 
 
 #ifdef __AVX512BF16__
 // The bf16 dot product: y[a, n0 + b] for MB rows of bf16 x against NB bf16 weight rows.
-template <int MB, int NB>
-inline void tile_bf16(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k, float* y,
+template <int MB, int NB, typename Y>
+inline void tile_bf16(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k, Y* y,
                       int64_t n, int64_t n0, NextTile next) {
   __m512 acc[MB][NB];
   for (int a = 0; a < MB; ++a)
@@ -196,21 +197,22 @@ inline void tile_bf16(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k,
       float s = _mm512_reduce_add_ps(acc[a][b]);
       for (int64_t i = k_vec; i < k; ++i)
         s += static_cast<float>(x[a * k + i]) * static_cast<float>(w[(n0 + b) * k + i]);
-      y[a * n + n0 + b] = s;
+      y[a * n + n0 + b] = static_cast<Y>(s);
     }
 }
 
 template <int MB, int NB>
 struct Bf16Tile {
   static constexpr int64_t kStep = 32;  // k per step
-  static void run(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k, float* y,
+  template <typename Y>
+  static void run(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k, Y* y,
                   int64_t n, int64_t n0, NextTile next) {
     tile_bf16<MB, NB>(x, w, k, y, n, n0, next);
   }
 };
 
 void run_bf16(const c10::BFloat16* x, int64_t m, const c10::BFloat16* w, int64_t n, int64_t k,
-              float* y) {
+              c10::BFloat16* y) {
   const int64_t items = (n + kRowsOfW - 1) / kRowsOfW;
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     weight_tiles<Bf16Tile>(x, m, w, k, y, n, i0 * kRowsOfW, std::min(n, i1 * kRowsOfW));
@@ -229,22 +231,23 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w) {
   if (w.scalar_type() == at::kBFloat16) {
     const auto xb = x.contiguous();
     const int64_t m = xb.size(0), k = xb.size(1), n = w.size(0);
-    auto y = torch::empty({m, n}, xb.options().dtype(at::kFloat));
+    auto y = torch::empty({m, n}, xb.options());
     run_bf16(xb.data_ptr<c10::BFloat16>(), m, w.data_ptr<c10::BFloat16>(), n, k,
-             y.data_ptr<float>());
-    return y.to(at::kBFloat16);
+             y.data_ptr<c10::BFloat16>());
+    return y;
   }
 #endif
   const auto xf = x.to(at::kFloat).contiguous();
   const int64_t m = xf.size(0), k = xf.size(1), n = w.size(0);
-  auto y = torch::empty({m, n}, xf.options());
+  auto y = torch::empty({m, n}, x.options());  // rounded to x's dtype as it is stored
   switch (w.scalar_type()) {
     case at::kFloat:
       run(xf.data_ptr<float>(), m, w.data_ptr<float>(), n, k, y.data_ptr<float>());
       return y;
     case at::kBFloat16:
-      run(xf.data_ptr<float>(), m, w.data_ptr<c10::BFloat16>(), n, k, y.data_ptr<float>());
-      return y.to(at::kBFloat16);
+      run(xf.data_ptr<float>(), m, w.data_ptr<c10::BFloat16>(), n, k,
+          y.data_ptr<c10::BFloat16>());
+      return y;
     default:
       TORCH_CHECK(false, "small_linear takes float32 or bfloat16 weights, not ", w.scalar_type());
   }
