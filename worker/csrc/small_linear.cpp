@@ -11,10 +11,12 @@
 // Weights float32 or bfloat16 (widened in registers: bf16 is float32's top half); x of the
 // weights' dtype, computed in float32, the result rounded to that dtype once (as torch
 // accumulates in float32), as each thread stores it: no float32 result and no second pass
-// (a torch conversion per call, 4 a layer, each its own dispatch and parallel region). Where the CPU has bf16 dot products (AVX512_BF16), bf16 x and
-// weights are multiplied as they are, 32 pairs an instruction summed into float32 lanes:
-// widening every weight had made bf16 compute-bound at half float32's weight bandwidth. The vector width is the machine's: 16 floats with AVX-512,
-// 8 without; register blocking is sized to that register file.
+// (a torch conversion per call, 4 a layer, each its own dispatch and parallel region).
+// Where the CPU has bf16 dot products (AVX512_BF16), bf16 x and weights are multiplied as
+// they are, 32 pairs an instruction summed into float32 lanes: widening every weight had
+// made bf16 compute-bound at half float32's weight bandwidth. The vector width is the
+// machine's: 16 floats with AVX-512, 8 without; register blocking is sized to that
+// register file.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
