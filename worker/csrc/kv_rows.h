@@ -49,15 +49,14 @@ inline void for_each_row(const scalar_t* cache, const int32_t* pages, int64_t t0
   }
 }
 
-// Every 64-byte line of [p, p + bytes) fetched towards L1 ahead of its use.
-inline void prefetch_lines(const void* p, int64_t bytes) {
-  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at, 0, 3);
-}
+// __builtin_prefetch's locality hints: towards L1 (PREFETCHT0) or L2 (PREFETCHT1).
+constexpr int kToL1 = 3, kToL2 = 2;
 
-// The same towards L2 (PREFETCHT1): for many lines at once, more than L1's few fill
-// buffers keep in flight.
-inline void prefetch_lines_l2(const void* p, int64_t bytes) {
-  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at, 0, 2);
+// Every 64-byte line of [p, p + bytes) fetched ahead of its use, towards L1 or, for many
+// lines at once (more than L1's few fill buffers keep in flight), towards L2.
+template <int kTo = kToL1>
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at, 0, kTo);
 }
 
 #ifdef __AVX512BF16__

@@ -471,8 +471,8 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
         // own pages, 8.4 -> 5.8 on a shared 2,000; the KV read at 21 -> 30 GB/s).
         const int64_t row_bytes = slot_stride * static_cast<int64_t>(sizeof(scalar_t));
         for (int64_t i = 0; i < n; ++i) {
-          prefetch_lines_l2(krow[i], row_bytes);
-          prefetch_lines_l2(vrow[i], row_bytes);
+          prefetch_lines<kToL2>(krow[i], row_bytes);
+          prefetch_lines<kToL2>(vrow[i], row_bytes);
         }
         using q_t = typename Avx::q_t;
         q_t* qbuf = reinterpret_cast<q_t*>(qf.data());  // bf16 pairs use half of it
