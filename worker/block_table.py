@@ -1,64 +1,152 @@
-"""A rank's block table of one sequence: device block ids in a growable int32 array.
+"""A rank's block tables: every open sequence's device block ids, one row each of a 2-D
+int32 array (as vLLM's and SGLang's workers hold theirs).
 
 The batch's page tables (AttentionMetadata.kv_indices) are the concatenation of every
 scheduled sequence's table prefix. Held as Python lists they were copied element by
 element into a tensor every step, O(context) Python work per sequence: 28K list items
-for a 450K-token agent history, each step. As arrays, a step's page tables are one
-numpy concatenate of slices, whatever the context length.
+for a 450K-token agent history, each step. Held as one array per sequence, a step still
+paid a few Python calls per sequence (its table, its length, its slice) and a
+concatenate of as many arrays: about 50 us at batch 64, on every rank, every step. In
+one array, a step's page tables are one gather (`page_lists`): a few numpy calls
+whatever the batch and the context lengths.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 
 
-class BlockTable:
-    def __init__(self, block_ids: Iterable[int] = ()) -> None:
-        ids = np.asarray(list(block_ids), dtype=np.int32)
-        self._ids = np.empty(max(16, 2 * len(ids)), dtype=np.int32)
-        self._ids[:len(ids)] = ids
-        self._len = len(ids)
+class BlockTables(Mapping[int, "BlockTable"]):
+    """seq_id -> its BlockTable. Rows and columns double as needed (appends stay O(1)
+    amortised); a closed sequence's row is reused."""
 
-    def extend(self, block_ids: list[int]) -> None:
-        n = self._len + len(block_ids)
-        if n > len(self._ids):  # double: appends stay O(1) amortised
-            grown = np.empty(2 * n, dtype=np.int32)
-            grown[:self._len] = self._ids[:self._len]
-            self._ids = grown
-        self._ids[self._len:n] = block_ids
-        self._len = n
+    def __init__(self, rows: int = 16, cols: int = 16) -> None:
+        self._ids = np.zeros((rows, cols), dtype=np.int32)
+        self._lens = np.zeros(rows, dtype=np.int64)
+        self._row: dict[int, int] = {}  # seq_id -> its row
+        self._free_rows = list(range(rows - 1, -1, -1))  # popped from the end: row 0 first
 
-    def pages(self, num_pages: int) -> np.ndarray:
-        """The first `num_pages` block ids (a view: valid until the next extend)."""
-        return self._ids[:num_pages]
+    # --- the mapping ---------------------------------------------------------------
+
+    def __getitem__(self, seq_id: int) -> BlockTable:
+        return BlockTable(self, self._row[seq_id])
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._row
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._row)
 
     def __len__(self) -> int:
-        return self._len
+        return len(self._row)
+
+    def __repr__(self) -> str:
+        return f"BlockTables({ {s: self[s].tolist() for s in self._row} })"
+
+    # --- what plans do to them ------------------------------------------------------
+
+    def open(self, seq_id: int, block_ids: Iterable[int]) -> None:
+        assert seq_id not in self._row, f"seq {seq_id} opened twice"
+        if not self._free_rows:
+            self._grow(rows=2 * len(self._lens))
+        row = self._free_rows.pop()
+        self._row[seq_id] = row
+        self._lens[row] = 0
+        self.extend(seq_id, list(block_ids))
+
+    def close(self, seq_id: int) -> None:
+        self._free_rows.append(self._row.pop(seq_id))
+
+    def extend(self, seq_id: int, block_ids: list[int]) -> None:
+        self._extend_row(self._row[seq_id], block_ids)
+
+    def _extend_row(self, row: int, block_ids: list[int]) -> None:
+        start = int(self._lens[row])
+        end = start + len(block_ids)
+        if end > self._ids.shape[1]:
+            self._grow(cols=max(end, 2 * self._ids.shape[1]))
+        self._ids[row, start:end] = block_ids
+        self._lens[row] = end
+
+    def _grow(self, rows: int | None = None, cols: int | None = None) -> None:
+        old_rows, old_cols = self._ids.shape
+        rows, cols = rows or old_rows, cols or old_cols
+        ids = np.zeros((rows, cols), dtype=np.int32)
+        ids[:old_rows, :old_cols] = self._ids
+        self._ids = ids
+        if rows > old_rows:
+            self._lens = np.concatenate([self._lens, np.zeros(rows - old_rows, np.int64)])
+            self._free_rows = list(range(rows - 1, old_rows - 1, -1)) + self._free_rows
+
+    # --- a step's page tables --------------------------------------------------------
+
+    def rows(self, seq_ids: list[int]) -> np.ndarray:
+        row = self._row
+        return np.array([row[s] for s in seq_ids], dtype=np.int64)
+
+    def lengths(self, rows: np.ndarray) -> np.ndarray:
+        return self._lens[rows]
+
+    def page_lists(self, rows: np.ndarray, num_pages: np.ndarray) -> np.ndarray:
+        """The first num_pages[i] block ids of row rows[i], for every i, concatenated:
+        one gather over the flat array (the caller checked num_pages <= the lengths)."""
+        starts = np.cumsum(num_pages) - num_pages  # where each row's pages go
+        flat = np.repeat(rows * self._ids.shape[1] - starts, num_pages)
+        flat += np.arange(len(flat))
+        return self._ids.ravel()[flat]
+
+
+class BlockTable:
+    """One sequence's row of a BlockTables, read and changed like a list of ints (the
+    control socket, the tests and their fault injection use it so). Only valid while
+    its sequence is open."""
+
+    __slots__ = ("_tables", "_row")
+
+    def __init__(self, tables: BlockTables, row: int) -> None:
+        self._tables, self._row = tables, row
+
+    def _view(self) -> np.ndarray:
+        t = self._tables
+        return t._ids[self._row, :t._lens[self._row]]
+
+    def extend(self, block_ids: list[int]) -> None:
+        self._tables._extend_row(self._row, block_ids)
+
+    def pages(self, num_pages: int) -> np.ndarray:
+        """The first `num_pages` block ids (a view: valid until the next change)."""
+        return self._view()[:num_pages]
+
+    def __len__(self) -> int:
+        return int(self._tables._lens[self._row])
 
     def __getitem__(self, i: int | slice) -> int | list[int]:
+        view = self._view()
         if isinstance(i, slice):
-            return self._ids[:self._len][i].tolist()
-        if not -self._len <= i < self._len:
+            return view[i].tolist()
+        if not -len(view) <= i < len(view):
             raise IndexError(i)
-        return int(self._ids[i % self._len])
+        return int(view[i])
 
     def __delitem__(self, i: slice) -> None:
         """Only a tail: `del table[n:]` (blocks appended for tokens that were dropped)."""
         assert isinstance(i, slice) and i.stop is None and i.step is None, "only a tail"
-        self._len = min(self._len, range(self._len)[i].start if i.start is not None else 0)
+        n = len(self)
+        self._tables._lens[self._row] = min(n, range(n)[i].start if i.start is not None else 0)
 
     def __setitem__(self, i: int, block: int) -> None:  # tests inject faults through it
-        if not -self._len <= i < self._len:
+        view = self._view()
+        if not -len(view) <= i < len(view):
             raise IndexError(i)
-        self._ids[i % self._len] = block
+        view[i] = block
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.tolist())
 
     def tolist(self) -> list[int]:
-        return self._ids[:self._len].tolist()
+        return self._view().tolist()
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, BlockTable):

@@ -20,7 +20,7 @@ from wire.config import EngineConfig
 from wire.digest import StateDigest, samples_digest
 from wire.step import PENDING_TOKEN, RankTiming, StepPlan, count_accepted
 from worker.attention import AttentionBackend, AttentionMetadata, create_backend
-from worker.block_table import BlockTable
+from worker.block_table import BlockTables
 from worker.budget import (
     check_holds_one_sequence,
     device_tier_bytes,
@@ -135,7 +135,7 @@ class ModelRunner:
             config.attention_backend, m.num_heads, m.num_kv_heads, m.head_dim,
             config.block_size, self.dtype, device,
         )
-        self.block_tables: dict[int, BlockTable] = {}
+        self.block_tables = BlockTables()
         self.sampling: dict[int, tuple[SamplingParams, int]] = {}
         # the disk tier, below the host tier (worker/disk_tier.py); None when off
         self.disk: RankDiskTier | None = None
@@ -346,7 +346,7 @@ class ModelRunner:
             # The close-timing rule (scheduler/scheduler.py `Scheduler._close`), checked
             # again across the process boundary: never closed by a plan that runs it.
             assert seq_id not in running, f"step {plan.step}: seq {seq_id} closed while running"
-            del self.block_tables[seq_id]  # its sampling parameters: at this step's launch
+            self.block_tables.close(seq_id)  # its sampling parameters: at this step's launch
 
     def _apply_table_deltas(self, plan: StepPlan) -> None:
         for t in plan.trim:  # blocks appended for drafts the model rejected
@@ -355,17 +355,16 @@ class ModelRunner:
                 and table[t.num_blocks:] == t.block_ids, f"seq {t.seq_id}: a trim not its tail"
             del table[t.num_blocks:]
         for seq in plan.new_seqs:
-            assert seq.seq_id not in self.block_tables, f"seq {seq.seq_id} opened twice"
             for b in seq.block_ids:
                 self._check_block(b)
-            self.block_tables[seq.seq_id] = BlockTable(seq.block_ids)
+            self.block_tables.open(seq.seq_id, seq.block_ids)
             seed = seq.sampling.seed if seq.sampling.seed is not None else (
                 self.config.seed * 1_000_003 + seq.seq_id)
             self.sampling[seq.seq_id] = (seq.sampling, seed)
         for app in plan.append:
             for b in app.block_ids:
                 self._check_block(b)
-            self.block_tables[app.seq_id].extend(app.block_ids)
+            self.block_tables.extend(app.seq_id, app.block_ids)
 
     def _check_block(self, block: int) -> None:
         assert 0 <= block < self.num_device_blocks, f"device block {block} out of range"
@@ -378,21 +377,19 @@ class ModelRunner:
         d, chunks = plan.decodes, plan.chunks
         nd = len(d)  # the decodes' rows come first, one each (wire/step.py DecodeBatch)
         bt = self.block_tables
-        tables = [bt[s] for s in d.seq_ids]
-        tables += [bt[c.seq_id] for c in chunks]
-        n_tok = np.ones(len(tables), dtype=np.int64)
+        rows = bt.rows(d.seq_ids + [c.seq_id for c in chunks])
+        n_tok = np.ones(len(rows), dtype=np.int64)
         n_tok[nd:] = [len(c.token_ids) for c in chunks]
         start = np.array(d.start_pos + [c.start_pos for c in chunks], dtype=np.int64)
         ctx = start + n_tok
         num_pages = -(-ctx // bs)
-        table_len = np.array([len(t) for t in tables])
+        table_len = bt.lengths(rows)
         if not ((n_tok > 0).all() and (ctx <= self.max_model_len).all()
                 and (num_pages <= table_len).all()):
             self._refuse_chunks(plan.batch(), ctx, num_pages, table_len)
-        pages = [t.pages(p) for t, p in zip(tables, num_pages.tolist())]
         qo_indptr = np.concatenate(([0], np.cumsum(n_tok)))
         kv_indptr = np.concatenate(([0], np.cumsum(num_pages)))
-        kv_indices = np.concatenate(pages)
+        kv_indices = bt.page_lists(rows, num_pages)
         # token t of chunk c sits at start[c] + (t - qo_indptr[c]), on page
         # kv_indptr[c] + position // bs of the batch's page list
         positions = np.arange(qo_indptr[-1]) + np.repeat(start - qo_indptr[:-1], n_tok)
