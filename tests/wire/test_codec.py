@@ -212,3 +212,20 @@ def test_digest_is_the_same_in_small_and_large_batches(pairs, size):
     assert whole.value == parts.value
     tiers = whole.tier_digests()
     assert (tiers["host"] + tiers["device"]) & (2**64 - 1) == whole.value
+
+
+@given(st.lists(st.tuples(st.integers(0, 5), st.lists(ints, max_size=12)), max_size=8),
+       st.lists(st.tuples(st.integers(0, 5), st.lists(ints, max_size=12)), max_size=8))
+def test_digest_adds_a_plans_table_entries_as_one_by_one(opened, appended):
+    """A plan's new tables and appends over 8 entries in all take one numpy pass
+    (StateDigest._add_tables); it must add what `add_blocks` adds, list by list, in the
+    plan's order, also for a sequence opened and appended to in the same plan."""
+    new_seqs = [NewSequence(s, ids) for s, ids in dict(opened).items()]
+    append = [AppendBlocks(s, ids) for s, ids in appended if s in dict(opened)]
+    whole, one_by_one = StateDigest(), StateDigest()
+    whole.apply(StepPlan(0, new_seqs=new_seqs, append=append))
+    for t in new_seqs + append:
+        one_by_one.add_blocks(t.seq_id, t.block_ids)
+    assert whole.value == one_by_one.value and whole.tables() == one_by_one.tables()
+    whole.apply(StepPlan(1, close=[s.seq_id for s in new_seqs]))
+    assert whole.value == 0
