@@ -71,6 +71,7 @@ class StepTotals:
     step_s: float = 0.0
     digest_s: float = 0.0
     check_s: float = 0.0
+    cpu_s: float = 0.0  # the scheduler thread's CPU time
     exchange: ExchangeTiming = field(default_factory=ExchangeTiming)  # sums; round trip per rank
     ranks: list[RankTiming] = field(default_factory=list)  # sums, per rank
     overlap: bool = False  # steps overlapped (EngineConfig.async_scheduling): see breakdown
@@ -86,6 +87,7 @@ class StepTotals:
         self.step_s += record.step_s
         self.digest_s += record.digest_s
         self.check_s += record.check_s
+        self.cpu_s += record.cpu_s
         ex, tot = record.exchange, self.exchange
         if ex is not None:
             tot.encode_s += ex.encode_s
@@ -111,6 +113,9 @@ class StepTotals:
         scheduler waits beyond the mean rank's round trip: for the slowest rank (and, with
         several ranks, for the sends to the others). `idle` is the ranks' time
         between forwards (RankTiming.gap_s), `idle_share` its share of gap + forward.
+        `sched_cpu` and `rank_cpu` are CPU time, the scheduler thread's and a rank's main
+        thread's (RankTiming.cpu_s): where processes outnumber cores, their sum over the
+        processes, not the wall time of one, is what bounds the step.
 
         With overlap a plan waits at the ranks while they finish the step before, so a
         round trip holds another step's work: `transport` cannot be told apart (NaN), the
@@ -160,6 +165,7 @@ class StepTotals:
         out = {k: v * ms for k, v in parts.items()}
         out.update(step=self.step_s * ms, engine=(self.step_s - forward) * ms,
                    rank_wait=mean("wait_s") * ms, idle=gap * ms,
+                   sched_cpu=self.cpu_s * ms, rank_cpu=mean("cpu_s") * ms,
                    idle_share=gap / (gap + forward) if gap + forward else 0.0)
         return out
 
@@ -232,7 +238,7 @@ class EngineCore:
         """Complete one step: plan it (if not planned yet), and with overlap plan and submit
         the next before collecting it; check the ranks, apply rank 0's tokens. The record
         is the collected step's; its `step_s` is this call's."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         if not self._in_flight:
             self._submit()
         sched = self.scheduler
@@ -241,6 +247,7 @@ class EngineCore:
             self._submit()  # step k+1, planned and sent while the ranks run step k
         record = self._complete(self._in_flight.popleft())
         record.step_s = time.perf_counter() - t0
+        record.cpu_s = time.thread_time() - cpu0
         self.totals.add(record)
         return record
 

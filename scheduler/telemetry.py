@@ -63,6 +63,7 @@ class StepRecord:
     step_s: float = 0.0
     digest_s: float = 0.0  # of schedule_s: predicting the ranks' digest
     check_s: float = 0.0  # of update_s: the digests compared, the cache accounting checked
+    cpu_s: float = 0.0  # the scheduler thread's CPU time in the step (time.thread_time)
     exchange: ExchangeTiming | None = None  # the executor's side (ZmqExecutor only)
     ranks: list[RankTiming] = field(default_factory=list)  # each rank's side, in rank order
 

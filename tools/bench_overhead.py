@@ -30,6 +30,13 @@ outputs), checks (digests compared, cache accounting) and the rest. Engine time 
 step less the forward. The ranks' idle time between forwards is measured on the ranks
 (RankTiming.gap_s); with `--idle-forward-ms` (5 by default) extra engines measure it
 beside a forward of that length, the figure overlap scheduling is to cut.
+
+CPU time per step (time.thread_time) sits beside the wall times: the scheduler thread's
+("sched cpu") and a rank main thread's, the mean over the ranks ("rank cpu"). Where the
+processes outnumber the cores (world size 4 on 2 cores) they take turns, and the step
+cannot be shorter than their CPU per step spread over the cores, nor than the busiest
+process's own: "cpu bound" = max(sched cpu, rank cpu, (sched cpu + ws x rank cpu) / cores),
+in ms. With a core per process (a GPU node) only the second term is left.
 """
 
 from __future__ import annotations
@@ -261,13 +268,20 @@ def run_engine(model: str, spec: EngineSpec, args: argparse.Namespace, num_layer
     return rows
 
 
+def cpu_bound_ms(breakdown: dict[str, float], world_size: int, cores: int) -> float:
+    """The shortest step the processes' CPU time allows on `cores` cores (module doc)."""
+    sched, rank = breakdown["sched_cpu"], breakdown["rank_cpu"]
+    return max(sched, rank, (sched + world_size * rank) / cores)
+
+
 def print_table(rows: list[dict], console: Console) -> None:
     table = Table(title="Engine overhead, null model: ms per step (rank parts: mean over "
                         "the ranks)")
     cols = ("ws", "fwd ms", "batch", "mode", "steps/s", "step", "engine", "plan", "digest",
             "encode", "rank decode", "rank apply", "rank digest", "rank inputs", "transport",
             "waiting",
-            "results", "checks", "other", "rank idle", "idle %", "swap in/out", "hit dev/host")
+            "results", "checks", "other", "rank idle", "idle %", "sched cpu", "rank cpu",
+            "cpu bound", "swap in/out", "hit dev/host")
     for col in cols:
         table.add_column(col, justify="right")
     for r in rows:
@@ -283,6 +297,8 @@ def print_table(rows: list[dict], console: Console) -> None:
             "-" if b["transport"] is None else f"{b['transport']:.3f}", f"{b['waiting']:.3f}",
             f"{b['result_decode'] + b['results']:.3f}", f"{b['check']:.3f}",
             f"{b['other']:.3f}", f"{b['idle']:.3f}", f"{100 * r['idle_share']:.1f}%",
+            f"{b['sched_cpu']:.3f}", f"{b['rank_cpu']:.3f}",
+            f"{r['cpu_bound_ms']:.3f}",
             f"{r['swap_in_blocks_per_step']:.1f}/{r['swap_out_blocks_per_step']:.1f}",
             f"{100 * c['device_hit_tokens'] / q:.0f}/{100 * c['host_hit_tokens'] / q:.0f}%")
     console.print(table)
@@ -372,6 +388,8 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> int:
     elapsed = time.perf_counter() - t0
     load_end = os.getloadavg()
 
+    for r in rows:
+        r["cpu_bound_ms"] = cpu_bound_ms(r["breakdown_ms"], r["world_size"], cores)
     print_table(rows, console)
     console.print(f"load average (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in load_start)} "
                   f"at the start, {', '.join(f'{x:.2f}' for x in load_end)} at the end; "

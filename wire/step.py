@@ -178,6 +178,10 @@ class RankTiming:
     # from the end of this rank's previous forward to the start of this one (0 for the first
     # forward, and in a step without one: the idle time then counts in the next forward's)
     gap_s: float = 0.0
+    # the rank's main thread on a CPU (time.thread_time) in the pass of its serve loop that
+    # sent this result, from the pass's start to the result's encoding: on a machine with
+    # fewer cores than processes the CPU per step, not the wall time, is what they share
+    cpu_s: float = 0.0
 
 
 @dataclass

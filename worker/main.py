@@ -103,6 +103,7 @@ def serve(sock: zmq.Socket, runner: ModelRunner, rank: int, log,
     (worker/model_runner.py)."""
     ahead: PreparedStep | None = None  # the next plan, prepared during the last forward
     while True:
+        cpu0 = time.thread_time()
         if ahead is None:
             t0 = time.perf_counter()
             frame = sock.recv()
@@ -134,6 +135,7 @@ def serve(sock: zmq.Socket, runner: ModelRunner, rank: int, log,
             out = runner.finish(step)
             if control is not None:
                 control.finished(out.digest)
+            out.timing.cpu_s = time.thread_time() - cpu0
             sock.send(codec.encode(
                 StepResult(step.plan.step, rank, out.digest, out.sampled, out.timing,
                            sampled_digest=out.sampled_digest, disk_done=out.disk_done,

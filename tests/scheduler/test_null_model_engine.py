@@ -74,8 +74,11 @@ def test_null_model_serves_through_the_real_engine(default_model, world_size, ov
     ran = [(p, step) for p, step in zip(plans, results) if p.batch()]
     assert all(r.timing.decode_s > 0 and r.timing.apply_s > 0 for _, step in ran for r in step)
     assert sum(r.timing.gap_s for _, step in ran for r in step) > 0
+    assert all(r.timing.cpu_s > 0 for _, step in ran for r in step)
     totals = core.totals.breakdown()
     assert totals["step"] > 0 and 0 < totals["idle_share"] <= 1
+    # CPU time, the scheduler thread's and a rank's: one thread's never exceeds the wall's
+    assert 0 < totals["sched_cpu"] <= totals["step"] and totals["rank_cpu"] > 0
     # transport is a round trip less the rank's work: without overlap only (with it, a plan
     # also waits behind the step before)
     assert totals["transport"] > 0 if not overlap else math.isnan(totals["transport"])

@@ -8,7 +8,7 @@ import json
 import pytest
 from rich.console import Console
 
-from tools.bench_overhead import main
+from tools.bench_overhead import cpu_bound_ms, main
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +41,8 @@ def test_bench_overhead_smoke(default_model, tmp_path):
         assert b["engine"] == pytest.approx(b["step"] - b["forward"])
         assert b["transport"] is None and b["waiting"] >= 0 and 0 < r["idle_share"] <= 1
         assert min(b[k] for k in ("rank_decode", "rank_apply", "rank_prepare")) > 0
+        assert 0 < b["sched_cpu"] <= b["step"] and b["rank_cpu"] > 0
+        assert r["cpu_bound_ms"] >= max(b["sched_cpu"], b["rank_cpu"])
     decode8, mixed8, idle = rows[2], rows[3], rows[4]
     assert decode8["chunks_per_step"] == 8 and decode8["prefill_tokens_per_step"] == 0
     assert mixed8["prefill_tokens_per_step"] > 0
@@ -48,6 +50,15 @@ def test_bench_overhead_smoke(default_model, tmp_path):
     assert idle["breakdown_ms"]["forward"] >= 2  # the sleep is a lower bound
     assert "machine:" in printed and "Engine overhead" in printed
     assert "the ranks idle" in printed and "load average" in printed
+    assert "sched" in printed and "bound" in printed
+
+
+def test_cpu_bound_is_the_busiest_process_or_the_cores_shared():
+    b = {"sched_cpu": 0.4, "rank_cpu": 0.2}
+    assert cpu_bound_ms(b, 1, 2) == 0.4  # a core each: the scheduler's own CPU
+    assert cpu_bound_ms(b, 4, 2) == pytest.approx(0.6)  # 5 processes take turns on 2 cores
+    assert cpu_bound_ms(b, 4, 8) == 0.4
+    assert cpu_bound_ms({"sched_cpu": 0.1, "rank_cpu": 0.3}, 2, 4) == 0.3
 
 
 def test_bench_overhead_breakdown_without_overlap(default_model, tmp_path):
