@@ -89,10 +89,11 @@ class BlockTables(Mapping[int, "BlockTable"]):
     def lengths(self, rows: np.ndarray) -> np.ndarray:
         return self._lens[rows]
 
-    def page_lists(self, rows: np.ndarray, num_pages: np.ndarray) -> np.ndarray:
-        """The first num_pages[i] block ids of row rows[i], for every i, concatenated:
-        one gather over the flat array (the caller checked num_pages <= the lengths)."""
-        starts = np.cumsum(num_pages) - num_pages  # where each row's pages go
+    def page_lists(self, rows: np.ndarray, num_pages: np.ndarray,
+                   starts: np.ndarray) -> np.ndarray:
+        """The first num_pages[i] block ids of row rows[i], for every i, concatenated
+        (row i's from starts[i] on: the exclusive cumulative sum of num_pages): one
+        gather over the flat array (the caller checked num_pages <= the lengths)."""
         flat = np.repeat(rows * self._ids.shape[1] - starts, num_pages)
         flat += np.arange(len(flat))
         return self._ids.ravel()[flat]

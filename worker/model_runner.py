@@ -378,29 +378,34 @@ class ModelRunner:
         nd = len(d)  # the decodes' rows come first, one each (wire/step.py DecodeBatch)
         bt = self.block_tables
         rows = bt.rows(d.seq_ids + [c.seq_id for c in chunks])
-        n_tok = np.ones(len(rows), dtype=np.int64)
-        n_tok[nd:] = [len(c.token_ids) for c in chunks]
+        n_tok = np.array([1] * nd + [len(c.token_ids) for c in chunks], dtype=np.int64)
         start = np.array(d.start_pos + [c.start_pos for c in chunks], dtype=np.int64)
         ctx = start + n_tok
-        num_pages = -(-ctx // bs)
+        num_pages = (ctx + (bs - 1)) // bs
         table_len = bt.lengths(rows)
-        if not ((n_tok > 0).all() and (ctx <= self.max_model_len).all()
+        if not (n_tok.min() > 0 and ctx.max() <= self.max_model_len
                 and (num_pages <= table_len).all()):
             self._refuse_chunks(plan.batch(), ctx, num_pages, table_len)
-        qo_indptr = np.concatenate(([0], np.cumsum(n_tok)))
-        kv_indptr = np.concatenate(([0], np.cumsum(num_pages)))
-        kv_indices = bt.page_lists(rows, num_pages)
+        qo_indptr = np.zeros(len(rows) + 1, dtype=np.int32)
+        kv_indptr = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(n_tok, out=qo_indptr[1:])
+        np.cumsum(num_pages, out=kv_indptr[1:])
+        kv_indices = bt.page_lists(rows, num_pages, kv_indptr[:-1])
         # token t of chunk c sits at start[c] + (t - qo_indptr[c]), on page
-        # kv_indptr[c] + position // bs of the batch's page list
-        positions = np.arange(qo_indptr[-1]) + np.repeat(start - qo_indptr[:-1], n_tok)
-        page = np.repeat(kv_indptr[:-1], n_tok) + positions // bs
-        slots = kv_indices[page].astype(np.int64) * bs + positions % bs
-        last_page_len = ctx - (num_pages - 1) * bs
+        # kv_indptr[c] + position // bs of the batch's page list; in a batch of decodes
+        # only (every row one token), token t is row t
+        if len(rows) == qo_indptr[-1]:
+            positions, first_page = start, kv_indptr[:-1]
+        else:
+            positions = np.arange(qo_indptr[-1]) + np.repeat(start - qo_indptr[:-1], n_tok)
+            first_page = np.repeat(kv_indptr[:-1], n_tok)
+        slots = kv_indices[first_page + positions // bs] * np.int64(bs) + positions % bs
+        last_page_len = (ctx - (num_pages - 1) * bs).astype(np.int32)
         token_ids = np.array(d.token_ids + [t for c in chunks for t in c.token_ids],
                              dtype=np.int64)
-        i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
-        meta = AttentionMetadata(i32(qo_indptr), i32(kv_indptr), i32(kv_indices),
-                                 i32(last_page_len), bs)
+        t32 = torch.from_numpy
+        meta = AttentionMetadata(t32(qo_indptr), t32(kv_indptr), t32(kv_indices),
+                                 t32(last_page_len), bs)
         dev = self.device
         ends = qo_indptr[nd + 1:].tolist()  # the chunks' (after the decodes')
         pending = [(row, s, d.token_ids, row) for row, s in enumerate(d.seq_ids)
@@ -409,7 +414,7 @@ class ModelRunner:
                     for end, c in zip(ends, chunks) if c.token_ids[-1] == PENDING_TOKEN]
         return BatchInputs(
             token_ids=token_ids,
-            positions=torch.from_numpy(positions.astype(np.int64)).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
             slots=torch.from_numpy(slots).to(dev),
             meta=meta,
             # a drafted decode samples at each draft and after the last
