@@ -135,6 +135,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "weights loaded, each forward sleeps MS milliseconds (0 allowed) and "
                         "emits deterministic tokens (never EOS), while the scheduler, cache, "
                         "protocol, digests and sockets stay real (off by default)")
+    p.add_argument("--step-channel", choices=("zmq", "shm"), default="zmq",
+                   help="how plans reach the ranks and results come back: the ZeroMQ socket, "
+                        "or shared memory with FIFO wake-ups (ranks on this host, x86-64; "
+                        "cheaper per step where processes share few cores)")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="plan each step only after the ranks finished the one before (by "
                         "default step k+1 is planned and sent while the ranks run step k)")
@@ -204,6 +208,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
         seed=args.seed,
         null_model_forward_ms=args.null_model_forward_ms,
         async_scheduling=not args.no_async_scheduling,
+        step_channel=args.step_channel,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         served_model_name=(args.served_model_name or [model_name(str(model))])[0],

@@ -30,6 +30,7 @@ from wire.config import EngineConfig
 from wire.lifecycle import Shutdown, StartFailed, WorkerConnect, WorkerReady
 from wire.security import secure_bind
 from wire.step import StepPlan, StepResult
+from wire.step_channel import SchedulerChannel, supported
 
 
 class Executor(Protocol):
@@ -103,6 +104,17 @@ class ZmqExecutor:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         secure_bind(self._sock, address)  # CURVE over tcp://, a 0600 file over ipc://
+        # the steps through shared memory (wire/step_channel.py): made before any rank
+        # connects, as a rank opens it once it has the configuration
+        self._channel: SchedulerChannel | None = None
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        if config.step_channel == "shm":
+            if (why := supported(address)) is not None:
+                raise ValueError(f"step_channel 'shm' is not for {address}: {why}")
+            self._channel = SchedulerChannel(address, config.world_size)
+            self._poller.register(self._channel.results_fd, zmq.POLLIN)
+        self._results: deque[bytes] = deque()  # taken from the channel, not yet handed out
         self._identities: list[bytes] = []
         self._procs: dict[int, RankProcess] = {}
         self.last_exchange = ExchangeTiming()  # of the last step (EngineCore reads it)
@@ -112,16 +124,23 @@ class ZmqExecutor:
         self._early: dict[int, dict[int, tuple[StepResult, float]]] = {}
 
     def _recv(self, deadline: float, during: str) -> tuple[bytes, bytes] | None:
-        """The next (identity, frame), or None at the deadline. Between poll slices, a rank
-        process that died raises WorkerFailure at once."""
+        """The next (identity, frame), or None at the deadline; a result from the step
+        channel has no identity (b""). Between poll slices, a rank process that died
+        raises WorkerFailure at once."""
         while True:
+            if self._channel is not None and not self._results:
+                self._results.extend(self._channel.take_results())
+            if self._results:
+                return b"", self._results.popleft()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            if self._sock.poll(max(1, int(min(remaining, POLL_SLICE_S) * 1000))):
+            ready = dict(self._poller.poll(max(1, int(min(remaining, POLL_SLICE_S) * 1000))))
+            if self._sock in ready:
                 identity, frame = self._sock.recv_multipart()
                 return identity, frame
-            self.check_alive(during)
+            if not ready:
+                self.check_alive(during)
 
     def check_alive(self, during: str) -> None:
         """Raise WorkerFailure naming every rank on this host whose process is gone."""
@@ -147,6 +166,13 @@ class ZmqExecutor:
         """Each rank connects (and is sent the config), then loads the model and says it
         is ready. A fast rank may be ready before a slow one has connected: one loop
         takes both kinds of message in any order."""
+        try:
+            return self._start()
+        finally:  # every rank mapped the step channel before it said it was ready
+            if self._channel is not None:
+                self._channel.unlink()
+
+    def _start(self) -> list[WorkerReady]:
         deadline = time.monotonic() + self.start_timeout_s
         identities: dict[int, bytes] = {}
         ready: dict[int, WorkerReady] = {}
@@ -184,9 +210,13 @@ class ZmqExecutor:
         # a rank's round trip starts before its send: on a busy machine the woken rank may
         # run (and answer) while this thread is still inside send_multipart
         sent: list[float] = []
-        for identity in self._identities:
-            sent.append(time.perf_counter())
-            self._sock.send_multipart([identity, frame])
+        if self._channel is not None:
+            sent = [time.perf_counter()] * self.world_size
+            self._channel.post(frame, self._send_to_all)
+        else:
+            for identity in self._identities:
+                sent.append(time.perf_counter())
+                self._sock.send_multipart([identity, frame])
         self._submitted.append(_Submitted(plan.step, t1 - t0, time.perf_counter() - t1, sent))
 
     def collect(self) -> list[StepResult]:
@@ -219,6 +249,10 @@ class ZmqExecutor:
             wait_s=sub.send_s + time.perf_counter() - t0)
         return [results[r][0] for r in range(self.world_size)]
 
+    def _send_to_all(self, frame: bytes) -> None:
+        for identity in self._identities:
+            self._sock.send_multipart([identity, frame])
+
     def step(self, plan: StepPlan) -> list[StepResult]:
         self.submit(plan)
         return self.collect()
@@ -233,6 +267,7 @@ class ZmqExecutor:
         return WorkerFailure(message, hung, "hung")
 
     def shutdown(self) -> None:
-        for identity in self._identities:
-            self._sock.send_multipart([identity, codec.encode(Shutdown("engine stopping"))])
+        self._send_to_all(codec.encode(Shutdown("engine stopping")))
         self._sock.close(linger=200)
+        if self._channel is not None:
+            self._channel.close()

@@ -131,7 +131,7 @@ def engine(model: str, spec: EngineSpec, args: argparse.Namespace,
         kv_cache_memory=device_blocks(args, spec.batches) * block_bytes,
         host_cache_memory=args.host_blocks * block_bytes,
         max_num_seqs=max(spec.batches), max_num_batched_tokens=args.max_num_batched_tokens,
-        async_scheduling=not args.no_async_scheduling)
+        async_scheduling=not args.no_async_scheduling, step_channel=args.step_channel)
     with tempfile.TemporaryDirectory(prefix="deepinfer-overhead-") as run_dir:
         address = f"ipc://{run_dir}/workers.sock"
         executor = ZmqExecutor(address, config, start_timeout_s=300)
@@ -349,6 +349,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--idle-world-sizes", type=ints, default=(1, 4))
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="no overlap: each step is planned after the ranks finished the last")
+    p.add_argument("--step-channel", choices=("zmq", "shm"), default="zmq",
+                   help="plans and results over the ZeroMQ socket or shared memory "
+                        "(EngineConfig.step_channel)")
     p.add_argument("--no-machine-rates", action="store_true",
                    help="skip measuring the matmul and copy rates (tests)")
     p.add_argument("--json", type=Path, default=None,

@@ -42,7 +42,8 @@ SCHEMA_VERSION = 13  # 2: WorkerConnect carries pid and host_id; 3: guided decod
 # 9: disk reads run in the background (StepPlan.disk_read carries a read id,
 # StepResult.disk_read_done/disk_read_bad); 10: CacheView.disk (deepinfer-inspect cache);
 # 11: guided drafts (ScheduledChunk.draft_allowed: a mask per draft row); 12: plain
-# decodes column by column (StepPlan.decodes, DecodeBatch); 13: RankTiming.cpu_s
+# decodes column by column (StepPlan.decodes, DecodeBatch); 13: RankTiming.cpu_s,
+# EngineConfig.step_channel
 
 
 class ProtocolError(ValueError):

@@ -100,6 +100,10 @@ class EngineConfig:
     # the token sampled at step k as PENDING_TOKEN and the ranks resolve it (scheduler/
     # engine.py). False: every step waits for the one before (--no-async-scheduling).
     async_scheduling: bool = True
+    # How plans reach the ranks and results come back once they are up: "zmq" (the socket),
+    # or "shm" (shared memory and FIFO wake-ups, for ranks on the scheduler's host:
+    # wire/step_channel.py). Connecting, configuration and shutdown are ZeroMQ either way.
+    step_channel: str = "zmq"
     # KV events for a cache-aware router (scheduler/kv_events.py): a ZeroMQ address (or a
     # bare port, on loopback) to publish on; "": off. The replay socket likewise.
     kv_events_endpoint: str = ""
@@ -120,6 +124,8 @@ class EngineConfig:
             raise ValueError(f"unknown device {self.device!r}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")
+        if self.step_channel not in ("zmq", "shm"):
+            raise ValueError(f"unknown step channel {self.step_channel!r}")
         if not 0.0 <= self.max_retained_fraction <= 1.0:
             raise ValueError("max_retained_fraction must be between 0 and 1")
         if self.kv_write_policy not in ("write_back", "write_through"):

@@ -27,6 +27,7 @@ from wire.lifecycle import Shutdown, StartFailed, WorkerConnect, host_identity
 from wire.log import configure_logging
 from wire.security import secure_connect
 from wire.step import StepPlan, StepResult
+from wire.step_channel import RankChannel
 from worker.control import RankControl
 from worker.distributed import (
     RankInfo,
@@ -69,12 +70,17 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(config.device, info.local_rank)
         tp = init_tensor_parallel(info, device)
         runner = ModelRunner(config, tp, device)
+        # the steps' way in and out: the socket, or the shared-memory channel beside it
+        # (opened before the rank says it is ready: the scheduler then unlinks its file)
+        link = sock if config.step_channel != "shm" else RankChannel(
+            args.scheduler, info.rank, info.world_size, sock)
     except Exception as exc:
         log.error("worker_start_failed", error=str(exc))
         sock.send(codec.encode(StartFailed(info.rank, f"{type(exc).__name__}: {exc}")))
         return 1
     log.info("worker_ready", device=str(device), threads=threads,
-             num_device_blocks=runner.num_device_blocks, num_host_blocks=runner.num_host_blocks)
+             num_device_blocks=runner.num_device_blocks, num_host_blocks=runner.num_host_blocks,
+             step_channel=config.step_channel)
     control_dir = control_dir_for(args.scheduler)
     control = None
     if control_dir is not None:
@@ -86,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     sock.send(codec.encode(ready_message(runner, info.rank)))
     settle_heap()
     try:
-        code = serve(sock, runner, info.rank, log, control)
+        code = serve(link, runner, info.rank, log, control)
     finally:
         if control is not None:
             control.close()
@@ -95,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def serve(sock: zmq.Socket, runner: ModelRunner, rank: int, log,
+def serve(sock: zmq.Socket | RankChannel, runner: ModelRunner, rank: int, log,
           control: RankControl | None = None) -> int:
     """Apply plans until Shutdown. Under overlap scheduling the next plan is often there
     while a forward runs: it is prepared then, so the device goes from one forward to
@@ -158,7 +164,8 @@ def _shut_down(runner: ModelRunner, log, msg: Shutdown) -> int:
     return 0
 
 
-def _next_message(sock: zmq.Socket, runner: ModelRunner) -> tuple[object, float]:
+def _next_message(sock: zmq.Socket | RankChannel, runner: ModelRunner
+                  ) -> tuple[object, float]:
     """The next message and its decode time, if it comes before the forward in flight
     ends; (None, 0) otherwise. Only under overlap scheduling does the scheduler send a
     plan before it has this step's result, so without it nothing is waited for; nor
@@ -175,7 +182,7 @@ def _next_message(sock: zmq.Socket, runner: ModelRunner) -> tuple[object, float]
     return msg, decode_s
 
 
-def _fail(sock: zmq.Socket, rank: int, log, control: RankControl | None, step: int,
+def _fail(sock: zmq.Socket | RankChannel, rank: int, log, control: RankControl | None, step: int,
           exc: BaseException) -> int:
     """A rank that failed mid-step cannot rejoin the collectives: report and exit."""
     log.error("step_failed", error="".join(traceback.format_exception(exc)))

@@ -27,6 +27,14 @@ def test_the_null_model_is_off_by_default_and_takes_zero(default_model: Path) ->
         engine_config("--model", str(default_model), "--null-model-forward-ms", "-1")
 
 
+def test_the_steps_go_over_zeromq_unless_shared_memory_is_asked_for(default_model: Path) -> None:
+    assert engine_config("--model", str(default_model)).step_channel == "zmq"
+    assert engine_config("--model", str(default_model), "--step-channel",
+                         "shm").step_channel == "shm"
+    with pytest.raises(ValueError, match="step channel"):
+        EngineConfig(model=str(default_model), step_channel="pipe")
+
+
 def test_kv_events_are_off_by_default_and_name_the_first_served_model(
         default_model: Path) -> None:
     config = engine_config("--model", str(default_model))

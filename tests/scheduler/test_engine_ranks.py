@@ -38,15 +38,20 @@ def test_batching_and_chunking_change_nothing_at_world_size_4(default_model):
             core.scheduler.cache.reset_prefix_cache()
     with zmq_engine(default_model, 4, max_num_batched_tokens=4096) as core:
         unchunked = run_until_done(core, requests("u"))
+    # the steps through shared memory (wire/step_channel.py) instead of the socket
+    with zmq_engine(default_model, 4, max_num_batched_tokens=64, step_channel="shm") as core:
+        shared = run_until_done(core, requests("s"))
     for i in range(len(LENGTHS)):
         assert together[f"t{i}"]["tokens"] == alone[f"a{i}"]["tokens"], f"request {i}"
         assert together[f"t{i}"]["tokens"] == unchunked[f"u{i}"]["tokens"], f"request {i}"
+        assert together[f"t{i}"]["tokens"] == shared[f"s{i}"]["tokens"], f"request {i}"
         assert len(together[f"t{i}"]["tokens"]) == 12
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
-def test_close_comes_in_the_plan_after_the_final_token(default_model, overlap):
-    with zmq_engine(default_model, 4, async_scheduling=overlap) as core:
+@pytest.mark.parametrize("overlap,channel", [(True, "zmq"), (False, "zmq"), (True, "shm")],
+                         ids=["overlap", "sync", "overlap-shm"])
+def test_close_comes_in_the_plan_after_the_final_token(default_model, overlap, channel):
+    with zmq_engine(default_model, 4, async_scheduling=overlap, step_channel=channel) as core:
         reqs = requests("c", max_tokens=5)[:4]
         for r in reqs:
             core.scheduler.add_request(r)

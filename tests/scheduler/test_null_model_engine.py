@@ -39,16 +39,18 @@ def requests(tag: str, batch: list[list[int]], max_tokens: int = 10) -> list[Gen
     return [GenerateRequest(f"{tag}{i}", p, max_tokens) for i, p in enumerate(batch)]
 
 
-@pytest.mark.parametrize("world_size,overlap", [(1, True), (1, False), (2, True), (4, True),
-                                                (4, False)])
-def test_null_model_serves_through_the_real_engine(default_model, world_size, overlap):
+@pytest.mark.parametrize("world_size,overlap,channel", [
+    (1, True, "zmq"), (1, False, "zmq"), (2, True, "zmq"), (4, True, "zmq"), (4, False, "zmq"),
+    (1, True, "shm"), (4, True, "shm"), (4, False, "shm")])
+def test_null_model_serves_through_the_real_engine(default_model, world_size, overlap, channel):
     model = NullModel(load_config(default_model), TensorParallelGroup(0, 1), 0.0)
     first, filler = prompts(1), prompts(2)
     # A device tier of 32 blocks (6 sequences of 5-7 blocks) and a host tier behind it:
     # the filler evicts the first round's blocks to the host, the replay swaps them back.
     with zmq_engine(default_model, world_size, null_model_forward_ms=0.0, max_model_len=256,
                     kv_cache_memory=32 * BLOCK_BYTES, host_cache_memory=512 * BLOCK_BYTES,
-                    max_num_batched_tokens=128, async_scheduling=overlap) as core:
+                    max_num_batched_tokens=128, async_scheduling=overlap,
+                    step_channel=channel) as core:
         runs = [run_until_done(core, requests(tag, batch))
                 for tag, batch in (("a", first), ("f", filler), ("b", first))]
         stats = core.scheduler.cache.stats

@@ -20,6 +20,7 @@ from wire.control import RankSnapshot
 from wire.control_server import ControlServer, control_address
 from wire.lifecycle import EngineLimits, WorkerConnect, WorkerReady
 from wire.step import StepPlan, StepResult
+from wire.step_channel import RankChannel
 
 
 def sleeper() -> subprocess.Popen:
@@ -56,28 +57,33 @@ class FakeRank(threading.Thread):
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.address)
         sock.send(codec.encode(WorkerConnect(self.rank, 2, self.pid, host_identity())))
-        assert isinstance(codec.decode(sock.recv()), EngineConfig)
+        config = codec.decode(sock.recv())
+        assert isinstance(config, EngineConfig)
         limits = EngineLimits(100, 64, (1,), 8, 0, 1024)
+        link = RankChannel(self.address, self.rank, 2, sock) \
+            if config.step_channel == "shm" else sock  # the steps' way, as worker/main.py's
         sock.send(codec.encode(WorkerReady(self.rank, "cpu", limits)))
         while not self.stop.is_set():
-            if not sock.poll(50):
+            if not link.poll(50):
                 continue
-            plan = codec.decode(sock.recv())
+            plan = codec.decode(link.recv())
             if isinstance(plan, StepPlan) and not self.silent:
-                sock.send(codec.encode(StepResult(plan.step, self.rank, 0, error=self.error)))
+                link.send(codec.encode(StepResult(plan.step, self.rank, 0, error=self.error)))
         sock.close()
 
 
-@pytest.fixture
-def engine(tmp_path: Path):
-    """An executor and two fake ranks; rank 1's process is a `sleep` the test may kill."""
+@pytest.fixture(params=["zmq", "shm"])
+def engine(tmp_path: Path, request):
+    """An executor and two fake ranks; rank 1's process is a `sleep` the test may kill.
+    Steps over the ZeroMQ socket, and again over the shared-memory step channel."""
     procs = [sleeper(), sleeper()]
     executors: list[ZmqExecutor] = []
     ranks: list[FakeRank] = []
 
     def make(step_timeout_s: float = 30, **rank1: object) -> tuple[ZmqExecutor, list]:
         address = f"ipc://{tmp_path}/workers.sock"
-        executor = ZmqExecutor(address, EngineConfig(model="m", world_size=2),
+        executor = ZmqExecutor(address, EngineConfig(model="m", world_size=2,
+                                                     step_channel=request.param),
                                start_timeout_s=10, step_timeout_s=step_timeout_s)
         executors.append(executor)
         ranks.extend([FakeRank(address, 0, procs[0].pid, error=rank1.pop("error0", None)),

@@ -1,0 +1,93 @@
+"""The shared-memory step channel (wire/step_channel.py), both ends in this process: plans
+to two ranks and results back, in order through the two slots, and the frames too large
+for a slot over the ZeroMQ socket, in their place in the order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import zmq
+
+from wire import step_channel
+from wire.step_channel import RankChannel, SchedulerChannel, supported
+
+
+@pytest.fixture
+def channel(tmp_path: Path):
+    """A scheduler end and two rank ends over one ROUTER and two DEALERs (ipc://)."""
+    address = f"ipc://{tmp_path}/workers.sock"
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(address)
+    sched = SchedulerChannel(address, 2)
+    dealers, ranks = [], []
+    for r in range(2):
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.IDENTITY, f"rank-{r}".encode())
+        d.connect(address)
+        d.send(b"hello")
+        dealers.append(d)
+        ranks.append(RankChannel(address, r, 2, d))
+    identities = [router.recv_multipart()[0] for _ in range(2)]
+    sched.unlink()  # both ends mapped it: the name can go, the mapping stays
+    assert not step_channel._paths(address, 2)[0].exists()
+
+    def send_over_socket(frame: bytes) -> None:
+        for identity in identities:
+            router.send_multipart([identity, frame])
+
+    yield sched, ranks, router, send_over_socket
+    sched.close()
+    for s in (router, *dealers):
+        s.close(linger=0)
+    ctx.term()
+
+
+def test_plans_and_results_go_round_in_order(channel):
+    sched, ranks, _, send = channel
+    for n in range(7):  # past both slots several times, two plans in flight as overlap does
+        sched.post(b"plan %d" % n, send)
+        if n == 0:
+            continue
+        for rank in ranks:  # plan n - 1, then n, are there
+            assert rank.poll(0)
+            plan = rank.recv()
+            assert plan == b"plan %d" % (n - 1)
+            rank.send(b"result %d of rank %d" % (n - 1, rank.rank))
+        assert sched.take_results() == [b"result %d of rank 0" % (n - 1),
+                                         b"result %d of rank 1" % (n - 1)]
+        assert sched.take_results() == []
+
+
+def test_a_frame_too_large_for_its_slot_comes_over_the_socket(channel):
+    sched, ranks, router, send = channel
+    big = b"x" * step_channel.PLAN_SLOT_BYTES
+    sched.post(b"small", send)
+    sched.post(big, send)  # two in flight, as overlap allows
+    for rank in ranks:
+        assert [rank.recv() for _ in range(2)] == [b"small", big]
+    sched.post(b"after", send)
+    for rank in ranks:
+        assert rank.recv() == b"after"
+    # a rank's result too large for its slot: over the socket, not among the slot's
+    huge = b"r" * step_channel.RESULT_SLOT_BYTES
+    ranks[1].send(b"fits")
+    ranks[1].send(huge)
+    assert sched.take_results() == [b"fits"]
+    assert router.poll(2000) and router.recv_multipart()[1] == huge
+
+
+def test_a_rank_waits_for_its_plan_and_sees_a_message_on_the_socket(channel):
+    sched, ranks, router, send = channel
+    assert not ranks[0].poll(10)
+    router.send_multipart([b"rank-0", b"shutdown"])  # e.g. a Shutdown: over the socket
+    assert ranks[0].poll(2000) and ranks[0].recv() == b"shutdown"
+    sched.post(b"plan 0", send)
+    assert ranks[0].poll(2000) and ranks[0].recv() == b"plan 0"
+
+
+def test_only_ranks_on_this_host_and_x86_64(monkeypatch):
+    assert "ipc://" in supported("tcp://10.0.0.1:5555")
+    monkeypatch.setattr(step_channel.platform, "machine", lambda: "aarch64")
+    assert "x86-64" in supported("ipc:///tmp/x/workers.sock")
