@@ -135,10 +135,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "weights loaded, each forward sleeps MS milliseconds (0 allowed) and "
                         "emits deterministic tokens (never EOS), while the scheduler, cache, "
                         "protocol, digests and sockets stay real (off by default)")
-    p.add_argument("--step-channel", choices=("zmq", "shm"), default="zmq",
+    p.add_argument("--step-channel", choices=("auto", "zmq", "shm"), default="auto",
                    help="how plans reach the ranks and results come back: the ZeroMQ socket, "
-                        "or shared memory with FIFO wake-ups (ranks on this host, x86-64; "
-                        "cheaper per step where processes share few cores)")
+                        "or shared memory with FIFO wake-ups (ranks on this host, x86-64: "
+                        "fewer wake-ups a step); auto: shared memory where it can serve")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="plan each step only after the ranks finished the one before (by "
                         "default step k+1 is planned and sent while the ranks run step k)")

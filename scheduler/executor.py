@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -31,6 +31,14 @@ from wire.lifecycle import Shutdown, StartFailed, WorkerConnect, WorkerReady
 from wire.security import secure_bind
 from wire.step import StepPlan, StepResult
 from wire.step_channel import SchedulerChannel, supported
+
+
+def choose_channel(config: EngineConfig, address: str) -> str:
+    """The step channel for ranks at `address`: "auto" takes shared memory where it can
+    serve them (every rank on this host, x86-64), ZeroMQ elsewhere."""
+    if config.step_channel == "auto":
+        return "shm" if supported(address) is None else "zmq"
+    return config.step_channel
 
 
 class Executor(Protocol):
@@ -95,7 +103,8 @@ DEATH_GRACE_S = 0.5
 class ZmqExecutor:
     def __init__(self, address: str, config: EngineConfig, start_timeout_s: float = 600,
                  step_timeout_s: float | None = None, control_dir: Path | None = None) -> None:
-        self.config = config
+        # the ranks are sent this config: with the step channel chosen, where it was "auto"
+        self.config = config = replace(config, step_channel=choose_channel(config, address))
         self.world_size = config.world_size
         self.start_timeout_s = start_timeout_s
         self.step_timeout_s = step_timeout_s or config.step_timeout_s  # None: the config's

@@ -349,7 +349,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--idle-world-sizes", type=ints, default=(1, 4))
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="no overlap: each step is planned after the ranks finished the last")
-    p.add_argument("--step-channel", choices=("zmq", "shm"), default="zmq",
+    p.add_argument("--step-channel", choices=("auto", "zmq", "shm"), default="auto",
                    help="plans and results over the ZeroMQ socket or shared memory "
                         "(EngineConfig.step_channel)")
     p.add_argument("--no-machine-rates", action="store_true",

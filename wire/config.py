@@ -101,9 +101,10 @@ class EngineConfig:
     # engine.py). False: every step waits for the one before (--no-async-scheduling).
     async_scheduling: bool = True
     # How plans reach the ranks and results come back once they are up: "zmq" (the socket),
-    # or "shm" (shared memory and FIFO wake-ups, for ranks on the scheduler's host:
-    # wire/step_channel.py). Connecting, configuration and shutdown are ZeroMQ either way.
-    step_channel: str = "zmq"
+    # "shm" (shared memory and FIFO wake-ups, for ranks on the scheduler's host:
+    # wire/step_channel.py), or "auto": shm where it can serve, zmq elsewhere (the ranks
+    # are sent the one chosen). Connecting, configuration and shutdown are ZeroMQ always.
+    step_channel: str = "auto"
     # KV events for a cache-aware router (scheduler/kv_events.py): a ZeroMQ address (or a
     # bare port, on loopback) to publish on; "": off. The replay socket likewise.
     kv_events_endpoint: str = ""
@@ -124,7 +125,7 @@ class EngineConfig:
             raise ValueError(f"unknown device {self.device!r}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")
-        if self.step_channel not in ("zmq", "shm"):
+        if self.step_channel not in ("auto", "zmq", "shm"):
             raise ValueError(f"unknown step channel {self.step_channel!r}")
         if not 0.0 <= self.max_retained_fraction <= 1.0:
             raise ValueError("max_retained_fraction must be between 0 and 1")

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from orchestrator.config import add_serve_arguments, build_config
+from scheduler.executor import choose_channel
 from wire.config import EngineConfig
+from wire.step_channel import supported
 
 
 def engine_config(*argv: str) -> EngineConfig:
@@ -27,10 +30,15 @@ def test_the_null_model_is_off_by_default_and_takes_zero(default_model: Path) ->
         engine_config("--model", str(default_model), "--null-model-forward-ms", "-1")
 
 
-def test_the_steps_go_over_zeromq_unless_shared_memory_is_asked_for(default_model: Path) -> None:
-    assert engine_config("--model", str(default_model)).step_channel == "zmq"
+def test_the_step_channel_is_chosen_where_it_can_serve(default_model: Path) -> None:
+    assert engine_config("--model", str(default_model)).step_channel == "auto"
     assert engine_config("--model", str(default_model), "--step-channel",
-                         "shm").step_channel == "shm"
+                         "zmq").step_channel == "zmq"
+    auto = EngineConfig(model=str(default_model))
+    ipc = "ipc:///tmp/run/workers.sock"
+    assert choose_channel(auto, ipc) == ("shm" if supported(ipc) is None else "zmq")
+    assert choose_channel(auto, "tcp://10.0.0.1:5555") == "zmq"  # ranks on other hosts
+    assert choose_channel(replace(auto, step_channel="zmq"), "ipc:///x/w.sock") == "zmq"
     with pytest.raises(ValueError, match="step channel"):
         EngineConfig(model=str(default_model), step_channel="pipe")
 
