@@ -27,10 +27,12 @@ engine keeps ZeroMQ (`supported`).
 from __future__ import annotations
 
 import hashlib
+import math
 import mmap
 import os
 import platform
 import struct
+import time
 from pathlib import Path
 
 import zmq
@@ -209,26 +211,28 @@ class RankChannel:
             return True
         return bool(self._sock.poll(0))
 
-    def poll(self, timeout_ms: int) -> bool:
-        """Whether a message is there within `timeout_ms` (as zmq.Socket.poll)."""
-        if self._ready():
-            return True
-        if self._poller.poll(timeout_ms):
-            _drain(self._plan_fd)
-        return self._ready()
+    def poll(self, timeout_ms: int | None = None) -> bool:
+        """Whether a message is there within `timeout_ms` (None: however long it takes),
+        as zmq.Socket.poll. A wake-up may be stale (a plan read before its byte was), so
+        each is checked and the wait goes on for the rest of the time."""
+        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+        while not self._ready():
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            if self._poller.poll(None if remaining is None else math.ceil(remaining * 1000)):
+                _drain(self._plan_fd)
+        return True
 
     def recv(self) -> bytes:
         """The next plan (in posting order), or what came over the socket."""
-        while True:
-            slot = self._received % 2
-            if self._slots.seq(slot) == self._received:
-                frame = self._slots.read(slot)
-                self._received += 1
-                return frame if frame is not None else self._sock.recv()
-            if self._sock.poll(0):  # a Shutdown: no plan of the socket's is announced
-                return self._sock.recv()
-            self._poller.poll()
-            _drain(self._plan_fd)
+        self.poll()
+        slot = self._received % 2
+        if self._slots.seq(slot) == self._received:
+            frame = self._slots.read(slot)
+            self._received += 1
+            return frame if frame is not None else self._sock.recv()
+        return self._sock.recv()  # a Shutdown: no plan of the socket's is announced
 
     def send(self, frame: bytes) -> None:
         """A result (or a failure) to the scheduler."""

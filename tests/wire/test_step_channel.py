@@ -4,6 +4,7 @@ for a slot over the ZeroMQ socket, in their place in the order."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,18 @@ def test_a_rank_waits_for_its_plan_and_sees_a_message_on_the_socket(channel):
     assert ranks[0].poll(2000) and ranks[0].recv() == b"shutdown"
     sched.post(b"plan 0", send)
     assert ranks[0].poll(2000) and ranks[0].recv() == b"plan 0"
+
+
+def test_a_stale_wake_up_does_not_cut_a_wait_short(channel):
+    """A plan read before its byte was drained leaves the byte: the next wait must still
+    last its time (a rank polls for its next plan during a forward, and preparing that
+    plan early is the point of overlap scheduling)."""
+    sched, ranks, _, send = channel
+    sched.post(b"plan 0", send)
+    assert ranks[0].recv() == b"plan 0"  # straight from the slot: its byte not read
+    t0 = time.monotonic()
+    assert not ranks[0].poll(50)
+    assert time.monotonic() - t0 >= 0.045
 
 
 def test_only_ranks_on_this_host_and_x86_64(monkeypatch):
