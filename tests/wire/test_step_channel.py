@@ -68,6 +68,11 @@ def test_a_frame_too_large_for_its_slot_comes_over_the_socket(channel):
     sched.post(big, send)  # two in flight, as overlap allows
     for rank in ranks:
         assert [rank.recv() for _ in range(2)] == [b"small", big]
+    with pytest.raises(AssertionError, match="before every result 0"):
+        sched.post(b"too soon", send)  # plan 0's slot: not answered yet
+    for rank in ranks:
+        rank.send(b"result 0")
+    assert sched.take_results() == [b"result 0"] * 2
     sched.post(b"after", send)
     for rank in ranks:
         assert rank.recv() == b"after"
