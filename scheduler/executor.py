@@ -36,8 +36,11 @@ from wire.step_channel import SchedulerChannel, supported
 def choose_channel(config: EngineConfig, address: str) -> str:
     """The step channel for ranks at `address`: "auto" takes shared memory where it can
     serve them (every rank on this host, x86-64), ZeroMQ elsewhere."""
+    why = supported(address)
     if config.step_channel == "auto":
-        return "shm" if supported(address) is None else "zmq"
+        return "shm" if why is None else "zmq"
+    if config.step_channel == "shm" and why is not None:
+        raise ValueError(f"step_channel 'shm' is not for {address}: {why}")
     return config.step_channel
 
 
@@ -103,8 +106,8 @@ DEATH_GRACE_S = 0.5
 class ZmqExecutor:
     def __init__(self, address: str, config: EngineConfig, start_timeout_s: float = 600,
                  step_timeout_s: float | None = None, control_dir: Path | None = None) -> None:
-        # the ranks are sent this config: with the step channel chosen, where it was "auto"
-        self.config = config = replace(config, step_channel=choose_channel(config, address))
+        self.address = address
+        self.config = config  # sent to the ranks, with the step channel chosen (`start`)
         self.world_size = config.world_size
         self.start_timeout_s = start_timeout_s
         self.step_timeout_s = step_timeout_s or config.step_timeout_s  # None: the config's
@@ -113,16 +116,11 @@ class ZmqExecutor:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         secure_bind(self._sock, address)  # CURVE over tcp://, a 0600 file over ipc://
-        # the steps through shared memory (wire/step_channel.py): made before any rank
-        # connects, as a rank opens it once it has the configuration
+        # the steps through shared memory (wire/step_channel.py), when chosen: made in
+        # `start`, before any rank has the configuration (a rank opens it then)
         self._channel: SchedulerChannel | None = None
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
-        if config.step_channel == "shm":
-            if (why := supported(address)) is not None:
-                raise ValueError(f"step_channel 'shm' is not for {address}: {why}")
-            self._channel = SchedulerChannel(address, config.world_size)
-            self._poller.register(self._channel.results_fd, zmq.POLLIN)
         self._results: deque[bytes] = deque()  # taken from the channel, not yet handed out
         self._identities: list[bytes] = []
         self._procs: dict[int, RankProcess] = {}
@@ -175,11 +173,26 @@ class ZmqExecutor:
         """Each rank connects (and is sent the config), then loads the model and says it
         is ready. A fast rank may be ready before a slow one has connected: one loop
         takes both kinds of message in any order."""
+        self._open_channel()
         try:
             return self._start()
-        finally:  # every rank mapped the step channel before it said it was ready
+        finally:  # every rank opened the step channel before it said it was ready
             if self._channel is not None:
                 self._channel.unlink()
+
+    def _open_channel(self) -> None:
+        """The step channel the ranks will be told of: shared memory where it can serve
+        them ("auto" falls back to ZeroMQ where it cannot be made, e.g. /dev/shm full)."""
+        channel = choose_channel(self.config, self.address)
+        if channel == "shm":
+            try:
+                self._channel = SchedulerChannel(self.address, self.world_size)
+                self._poller.register(self._channel.results_fd, zmq.POLLIN)
+            except OSError:
+                if self.config.step_channel == "shm":
+                    raise
+                channel = "zmq"
+        self.config = replace(self.config, step_channel=channel)
 
     def _start(self) -> list[WorkerReady]:
         deadline = time.monotonic() + self.start_timeout_s
@@ -218,14 +231,14 @@ class ZmqExecutor:
         t1 = time.perf_counter()
         # a rank's round trip starts before its send: on a busy machine the woken rank may
         # run (and answer) while this thread is still inside send_multipart
-        sent: list[float] = []
         if self._channel is not None:
+            # results taken first: one a rank sent over the socket (too large for its slot)
+            # may have been collected while its slot's mark was not yet taken
+            self._results.extend(self._channel.take_results())
             sent = [time.perf_counter()] * self.world_size
             self._channel.post(frame, self._send_to_all)
         else:
-            for identity in self._identities:
-                sent.append(time.perf_counter())
-                self._sock.send_multipart([identity, frame])
+            sent = self._send_to_all(frame)
         self._submitted.append(_Submitted(plan.step, t1 - t0, time.perf_counter() - t1, sent))
 
     def collect(self) -> list[StepResult]:
@@ -258,9 +271,13 @@ class ZmqExecutor:
             wait_s=sub.send_s + time.perf_counter() - t0)
         return [results[r][0] for r in range(self.world_size)]
 
-    def _send_to_all(self, frame: bytes) -> None:
+    def _send_to_all(self, frame: bytes) -> list[float]:
+        """`frame` to every rank over the socket; perf_counter before each send."""
+        sent = []
         for identity in self._identities:
+            sent.append(time.perf_counter())
             self._sock.send_multipart([identity, frame])
+        return sent
 
     def step(self, plan: StepPlan) -> list[StepResult]:
         self.submit(plan)

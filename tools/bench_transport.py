@@ -167,14 +167,14 @@ class ShmLink:
     as one aligned 8-byte store, so a reader that sees it sees the rest (x86 keeps stores
     in order)."""
 
-    STEP, LENGTH = struct.Struct("<q"), struct.Struct("<q")
+    INT64 = struct.Struct("<q")  # a slot's step, then its length
     HEADER_BYTES = 16
 
     def __init__(self, ranks: int, rank_us: float, run_dir: str) -> None:
         self.ranks = ranks
         self.mem = mmap.mmap(-1, SLOT_BYTES * 2 * (1 + ranks))
         for slot in range(2 * (1 + ranks)):  # nothing posted yet
-            self.STEP.pack_into(self.mem, slot * SLOT_BYTES, -1)
+            self.INT64.pack_into(self.mem, slot * SLOT_BYTES, -1)
         self.plan_ready = [os.eventfd(0) for _ in range(ranks)]
         self.result_ready = os.eventfd(0)
         self.step = 0  # the next plan's
@@ -185,15 +185,15 @@ class ShmLink:
         at = slot * SLOT_BYTES
         start = at + self.HEADER_BYTES
         self.mem[start:start + len(payload)] = payload
-        self.LENGTH.pack_into(self.mem, at + 8, len(payload) if length is None else length)
-        self.STEP.pack_into(self.mem, at, step)
+        self.INT64.pack_into(self.mem, at + 8, len(payload) if length is None else length)
+        self.INT64.pack_into(self.mem, at, step)
 
     def _posted(self, slot: int) -> int:
-        return self.STEP.unpack_from(self.mem, slot * SLOT_BYTES)[0]
+        return self.INT64.unpack_from(self.mem, slot * SLOT_BYTES)[0]
 
     def _read(self, slot: int) -> tuple[int, bytes]:
         at = slot * SLOT_BYTES
-        (length,) = self.LENGTH.unpack_from(self.mem, at + 8)
+        (length,) = self.INT64.unpack_from(self.mem, at + 8)
         start = at + self.HEADER_BYTES
         return length, self.mem[start:start + max(0, length)]
 

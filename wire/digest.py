@@ -40,9 +40,9 @@ def _mix64(x: int) -> int:
 
 
 def _mix64_np(x: np.ndarray) -> np.ndarray:
-    """The same function over a uint64 array. Array arithmetic wraps silently (only
-    numpy scalars warn on overflow), so no errstate: entering one costs a microsecond,
-    more than the arithmetic on a step's few entries."""
+    """The same function over a 1-D uint64 array. Its arithmetic wraps silently (numpy
+    scalars and 0-d arrays warn on overflow, and no caller passes one), so no errstate:
+    entering one costs a microsecond, more than the arithmetic on a step's few entries."""
     x = x + _U(0x9E3779B97F4A7C15)
     x = (x ^ (x >> _U(30))) * _U(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> _U(27))) * _U(0x94D049BB133111EB)

@@ -13,32 +13,38 @@ Only the steps use it: connecting, the configuration, WorkerReady and Shutdown s
 the ZeroMQ socket, and so does a frame too large for its slot (the slot then says "on the
 socket" and the frame follows there, in order).
 
-The mapped file (in /dev/shm, unlinked once every rank has mapped it) holds 2 plan slots,
-then 2 result slots per rank. A slot is a sequence number (int64, written last), a length
-(int64; ON_SOCKET: the frame comes over ZeroMQ) and the frame. Message n of a sender goes
-in its slot n % 2. The scheduler posts plan n + 2 only after every rank's result n (with
-overlap scheduling at most two plans are in flight, scheduler/engine.py), and a rank
-answers plan n + 2 only after it came, so no slot is overwritten before it is read. The
-sequence number is stored after the frame and loaded before it; x86-64 keeps stores in
-order and loads in order, so a reader that sees the number sees the frame. Elsewhere the
-engine keeps ZeroMQ (`supported`).
+The mapped file (in /dev/shm under a random name, written into the private run directory
+for the ranks; made exclusively, its space reserved up front, unlinked with the FIFOs
+once every rank has opened them) holds 2 plan slots, then 2 result slots per rank. A
+slot is a sequence number (int64, written last), a length (int64; ON_SOCKET: the frame
+comes over ZeroMQ) and the frame. Message n of a sender goes in its slot n % 2. The
+scheduler posts plan n + 2 only after it has taken every rank's result n (with overlap
+scheduling at most two plans are in flight, scheduler/engine.py, and `post` checks it),
+and a rank answers plan n + 2 only after it came, so no slot is overwritten before it is
+read. The sequence number is stored after the frame and loaded before it; x86-64 keeps
+stores in order and loads in order, so a reader that sees the number sees the frame.
+Elsewhere the engine keeps ZeroMQ (`supported`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import mmap
 import os
 import platform
+import secrets
 import struct
+import sys
 import time
 from pathlib import Path
 
 import zmq
 
-PLAN_SLOT_BYTES = 8 << 20
-RESULT_SLOT_BYTES = 1 << 20
+# A batch-256 decode plan is ~3 KB, a prefill chunk of 8K tokens ~40 KB: larger frames
+# (new tables of very long prompts) go over the socket. The space is reserved at start
+# (6 MiB at world size 4), so a full /dev/shm fails there, never mid-step.
+PLAN_SLOT_BYTES = 2 << 20
+RESULT_SLOT_BYTES = 256 << 10
 HEADER = struct.Struct("<qq")  # sequence number, length
 ON_SOCKET = -1  # the slot's length when the frame went over the ZeroMQ socket instead
 NOTHING = -1  # the sequence number of a slot nothing was written to yet
@@ -46,19 +52,21 @@ NOTHING = -1  # the sequence number of a slot nothing was written to yet
 
 def supported(address: str) -> str | None:
     """Why the shared-memory channel cannot serve ranks at this address; None if it can."""
-    if not address.startswith("ipc://"):
-        return "it needs every rank on the scheduler's host (an ipc:// address)"
-    if platform.machine() not in ("x86_64", "AMD64"):
+    path = address[len("ipc://"):]
+    if not address.startswith("ipc://") or not path.startswith("/"):
+        return "it needs every rank on the scheduler's host (an ipc:// address, absolute)"
+    if not sys.platform.startswith("linux"):
+        return f"it needs Linux (FIFOs, /dev/shm), not {sys.platform}"
+    if platform.machine() != "x86_64":
         return f"it relies on x86-64's store order ({platform.machine()} is not)"
     return None
 
 
 def _paths(address: str, world_size: int) -> tuple[Path, Path, list[Path]]:
-    """The mapped file, the scheduler's FIFO and each rank's, from the ipc:// address."""
+    """In the run directory of the ipc:// address: the file naming the mapped file, the
+    scheduler's FIFO and each rank's."""
     run_dir = Path(address[len("ipc://"):]).parent
-    tag = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
-    shm_dir = Path("/dev/shm") if Path("/dev/shm").is_dir() else run_dir
-    return (shm_dir / f"deepinfer-steps-{tag}", run_dir / "steps-results.fifo",
+    return (run_dir / "steps-channel", run_dir / "steps-results.fifo",
             [run_dir / f"steps-plan-{r}.fifo" for r in range(world_size)])
 
 
@@ -123,21 +131,33 @@ class _Slots:
 
 
 class SchedulerChannel:
-    """The scheduler's end: created before the ranks connect (they open it once they have
-    the configuration), unlinked once they all have."""
+    """The scheduler's end: made before the ranks are sent the configuration (they open it
+    then), its names removed once they all have. An OSError here (no room in /dev/shm)
+    leaves nothing behind."""
 
     def __init__(self, address: str, world_size: int) -> None:
         self.world_size = world_size
-        self._file, results_fifo, plan_fifos = _paths(address, world_size)
-        for path in (results_fifo, *plan_fifos):
-            path.unlink(missing_ok=True)
-            os.mkfifo(path, 0o600)
-        fd = os.open(self._file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        name_file, results_fifo, plan_fifos = _paths(address, world_size)
+        shm_dir = Path("/dev/shm") if Path("/dev/shm").is_dir() else name_file.parent
+        self._file = shm_dir / f"deepinfer-steps-{secrets.token_hex(8)}"
+        self._names = [name_file, results_fifo, *plan_fifos]
+        size = _Slots.offset(2 + 2 * world_size)
         try:
-            os.ftruncate(fd, _Slots.offset(2 + 2 * world_size))  # sparse: pages on first use
-            self._slots = _Slots(mmap.mmap(fd, 0))
-        finally:
-            os.close(fd)
+            for path in (results_fifo, *plan_fifos):
+                path.unlink(missing_ok=True)
+                os.mkfifo(path, 0o600)
+            # a fresh file of this process's (never one someone else put there), its space
+            # reserved now: a full tmpfs fails here, not with SIGBUS at a later write
+            fd = os.open(self._file, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, size)
+                self._slots = _Slots(mmap.mmap(fd, size))
+            finally:
+                os.close(fd)
+            name_file.write_text(str(self._file))
+        except OSError:
+            self.unlink()
+            raise
         for slot in range(2 + 2 * world_size):
             self._slots.write(slot, NOTHING, b"")
         self.results_fd = _open_fifo(results_fifo)
@@ -146,9 +166,10 @@ class SchedulerChannel:
         self._taken = [0] * world_size  # results read, per rank
 
     def unlink(self) -> None:
-        """Every rank has mapped the file: its name can go (nothing left behind if the
-        scheduler dies)."""
-        self._file.unlink(missing_ok=True)
+        """Every rank has opened the file and the FIFOs: their names can go (nothing is
+        left behind if the scheduler dies later)."""
+        for path in (self._file, *self._names):
+            path.unlink(missing_ok=True)
 
     def post(self, frame: bytes, send_over_socket) -> None:
         """Plan `frame` to every rank; `send_over_socket(frame)` sends it over ZeroMQ when
@@ -179,6 +200,8 @@ class SchedulerChannel:
         return frames
 
     def close(self) -> None:
+        if self._slots.mem.closed:
+            return
         self.unlink()
         for fd in (self.results_fd, *self._plan_fds):
             os.close(fd)
@@ -191,8 +214,8 @@ class RankChannel:
     too large for its slot, still come over the socket."""
 
     def __init__(self, address: str, rank: int, world_size: int, sock: zmq.Socket) -> None:
-        path, results_fifo, plan_fifos = _paths(address, world_size)
-        fd = os.open(path, os.O_RDWR)
+        name_file, results_fifo, plan_fifos = _paths(address, world_size)
+        fd = os.open(name_file.read_text(), os.O_RDWR | os.O_NOFOLLOW)
         try:
             self._slots = _Slots(mmap.mmap(fd, 0))
         finally:

@@ -13,6 +13,7 @@ whatever the batch and the context lengths.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
@@ -20,13 +21,19 @@ import numpy as np
 
 class BlockTables(Mapping[int, "BlockTable"]):
     """seq_id -> its BlockTable. Rows and columns double as needed (appends stay O(1)
-    amortised); a closed sequence's row is reused."""
+    amortised), columns up to `max_cols` (a sequence's most blocks) unless a table needs
+    more; a closed sequence's row is reused.
 
-    def __init__(self, rows: int = 16, cols: int = 16) -> None:
+    The main thread changes the tables; the rank's control thread reads them (`snapshot`,
+    `copy_of`) under a lock the changes take too, uncontended but for those reads."""
+
+    def __init__(self, rows: int = 16, cols: int = 16, max_cols: int | None = None) -> None:
         self._ids = np.zeros((rows, cols), dtype=np.int32)
         self._lens = np.zeros(rows, dtype=np.int64)
         self._row: dict[int, int] = {}  # seq_id -> its row
         self._free_rows = list(range(rows - 1, -1, -1))  # popped from the end: row 0 first
+        self._max_cols = max_cols
+        self._lock = threading.Lock()
 
     # --- the mapping ---------------------------------------------------------------
 
@@ -43,30 +50,48 @@ class BlockTables(Mapping[int, "BlockTable"]):
         return len(self._row)
 
     def __repr__(self) -> str:
-        return f"BlockTables({ {s: self[s].tolist() for s in self._row} })"
+        return f"BlockTables({self.snapshot()})"
+
+    # --- for another thread -----------------------------------------------------------
+
+    def snapshot(self) -> dict[int, list[int]]:
+        """Every open table, copied at one instant."""
+        with self._lock:
+            return {s: self._ids[r, :self._lens[r]].tolist() for s, r in self._row.items()}
+
+    def copy_of(self, seq_id: int) -> list[int] | None:
+        """One table, copied (None: not open)."""
+        with self._lock:
+            row = self._row.get(seq_id)
+            return None if row is None else self._ids[row, :self._lens[row]].tolist()
 
     # --- what plans do to them ------------------------------------------------------
 
     def open(self, seq_id: int, block_ids: Iterable[int]) -> None:
         assert seq_id not in self._row, f"seq {seq_id} opened twice"
-        if not self._free_rows:
-            self._grow(rows=2 * len(self._lens))
-        row = self._free_rows.pop()
-        self._row[seq_id] = row
-        self._lens[row] = 0
-        self.extend(seq_id, list(block_ids))
+        block_ids = list(block_ids)
+        with self._lock:
+            if not self._free_rows:
+                self._grow(rows=2 * len(self._lens))
+            row = self._free_rows.pop()
+            self._lens[row] = 0
+            self._extend_row(row, block_ids)
+            self._row[seq_id] = row
 
     def close(self, seq_id: int) -> None:
-        self._free_rows.append(self._row.pop(seq_id))
+        with self._lock:
+            self._free_rows.append(self._row.pop(seq_id))
 
     def extend(self, seq_id: int, block_ids: list[int]) -> None:
-        self._extend_row(self._row[seq_id], block_ids)
+        with self._lock:
+            self._extend_row(self._row[seq_id], block_ids)
 
     def _extend_row(self, row: int, block_ids: list[int]) -> None:
         start = int(self._lens[row])
         end = start + len(block_ids)
         if end > self._ids.shape[1]:
-            self._grow(cols=max(end, 2 * self._ids.shape[1]))
+            doubled = 2 * self._ids.shape[1]
+            self._grow(cols=max(end, min(doubled, self._max_cols or doubled)))
         self._ids[row, start:end] = block_ids
         self._lens[row] = end
 
@@ -101,8 +126,8 @@ class BlockTables(Mapping[int, "BlockTable"]):
 
 class BlockTable:
     """One sequence's row of a BlockTables, read and changed like a list of ints (the
-    control socket, the tests and their fault injection use it so). Only valid while
-    its sequence is open."""
+    rank's own checks, the tests and their fault injection use it so; another thread
+    reads `BlockTables.snapshot` instead). Only valid while its sequence is open."""
 
     __slots__ = ("_tables", "_row")
 
@@ -114,11 +139,8 @@ class BlockTable:
         return t._ids[self._row, :t._lens[self._row]]
 
     def extend(self, block_ids: list[int]) -> None:
-        self._tables._extend_row(self._row, block_ids)
-
-    def pages(self, num_pages: int) -> np.ndarray:
-        """The first `num_pages` block ids (a view: valid until the next change)."""
-        return self._view()[:num_pages]
+        with self._tables._lock:
+            self._tables._extend_row(self._row, block_ids)
 
     def __len__(self) -> int:
         return int(self._tables._lens[self._row])
@@ -135,13 +157,16 @@ class BlockTable:
         """Only a tail: `del table[n:]` (blocks appended for tokens that were dropped)."""
         assert isinstance(i, slice) and i.stop is None and i.step is None, "only a tail"
         n = len(self)
-        self._tables._lens[self._row] = min(n, range(n)[i].start if i.start is not None else 0)
+        with self._tables._lock:
+            self._tables._lens[self._row] = min(n, range(n)[i].start if i.start is not None
+                                                else 0)
 
     def __setitem__(self, i: int, block: int) -> None:  # tests inject faults through it
         view = self._view()
         if not -len(view) <= i < len(view):
             raise IndexError(i)
-        view[i] = block
+        with self._tables._lock:
+            view[i] = block
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.tolist())

@@ -2,9 +2,9 @@
 
 The main thread marks each step (`applied` once the plan's cache ops and table deltas
 are in, `finished` after the forward pass); everything else is read from the runner
-when asked, from the control thread: block tables are copied (a dict or list copy is
-one atomic operation under the GIL), so a rank inside a long forward pass or blocked
-in a collective still answers, from the tables that pass is using.
+when asked, from the control thread: block tables are copied at one instant
+(`BlockTables.snapshot`, under the lock their changes take), so a rank inside a long
+forward pass or blocked in a collective still answers, from the tables that pass is using.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class RankControl:
 
     def snapshot(self, detail: bool = False) -> RankSnapshot:
         now = time.monotonic()
-        tables = {sid: list(t) for sid, t in dict(self.runner.block_tables).items()}
+        tables = self.runner.block_tables.snapshot()
         seqs = [SeqTable(sid, len(t), table_digest(sid, t) if detail else 0)
                 for sid, t in sorted(tables.items())]
         in_step = self.state == "forward"
@@ -127,8 +127,8 @@ class RankControl:
         }
 
     def seq_view(self, seq_id: int) -> SeqView:
-        table = self.runner.block_tables.get(seq_id)
+        table = self.runner.block_tables.copy_of(seq_id)
         if table is None:
             return SeqView("rank", self.rank, seq_id, found=False)
-        return SeqView("rank", self.rank, seq_id, found=True, block_ids=list(table),
+        return SeqView("rank", self.rank, seq_id, found=True, block_ids=table,
                        num_tokens=self._num_tokens.get(seq_id, 0))

@@ -135,7 +135,7 @@ class ModelRunner:
             config.attention_backend, m.num_heads, m.num_kv_heads, m.head_dim,
             config.block_size, self.dtype, device,
         )
-        self.block_tables = BlockTables()
+        self.block_tables = BlockTables(max_cols=-(-self.max_model_len // config.block_size))
         self.sampling: dict[int, tuple[SamplingParams, int]] = {}
         # the disk tier, below the host tier (worker/disk_tier.py); None when off
         self.disk: RankDiskTier | None = None
@@ -392,14 +392,14 @@ class ModelRunner:
         np.cumsum(num_pages, out=kv_indptr[1:])
         kv_indices = bt.page_lists(rows, num_pages, kv_indptr[:-1])
         # token t of chunk c sits at start[c] + (t - qo_indptr[c]), on page
-        # kv_indptr[c] + position // bs of the batch's page list; in a batch of decodes
-        # only (every row one token), token t is row t
+        # kv_indptr[c] + position // bs of the batch's page list; when every row is one
+        # token (decodes, one-token chunks), token t is row t
         if len(rows) == qo_indptr[-1]:
             positions, first_page = start, kv_indptr[:-1]
         else:
             positions = np.arange(qo_indptr[-1]) + np.repeat(start - qo_indptr[:-1], n_tok)
             first_page = np.repeat(kv_indptr[:-1], n_tok)
-        slots = kv_indices[first_page + positions // bs] * np.int64(bs) + positions % bs
+        slots = kv_indices[first_page + positions // bs].astype(np.int64) * bs + positions % bs
         last_page_len = (ctx - (num_pages - 1) * bs).astype(np.int32)
         token_ids = np.array(d.token_ids + [t for c in chunks for t in c.token_ids],
                              dtype=np.int64)

@@ -14,7 +14,7 @@ import zmq
 
 from scheduler.executor import WorkerFailure, ZmqExecutor
 from scheduler.rank_health import RankProcess, host_identity, hung_ranks, pid_alive
-from wire import codec
+from wire import codec, step_channel
 from wire.config import EngineConfig
 from wire.control import RankSnapshot
 from wire.control_server import ControlServer, control_address
@@ -161,3 +161,18 @@ def test_the_ranks_waiting_in_a_collective_are_not_blamed(tmp_path: Path) -> Non
     finally:
         for s in servers:
             s.close()
+
+
+def test_results_too_large_for_their_slots_come_over_the_socket(engine, monkeypatch) -> None:
+    """Over the step channel a result that does not fit its slot goes over the socket;
+    with two plans in flight (overlap), the next post must still find every slot
+    answered (ZmqExecutor.submit takes the slots' marks first)."""
+    monkeypatch.setattr(step_channel, "RESULT_SLOT_BYTES", 64)  # every result: the socket
+    executor, _ = engine()
+    executor.submit(StepPlan(step=0))
+    executor.submit(StepPlan(step=1))
+    for step in range(2, 8):
+        assert [r.step for r in executor.collect()] == [step - 2] * 2
+        executor.submit(StepPlan(step=step))
+    assert [r.step for r in executor.collect()] == [6, 6]
+    assert [r.step for r in executor.collect()] == [7, 7]

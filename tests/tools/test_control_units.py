@@ -14,6 +14,7 @@ from wire.control import SeqRequest, SnapshotRequest, StacksRequest
 from wire.control_server import ask
 from wire.digest import StateDigest, table_digest
 from wire.step import NewSequence, StepPlan
+from worker.block_table import BlockTables
 from worker.control import RankControl
 
 
@@ -22,7 +23,10 @@ def test_rank_control_reports_its_real_tables(tmp_path):
     plan = StepPlan(0, new_seqs=[NewSequence(1, [0, 1]), NewSequence(2, [5])],
                     register=[(0, 77), (3, 78)])
     digest.apply(plan)
-    runner = SimpleNamespace(block_tables={1: [0, 1], 2: [5]}, digest=digest, device="cpu",
+    tables = BlockTables()
+    tables.open(1, [0, 1])
+    tables.open(2, [5])
+    runner = SimpleNamespace(block_tables=tables, digest=digest, device="cpu",
                              tp=SimpleNamespace(collective_since=0.0))
     control = RankControl(runner, 2, 4, f"ipc://{tmp_path}/rank2.sock")
     try:

@@ -105,7 +105,27 @@ def test_a_stale_wake_up_does_not_cut_a_wait_short(channel):
     assert time.monotonic() - t0 >= 0.045
 
 
+def test_a_result_over_the_socket_still_frees_its_slot_once_taken(channel):
+    """The executor collects a result that came over the socket before it has taken its
+    slot's mark; it takes the marks before posting the next plan (ZmqExecutor.submit), or
+    the post would find that slot's plan unanswered."""
+    sched, ranks, router, send = channel
+    sched.post(b"plan 0", send)
+    sched.post(b"plan 1", send)
+    huge = b"r" * step_channel.RESULT_SLOT_BYTES
+    for rank in ranks:
+        assert rank.recv() == b"plan 0"
+        rank.send(huge)  # the mark in its slot, then the frame on the socket
+    frames = [router.recv_multipart()[1] for _ in ranks if router.poll(2000)]
+    assert frames == [huge, huge]
+    with pytest.raises(AssertionError):
+        sched.post(b"plan 2", send)  # marks not taken yet
+    assert sched.take_results() == []  # the marks: nothing to hand out, slots freed
+    sched.post(b"plan 2", send)
+
+
 def test_only_ranks_on_this_host_and_x86_64(monkeypatch):
     assert "ipc://" in supported("tcp://10.0.0.1:5555")
+    assert "absolute" in supported("ipc://workers.sock")
     monkeypatch.setattr(step_channel.platform, "machine", lambda: "aarch64")
     assert "x86-64" in supported("ipc:///tmp/x/workers.sock")

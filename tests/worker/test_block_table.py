@@ -20,8 +20,9 @@ OPS = st.lists(st.one_of(
 
 @given(OPS)
 def test_block_tables_are_a_dict_of_lists(ops):
-    # one row and two columns to start with: the ops grow both
-    tables, model = BlockTables(rows=1, cols=2), {}
+    # one row and two columns to start with: the ops grow both (columns by doubling up to
+    # 5, and past it only as far as a table needs)
+    tables, model = BlockTables(rows=1, cols=2, max_cols=5), {}
     for op, seq, arg in ops:
         if op == "open":
             if seq in model:
@@ -43,11 +44,11 @@ def test_block_tables_are_a_dict_of_lists(ops):
             i = arg % len(model[seq])
             tables[seq][i] = model[seq][i] = arg
         assert tables == {s: t for s, t in model.items()} and sorted(tables) == sorted(model)
+        assert tables.snapshot() == model and tables.copy_of(seq) == model.get(seq)
         for s, want in model.items():
             table = tables[s]
             assert table == want and len(table) == len(want) and list(table) == want
             n = arg if isinstance(arg, int) else len(want)
-            assert table.pages(min(n, len(want))).tolist() == want[:n]
             assert table[n:] == want[n:]
             if want:
                 assert table[-1] == want[-1] and table[0] == want[0]
