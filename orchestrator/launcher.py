@@ -21,6 +21,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -89,10 +90,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
+    """A port P such that P .. P+span-1 are free on `host` now, picked below the kernel's
+    ephemeral range: a port from bind(0) lies inside it, where any outgoing connection
+    (a rank's TCPStore client, say) may take it before our server binds it, and the
+    ports after it (P+1, P+2 on the head node) were never checked at all."""
+    low = _ephemeral_range()[0]
+    rng = random.SystemRandom()
+    if low - 1024 >= 1000:  # room below the ephemeral range
+        for _ in range(200):
+            port = rng.randrange(max(1024, low - 12000), low - span)
+            if all(_bindable(host, p) for p in range(port, port + span)):
+                return port
+    for _ in range(200):  # no room: let the kernel pick, and check the ports after it
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if all(_bindable(host, p) for p in range(port + 1, port + span)):
+            return port
+    raise RuntimeError(f"no {span} consecutive free ports on {host}")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):  # not Linux: the IANA range
+        return 49152, 65535
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def make_run_dir(requested: str | None) -> Path:
@@ -199,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     multi_node = args.nnodes > 1
     os.environ.update(secret_file_env(args.secret_file, multi_node))  # for every child
     run_dir = make_run_dir(args.run_dir)
-    master_port = args.master_port or free_port()
+    # the head node binds master_port + 1 and + 2 too when there are several nodes
+    master_port = args.master_port or free_port(span=3)
     if multi_node:  # tcp only when several nodes are asked for
         workers_addr = f"tcp://{args.master_addr}:{master_port + 1}"
         requests_addr = f"tcp://{args.master_addr}:{master_port + 2}"

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
 from orchestrator.config import repo_env
+from orchestrator.launcher import free_port  # noqa: F401 (the tests' port picker)
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "tiny-llama"
@@ -44,12 +44,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("cuda"):
             item.add_marker(skip)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 
 import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from orchestrator.launcher import Child, _supervise, parse_args, stop_in_order
+from orchestrator import launcher
+from orchestrator.launcher import (
+    Child,
+    _bindable,
+    _ephemeral_range,
+    _supervise,
+    free_port,
+    parse_args,
+    stop_in_order,
+)
 
 
 def test_restart_is_refused_where_it_cannot_work(capsys) -> None:
@@ -61,3 +71,26 @@ def test_the_shim_exiting_stops_everything_even_with_restarts_left() -> None:
     finally:
         stop_in_order(group + shim)
 
+
+
+
+def test_a_picked_port_and_the_ones_after_it_are_free_and_outside_the_ephemeral_range(
+        monkeypatch) -> None:
+    # bind(0) hands out ports inside the ephemeral range, where an outgoing connection
+    # may take one before the server binds it; and the head node binds master_port + 1, + 2
+    low, _ = _ephemeral_range()
+    for _ in range(20):
+        port = free_port(span=3)
+        assert port + 2 < low and all(_bindable("127.0.0.1", p) for p in (port, port + 1, port + 2))
+
+    class Draws:  # the candidates free_port draws, in order
+        def __init__(self) -> None:
+            self.ports = iter([port, port + 5])
+
+        def randrange(self, _start: int, _stop: int) -> int:
+            return next(self.ports)
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 1))  # the first candidate's second port is in use
+        monkeypatch.setattr(launcher.random, "SystemRandom", Draws)
+        assert free_port(span=3) == port + 5

@@ -132,7 +132,7 @@ def test_two_nodes_talk_over_curve_and_nobody_else_does(default_model: Path,
     secret = tmp_path / "secret"
     secret.write_bytes(base64.b64encode(os.urandom(32)))
     secret.chmod(0o600)
-    master_port, port = free_port(), free_port()
+    master_port, port = free_port(span=3), free_port()  # the head binds master_port + 1, + 2
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-port", str(master_port),
               "--secret-file", str(secret)]
     nodes = [launcher(*common, "--node-rank", str(r), "--run-dir", str(tmp_path / f"run{r}"),

@@ -40,7 +40,7 @@ def holds_chain(sub: Subscriber, ids: list[int], block_size: int = 16) -> bool:
 def test_agents_land_on_the_replica_holding_their_prefix(default_model, tmp_path) -> None:
     with Replicas(2, served_names=("tiny-llama", "claude-sonnet-4-5"),
                   extra_args=["--dtype", "float32", "--torch-threads", "1"],
-                  kv_events_base_port=free_port(), log_dir=tmp_path) as r:
+                  kv_events_base_port=free_port(span=4), log_dir=tmp_path) as r:
         # distinct agents (a short shared system prompt): a turn routed to the other
         # replica would find almost nothing of its history there
         load = AgentLoad(num_agents=4, num_turns=3, system_words=10, first_words=120,
