@@ -10,8 +10,9 @@ measures whether it is, with nothing of the engine around the exchange:
 - zmq: ROUTER / DEALER over ipc://, as scheduler/executor.py and worker/main.py use them
   (each message through the sender's and the receiver's ZeroMQ I/O threads);
 - unix: a SOCK_SEQPACKET socket pair per rank (one system call each way, no I/O thread);
-- shm: the plan written once into shared memory and each rank woken by its own eventfd;
-  each rank's result in its own slot, the sender woken by an eventfd they all count on.
+- shm: the engine's step channel (wire/step_channel.py): the plan written once into
+  shared memory and each rank woken by a byte on its FIFO; each rank's result in a slot
+  of its own, the sender woken through one FIFO.
 
 The plan is a real StepPlan of `--batch` plain decodes and the result a StepResult, both
 through wire/codec.py. Each rank decodes the plan, spins `rank_us` microseconds (its
@@ -24,11 +25,9 @@ Rank processes are forked before anything else starts threads; nothing is pickle
 from __future__ import annotations
 
 import argparse
-import mmap
 import multiprocessing
-import os
+import select
 import socket
-import struct
 import tempfile
 import time
 from collections.abc import Callable
@@ -41,9 +40,10 @@ from rich.table import Table
 from tools.machine import describe, summary_line
 from wire import codec
 from wire.step import PENDING_TOKEN, RankTiming, StepPlan, StepResult
+from wire.step_channel import RankChannel, SchedulerChannel
 
 TRANSPORTS = ("zmq", "unix", "shm")
-SLOT_BYTES = 1 << 20  # one plan, or one rank's result, in shared memory
+SLOT_BYTES = 1 << 20  # the most a SEQPACKET message is read with
 STOP = b"stop"
 
 
@@ -162,73 +162,58 @@ def _unix_rank(sock: socket.socket, rank: int, rank_us: float) -> None:
 
 
 class ShmLink:
-    """Two plan slots (step k and k+1 may both be posted) and two result slots per rank.
-    A slot holds its step, its length (-1: stop) and the bytes; the step is written last,
-    as one aligned 8-byte store, so a reader that sees it sees the rest (x86 keeps stores
-    in order)."""
-
-    INT64 = struct.Struct("<q")  # a slot's step, then its length
-    HEADER_BYTES = 16
+    """The engine's own step channel (wire/step_channel.py): plans through shared memory
+    with a FIFO byte per rank, results back the same way; the ZeroMQ socket beside it
+    carries the hello and the stop, as in the engine."""
 
     def __init__(self, ranks: int, rank_us: float, run_dir: str) -> None:
-        self.ranks = ranks
-        self.mem = mmap.mmap(-1, SLOT_BYTES * 2 * (1 + ranks))
-        for slot in range(2 * (1 + ranks)):  # nothing posted yet
-            self.INT64.pack_into(self.mem, slot * SLOT_BYTES, -1)
-        self.plan_ready = [os.eventfd(0) for _ in range(ranks)]
-        self.result_ready = os.eventfd(0)
-        self.step = 0  # the next plan's
-        self.collected = 0  # the next step to collect
-        self.procs = start_ranks(ranks, lambda r: self._rank(r, rank_us))
-
-    def _write(self, slot: int, step: int, payload: bytes, length: int | None = None) -> None:
-        at = slot * SLOT_BYTES
-        start = at + self.HEADER_BYTES
-        self.mem[start:start + len(payload)] = payload
-        self.INT64.pack_into(self.mem, at + 8, len(payload) if length is None else length)
-        self.INT64.pack_into(self.mem, at, step)
-
-    def _posted(self, slot: int) -> int:
-        return self.INT64.unpack_from(self.mem, slot * SLOT_BYTES)[0]
-
-    def _read(self, slot: int) -> tuple[int, bytes]:
-        at = slot * SLOT_BYTES
-        (length,) = self.INT64.unpack_from(self.mem, at + 8)
-        start = at + self.HEADER_BYTES
-        return length, self.mem[start:start + max(0, length)]
+        address = f"ipc://{run_dir}/transport.sock"
+        self.channel = SchedulerChannel(address, ranks)  # made before the ranks open it
+        self.procs = start_ranks(ranks, lambda r: _shm_rank(address, r, ranks, rank_us))
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.bind(address)
+        self.ids = [self.sock.recv_multipart()[0] for _ in range(ranks)]
+        self.channel.unlink()  # every rank has opened it
+        self.collected = 0
+        self.early = 0  # results of the next step, from ranks ahead of the others
 
     def submit(self, frame: bytes) -> None:
-        self._write(self.step % 2, self.step, frame)
-        self.step += 1
-        for fd in self.plan_ready:
-            os.eventfd_write(fd, 1)
+        self.channel.post(frame, send_over_socket=None)  # a plan here always fits its slot
 
     def collect(self) -> None:
-        step, slots = self.collected, [2 + 2 * r + self.collected % 2 for r in range(self.ranks)]
-        while not all(self._posted(s) == step for s in slots):
-            os.eventfd_read(self.result_ready)  # some rank answered: look again
-        for s in slots:
-            check(self._read(s)[1], step)
+        """As ZmqLink's: the results of step k and of k+1 may come in any order."""
+        step, needed, self.early = self.collected, len(self.ids) - self.early, 0
+        while needed:
+            select.select([self.channel.results_fd], [], [])
+            for frame in self.channel.take_results():
+                result = codec.decode(frame)
+                assert result.step in (step, step + 1), (result.step, step)
+                if result.step == step:
+                    needed -= 1
+                else:
+                    self.early += 1
         self.collected += 1
 
     def close(self) -> None:
-        self._write(self.step % 2, self.step, b"", length=-1)
-        for fd in self.plan_ready:
-            os.eventfd_write(fd, 1)
+        for identity in self.ids:
+            self.sock.send_multipart([identity, STOP])
         join(self.procs)
-        self.mem.close()
+        self.channel.close()
+        self.sock.close(linger=0)
+        self.ctx.term()
 
-    def _rank(self, rank: int, rank_us: float) -> None:
-        step = 0
-        while True:
-            os.eventfd_read(self.plan_ready[rank])  # one or more plans posted
-            while self._posted(step % 2) == step:  # each posted plan, in order
-                length, frame = self._read(step % 2)
-                if length < 0:
-                    return
-                self._write(2 + 2 * rank + step % 2, step, answer(frame, rank, rank_us))
-                os.eventfd_write(self.result_ready, 1)
-                step += 1
+
+def _shm_rank(address: str, rank: int, ranks: int, rank_us: float) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(address)
+    channel = RankChannel(address, rank, ranks, sock)
+    sock.send(b"hello")  # after opening the channel: the sender then unlinks its names
+    while (frame := channel.recv()) != STOP:
+        channel.send(answer(frame, rank, rank_us))
+    sock.close(linger=0)
+    ctx.term()
 
 
 LINKS = {"zmq": ZmqLink, "unix": UnixLink, "shm": ShmLink}
