@@ -80,12 +80,34 @@ def table_digest(seq_id: int, block_ids: list[int] | np.ndarray, start: int = 0)
     """What `StateDigest.add_blocks` adds for these table entries (positions start,
     start+1, ...), vectorised: new 28K-block tables cost microseconds, not a Python loop.
     The inspect CLI also uses it to compare a rank's real tables with the mirror."""
-    n = len(block_ids)
-    if n == 0:
+    if len(block_ids) == 0:
         return 0
-    a = np.arange(start, start + n, dtype=np.uint64) | _U((seq_id << 32) & _MASK64)
-    b = np.asarray(block_ids, dtype=np.int64).astype(np.uint64)
-    return int(_entries(StateDigest.SEQ_BLOCK, a, b).sum(dtype=np.uint64))
+    entries, _ = _table_entries([seq_id], [start], [block_ids])
+    return int(entries.sum(dtype=np.uint64))
+
+
+def _table_entries(seq_ids: list[int], starts: list[int],
+                   block_lists: list[list[int] | np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Each table entry's term, flat over the lists (list i: sequence seq_ids[i], table
+    positions starts[i], starts[i] + 1, ...), and where each list starts in it. The key
+    of an entry is the sequence in the high 32 bits and the position in the low ones."""
+    counts = np.array([len(ids) for ids in block_lists], dtype=np.int64)
+    offsets = np.cumsum(counts) - counts
+    seq_bits = np.array([(seq_id << 32) & _MASK64 for seq_id in seq_ids], dtype=np.uint64)
+    positions = np.arange(counts.sum()) + np.repeat(np.asarray(starts) - offsets, counts)
+    keys = np.repeat(seq_bits, counts) | positions.astype(np.uint64)
+    blocks = block_lists[0] if len(block_lists) == 1 else [b for ids in block_lists for b in ids]
+    values = np.asarray(blocks, dtype=np.int64).astype(np.uint64)
+    return _entries(StateDigest.SEQ_BLOCK, keys, values), offsets
+
+
+def _few_table_sum(seq_id: int, start: int, block_ids: list[int]) -> int:
+    """`table_digest` in plain ints: a decode step appends one block, and numpy's fixed
+    cost per call is then most of the work."""
+    s = 0
+    for i, b in enumerate(block_ids, start=start):
+        s = (s + _entry(StateDigest.SEQ_BLOCK, (seq_id << 32) | i, b)) & _MASK64
+    return s
 
 
 class StateDigest:
@@ -112,10 +134,8 @@ class StateDigest:
         n = self._seq_lens.get(seq_id, 0)
         if len(block_ids) > FEW:
             s = table_digest(seq_id, block_ids, start=n)
-        else:  # a decode step appends one block: plain ints are cheaper than numpy
-            s = 0
-            for i, b in enumerate(block_ids, start=n):
-                s = (s + _entry(self.SEQ_BLOCK, (seq_id << 32) | i, b)) & _MASK64
+        else:
+            s = _few_table_sum(seq_id, n, block_ids)
         self._seq_lens[seq_id] = n + len(block_ids)
         self._seq_sums[seq_id] = (self._seq_sums.get(seq_id, 0) + s) & _MASK64
         self.value = (self.value + s) & _MASK64
@@ -133,13 +153,8 @@ class StateDigest:
                 first.append(n)
                 filled.append((seq_id, ids))
         tables = filled
-        counts = np.array([len(ids) for _, ids in tables], dtype=np.int64)
-        offsets = np.cumsum(counts) - counts  # where each list starts in the flat arrays
-        seq_bits = np.array([(seq_id << 32) & _MASK64 for seq_id, _ in tables], dtype=np.uint64)
-        positions = np.arange(counts.sum()) + np.repeat(np.array(first) - offsets, counts)
-        a = np.repeat(seq_bits, counts) | positions.astype(np.uint64)
-        b = np.array([b for _, ids in tables for b in ids], dtype=np.int64).astype(np.uint64)
-        e = _entries(self.SEQ_BLOCK, a, b)
+        e, offsets = _table_entries([seq_id for seq_id, _ in tables], first,
+                                    [ids for _, ids in tables])
         per_list = np.add.reduceat(e, offsets, dtype=np.uint64).tolist()
         for (seq_id, _), s in zip(tables, per_list):
             sums[seq_id] = (sums[seq_id] + s) & _MASK64
@@ -151,9 +166,7 @@ class StateDigest:
         assert self._seq_lens[seq_id] == num_blocks + len(block_ids), (
             f"seq {seq_id}: trim to {num_blocks} of {self._seq_lens[seq_id]} blocks "
             f"names {len(block_ids)}")
-        s = 0
-        for i, b in enumerate(block_ids, start=num_blocks):
-            s = (s + _entry(self.SEQ_BLOCK, (seq_id << 32) | i, b)) & _MASK64
+        s = _few_table_sum(seq_id, num_blocks, block_ids)
         self._seq_lens[seq_id] = num_blocks
         self._seq_sums[seq_id] = (self._seq_sums[seq_id] - s) & _MASK64
         self.value = (self.value - s) & _MASK64

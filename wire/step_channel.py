@@ -45,7 +45,8 @@ import zmq
 # (6 MiB at world size 4), so a full /dev/shm fails there, never mid-step.
 PLAN_SLOT_BYTES = 2 << 20
 RESULT_SLOT_BYTES = 256 << 10
-HEADER = struct.Struct("<qq")  # sequence number, length
+_INT64 = struct.Struct("<q")  # a slot's sequence number (at 0), then its length (at 8)
+HEADER_BYTES = 16
 ON_SOCKET = -1  # the slot's length when the frame went over the ZeroMQ socket instead
 NOTHING = -1  # the sequence number of a slot nothing was written to yet
 
@@ -104,27 +105,27 @@ class _Slots:
 
     @staticmethod
     def capacity(slot: int) -> int:
-        return (PLAN_SLOT_BYTES if slot < 2 else RESULT_SLOT_BYTES) - HEADER.size
+        return (PLAN_SLOT_BYTES if slot < 2 else RESULT_SLOT_BYTES) - HEADER_BYTES
 
     def seq(self, slot: int) -> int:
-        return struct.unpack_from("<q", self.mem, self.offset(slot))[0]
+        return _INT64.unpack_from(self.mem, self.offset(slot))[0]
 
     def read(self, slot: int) -> bytes | None:
         """The slot's frame; None when it went over the socket."""
         at = self.offset(slot)
-        length = struct.unpack_from("<q", self.mem, at + 8)[0]
+        length = _INT64.unpack_from(self.mem, at + 8)[0]
         if length == ON_SOCKET:
             return None
-        return self.mem[at + HEADER.size:at + HEADER.size + length]
+        return self.mem[at + HEADER_BYTES:at + HEADER_BYTES + length]
 
     def write(self, slot: int, seq: int, frame: bytes | None) -> None:
         """`frame` into the slot as message `seq` (None: "on the socket"); the sequence
         number last."""
         at = self.offset(slot)
         if frame is not None:
-            self.mem[at + HEADER.size:at + HEADER.size + len(frame)] = frame
-        struct.pack_into("<q", self.mem, at + 8, ON_SOCKET if frame is None else len(frame))
-        struct.pack_into("<q", self.mem, at, seq)
+            self.mem[at + HEADER_BYTES:at + HEADER_BYTES + len(frame)] = frame
+        _INT64.pack_into(self.mem, at + 8, ON_SOCKET if frame is None else len(frame))
+        _INT64.pack_into(self.mem, at, seq)
 
     def fits(self, slot: int, frame: bytes) -> bool:
         return len(frame) <= self.capacity(slot)
