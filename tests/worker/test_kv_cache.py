@@ -4,12 +4,14 @@ compute stream waiting per layer as the model does)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from worker.kv_cache import KVCache
 
-LAYERS, BLOCKS, HOST_SLOTS, BLOCK, KV_HEADS, HEAD_DIM = 3, 8, 6, 4, 2, 8
+LAYERS, BLOCKS, HOST_SLOTS, BLOCK, KV_HEADS, HEAD_DIM = 3, 8, 8, 4, 2, 8
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
@@ -76,3 +78,58 @@ def test_swap_out_and_in_round_trips_blocks_exactly(device):
     for untouched in (0, 3, 4):
         assert torch.equal(cache.k[:, untouched], k0[:, untouched])
     assert not cache.k[:, [1, 5]].any() and not cache.v[:, [1, 5]].any()
+
+
+def test_batched_swaps_move_what_the_plain_copies_move():
+    # The CUDA path (`_swap_by_layer`: gather, one copy per run of host slots, scatter)
+    # runs on the CPU as well: over random steps it must leave both tiers as the CPU's
+    # own fancy-index copies do, runs of consecutive slots and scattered ones alike.
+    rng = random.Random(5)
+    batched, plain = make_cache("cpu"), make_cache("cpu")
+    layers_done = []
+    for step in range(40):
+        blocks = rng.sample(range(BLOCKS), rng.randint(0, 5))
+        if step % 2:  # consecutive slots, as a fresh host tier hands them out
+            first = rng.randrange(HOST_SLOTS - len(blocks) + 1)
+            slots = list(range(first, first + len(blocks)))
+        else:
+            slots = rng.sample(range(HOST_SLOTS), len(blocks))
+        swap_out = list(zip(blocks, slots))
+        swap_in = list(zip(rng.sample(range(HOST_SLOTS), k := rng.randint(0, 4)),
+                           rng.sample(range(BLOCKS), k)))
+        batched._swap_by_layer(swap_out, swap_in, lambda s=step: layers_done.append(s))
+        plain._swap_cpu(swap_out, swap_in)
+        for ours, theirs in ((batched.k, plain.k), (batched.v, plain.v),
+                             (batched.k_host, plain.k_host), (batched.v_host, plain.v_host)):
+            assert torch.equal(ours, theirs), step
+    assert layers_done == [s for s in range(40) for _ in range(LAYERS)]
+
+
+def test_slot_runs():
+    cache = make_cache("cpu")
+    blocks, runs = cache._moves([(4, 0), (2, 7), (5, 1), (3, 6), (0, 2)])
+    assert blocks.tolist() == [2, 7, 6, 0, 1]  # in slot order
+    assert runs == [(0, 0, 1), (1, 2, 4)]  # (first staging row, first slot, count)
+    assert cache._moves([])[1] == []
+
+
+@pytest.mark.cuda
+def test_cuda_swaps_are_batched_per_layer_not_block_by_block():
+    """Eight blocks out to consecutive host slots and eight back in: per layer one
+    device-to-host copy for K and one for V, and as many the other way (block by block
+    it would be 16 each way), and the blocks arrive whole."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = make_cache("cuda")
+    k0 = cache.k.clone()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        cache.swap([(b, b) for b in range(BLOCKS)], [])
+        cache.sync_copies()
+        cache.swap([], [(s, BLOCKS - 1 - s) for s in range(BLOCKS)])
+        cache.sync_copies()
+    names = [e.name for e in prof.events() if e.name.startswith("Memcpy")]  # on the device
+    assert sum("DtoH" in n for n in names) == 2 * LAYERS, names
+    assert sum("HtoD" in n for n in names) == 2 * LAYERS + 2, names  # + each swap's index
+    assert all("Pinned" in n for n in names), names  # async copies: nothing pageable
+    for b in range(BLOCKS):
+        assert torch.equal(cache.k[:, BLOCKS - 1 - b], k0[:, b])
