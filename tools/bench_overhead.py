@@ -131,7 +131,8 @@ def engine(model: str, spec: EngineSpec, args: argparse.Namespace,
         kv_cache_memory=device_blocks(args, spec.batches) * block_bytes,
         host_cache_memory=args.host_blocks * block_bytes,
         max_num_seqs=max(spec.batches), max_num_batched_tokens=args.max_num_batched_tokens,
-        async_scheduling=not args.no_async_scheduling, step_channel=args.step_channel)
+        async_scheduling=not args.no_async_scheduling, step_channel=args.step_channel,
+        device=args.device)
     with tempfile.TemporaryDirectory(prefix="deepinfer-overhead-") as run_dir:
         address = f"ipc://{run_dir}/workers.sock"
         executor = ZmqExecutor(address, config, start_timeout_s=300)
@@ -349,6 +350,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--idle-world-sizes", type=ints, default=(1, 4))
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="no overlap: each step is planned after the ranks finished the last")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="the ranks' device: on a GPU the batch inputs and the KV tiers live "
+                        "there (one GPU: world size 1)")
     p.add_argument("--step-channel", choices=("auto", "zmq", "shm"), default="auto",
                    help="plans and results over the ZeroMQ socket or shared memory "
                         "(EngineConfig.step_channel)")

@@ -16,8 +16,13 @@ Steps, in order, each timed, guarded (a failure is logged, the next step runs):
   flashinfer  build (nvcc) and check the kernels the tests and benchmarks use
   tests       pytest -m cuda over the test files that have CUDA tests
   matmul      the measured bf16 matmul rate, 8192^3 (the roofline for prefill)
+  memory      the measured HBM copy rate (the roofline for decode)
   bench       tools/bench_worker.py at world size 1: prefill tok/s and TFLOP/s, decode
               tok/s at batch 1/16/64, with and without a 4096-token shared cached prefix
+  swap        host-tier bandwidth, GB/s: n blocks of the 1B model to pinned host memory
+              and back through worker/kv_cache.py, beside the same copies block by block
+  overhead    tools/bench_overhead.py at world size 1 on the GPU (the null model), with
+              overlap scheduling and without
   http        tools/bench.py: the coding-agent benchmark over HTTP, prefix cache on/off
 
 No step starts after --cutoff-s, and every child is killed by --deadline-s (both from
@@ -253,6 +258,36 @@ def step_matmul(c: Check) -> dict:
     return c.probe("matmul", 120)
 
 
+def step_memory(c: Check) -> dict:
+    return c.probe("memory", 60)
+
+
+def step_swap(c: Check) -> dict:
+    return c.probe("swap", 120)
+
+
+def step_overhead(c: Check) -> dict:
+    """The engine's own cost a step at world size 1 on this device (the null model: no
+    weights, the batch inputs and the KV tiers on the GPU), with overlap scheduling and
+    without: engine ms a step at a zero forward, and the rank's idle share beside a 5 ms
+    forward."""
+    runs = {}
+    for name, flags in (("overlap", []), ("no_overlap", ["--no-async-scheduling"])):
+        out_json = c.results / f"bench_overhead_{name}.json"
+        c.sh([sys.executable, "-m", "tools.bench_overhead", "--model", str(TINY_MODEL),
+              "--device", "cuda" if c.cuda else "cpu", "--world-sizes", "1",
+              "--batches", "1,16,64" if c.cuda else "1,4", "--modes", "decode,mixed",
+              "--idle-world-sizes", "1", "--steps", "200" if c.cuda else "20",
+              "--no-machine-rates", "--json", str(out_json), *flags], 150)
+        cells = json.loads(out_json.read_text())["results"]
+        runs[name] = [{"batch": r["batch"], "mode": r["mode"], "forward_ms": r["forward_ms"],
+                       "engine_ms": r["breakdown_ms"]["engine"],
+                       "rank_idle_share": r["idle_share"],
+                       "sched_cpu_ms": r["breakdown_ms"]["sched_cpu"],
+                       "rank_cpu_ms": r["breakdown_ms"]["rank_cpu"]} for r in cells]
+    return runs
+
+
 def attention_backend(c: Check) -> str:
     """FlashInfer where its check passed; else the torch backend, so the figures still come."""
     fi = c.record["steps"].get("flashinfer", {})
@@ -330,7 +365,10 @@ STEPS = (
     Step("flashinfer", step_flashinfer, 60, cuda_only=True),
     Step("tests", step_tests, 60),
     Step("matmul", step_matmul, 15),
+    Step("memory", step_memory, 15),
     Step("bench", step_bench, 60),
+    Step("swap", step_swap, 30),
+    Step("overhead", step_overhead, 60),
     Step("http", step_http, 90),
 )
 
@@ -376,6 +414,16 @@ def headline(record: dict) -> dict:
                                for k in ("prefill", "decode")},
         "tests": s.get("tests", {}).get("summary"),
         "matmul_tflop_s": s.get("matmul", {}).get("tflop_s"),
+        "memory_copy_gb_s": s.get("memory", {}).get("copy_gb_s"),
+        "swap_gb_s": {f"{r['way']} {r['blocks']} {r['slots']}": (round(r["out_gb_s"], 1),
+                                                                 round(r["in_gb_s"], 1))
+                      for r in s.get("swap", {}).get("rows", [])},
+        "overhead_engine_ms": {name: {f"{r['mode']} b{r['batch']}": round(r["engine_ms"], 3)
+                                      for r in cells if r["forward_ms"] == 0}
+                               for name, cells in s.get("overhead", {}).items()},
+        "overhead_idle_share_5ms": {name: {r["mode"]: round(r["rank_idle_share"], 4)
+                                           for r in cells if r["forward_ms"] > 0}
+                                    for name, cells in s.get("overhead", {}).items()},
         "prefill_tok_s": bench.get("prefill_tok_s"),
         "prefill_tflop_s": bench.get("prefill_tflop_s"),
         "prefill_share_of_matmul": bench.get("prefill_share_of_matmul"),

@@ -1,6 +1,6 @@
 """Probes that `tools.gpu_check` runs in child processes, one JSON line each.
 
-    python -m tools.gpu_probe env | matmul | flashinfer
+    python -m tools.gpu_probe env | matmul | memory | swap | flashinfer
 
 A child per probe keeps the checker's own process free of CUDA state, and a crash in
 a probe (a bad driver, a failing kernel build) costs that probe only.
@@ -16,6 +16,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from functools import partial
 from importlib import metadata
 from pathlib import Path
 
@@ -119,6 +120,102 @@ def matmul() -> dict:
             "tflop_s": 2 * n**3 * iters / seconds / 1e12}
 
 
+def _seconds(fn, cuda: bool, iters: int) -> float:
+    """Mean wall seconds of `fn` after two warm-ups, the device's queue drained before
+    the clock stops (launch costs count: the engine pays them too)."""
+    import torch
+
+    for _ in range(2):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
+def memory() -> dict:
+    """The device memory's copy rate (HBM on the GPU: read + write, 4 GiB), the roof for
+    decode, which reads every weight and the KV once a step; RAM on CPU (256 MiB)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    src = torch.ones((4 << 30) // 2 if cuda else (256 << 20) // 2, dtype=torch.bfloat16,
+                     device=dev)
+    dst = torch.empty_like(src)
+    seconds = _seconds(lambda: dst.copy_(src), cuda, 10 if cuda else 3)
+    return {"device": dev, "bytes": src.nbytes, "copy_gb_s": 2 * src.nbytes / seconds / 1e9}
+
+
+# The GPU benchmark's model (tools/gpu_check.py BENCH_1B): 16 layers, 8 KV heads of 128,
+# bf16, 16-token blocks: 1 MiB a block, K and V. On CPU a small shape, so the path runs.
+SWAP_SHAPE_CUDA = dict(num_layers=16, block_size=16, num_kv_heads=8, head_dim=128)
+SWAP_SHAPE_CPU = dict(num_layers=2, block_size=16, num_kv_heads=2, head_dim=32)
+
+
+def _copy_block_by_block(cache, swap_out: list[tuple[int, int]],
+                         swap_in: list[tuple[int, int]]) -> None:
+    """The tier copies as they were before they were batched: two copies a block a layer
+    each way, on the cache's side stream (the baseline the swap probe sets beside them)."""
+    import torch
+
+    with torch.cuda.stream(cache._stream):
+        for layer in range(cache.k.shape[0]):
+            for block, slot in swap_out:
+                cache.k_host[layer, slot].copy_(cache.k[layer, block], non_blocking=True)
+                cache.v_host[layer, slot].copy_(cache.v[layer, block], non_blocking=True)
+            for slot, block in swap_in:
+                cache.k[layer, block].copy_(cache.k_host[layer, slot], non_blocking=True)
+                cache.v[layer, block].copy_(cache.v_host[layer, slot], non_blocking=True)
+    cache.sync_copies()
+
+
+def swap() -> dict:
+    """Host-tier bandwidth, GB/s, of a step's tier copies through worker/kv_cache.py
+    (pinned host memory, the side stream, batched per layer), n blocks out to the host
+    and n back, to consecutive host slots and to scattered ones; on CUDA beside the same
+    copies block by block. Wall time from the call to the copies' end."""
+    import random
+
+    import torch
+
+    from worker.kv_cache import KVCache
+
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    shape, dtype = (SWAP_SHAPE_CUDA, torch.bfloat16) if cuda else (SWAP_SHAPE_CPU, torch.float32)
+    counts = (1, 16, 64, 256) if cuda else (1, 16, 64)
+    blocks = 2 * max(counts)
+    cache = KVCache(shape["num_layers"], blocks, blocks, shape["block_size"],
+                    shape["num_kv_heads"], shape["head_dim"], dtype, dev)
+    cache.k.normal_()
+    cache.v.normal_()
+    block_bytes = KVCache.bytes_per_block(**shape, dtype=dtype)
+    rng = random.Random(0)
+    rows = []
+    for n in counts:
+        src = rng.sample(range(blocks), n)
+        for layout in ("consecutive", "scattered"):
+            slots = list(range(n)) if layout == "consecutive" else rng.sample(range(blocks), n)
+            out, back = list(zip(src, slots)), list(zip(slots, src))
+            ways = {"batched": lambda o, i: (cache.swap(o, i), cache.sync_copies())}
+            if cuda:
+                ways["block_by_block"] = lambda o, i: _copy_block_by_block(cache, o, i)
+            for way, run in ways.items():
+                out_s, in_s = (_seconds(partial(run, o, i), cuda, 20 if n < 64 else 5)
+                               for o, i in ((out, []), ([], back)))
+                rows.append({"blocks": n, "slots": layout, "way": way,
+                             "out_gb_s": n * block_bytes / out_s / 1e9,
+                             "in_gb_s": n * block_bytes / in_s / 1e9,
+                             "out_ms": 1e3 * out_s, "in_ms": 1e3 * in_s})
+    return {"device": str(dev), "dtype": str(dtype).removeprefix("torch."), **shape,
+            "block_bytes": block_bytes, "rows": rows}
+
+
 def flashinfer() -> dict:
     """Import FlashInfer and build (JIT, nvcc) the kernels the tests and the benchmark use:
     paged prefill (causal, a cached prefix) and decode, bf16, head_dim 128, 16 query /
@@ -161,7 +258,8 @@ def flashinfer() -> dict:
     return out
 
 
-PROBES = {"env": env, "matmul": matmul, "flashinfer": flashinfer}
+PROBES = {"env": env, "matmul": matmul, "memory": memory, "swap": swap,
+          "flashinfer": flashinfer}
 
 
 def main() -> None:

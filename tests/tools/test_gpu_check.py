@@ -37,6 +37,26 @@ def test_cpu_run_records_every_step(default_model: Path, tmp_path: Path) -> None
     assert "--- bench" in (results / "gpu_check.log").read_text()
 
 
+def test_cpu_run_of_the_memory_swap_and_overhead_steps(default_model: Path,
+                                                        tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    status = gpu_check.main([str(results), "--steps", "memory,swap,overhead", "--cpu"])
+    record = json.loads((results / "gpu_check.json").read_text())
+    assert status == 0, record
+    head = record["headline"]
+    assert head["memory_copy_gb_s"] > 0
+    # batched copies, both slot layouts, every block count; no block-by-block baseline
+    # without CUDA
+    assert {k.split()[0] for k in head["swap_gb_s"]} == {"batched"}
+    assert {k.split()[2] for k in head["swap_gb_s"]} == {"consecutive", "scattered"}
+    assert all(out > 0 and back > 0 for out, back in head["swap_gb_s"].values())
+    for name in ("overlap", "no_overlap"):
+        assert set(head["overhead_engine_ms"][name]) == {"decode b1", "mixed b1", "decode b4",
+                                                          "mixed b4"}
+        assert set(head["overhead_idle_share_5ms"][name]) == {"decode", "mixed"}
+        assert all(0 <= share < 1 for share in head["overhead_idle_share_5ms"][name].values())
+
+
 def make_check(tmp_path: Path, cutoff_s: float = 100, deadline_s: float = 200) -> gpu_check.Check:
     c = gpu_check.Check(results=tmp_path, wheels=None, cuda=False, quick=True, models=tmp_path,
                         t0=time.monotonic(), cutoff_s=cutoff_s, deadline_s=deadline_s,
