@@ -17,7 +17,7 @@ TORCH_CPU := torch==2.13.0+cpu
 PYTEST_ARGS ?=
 
 .PHONY: install cpu-kernels test lint serve serve-replicas bench-routing bench bench-worker bench-engine bench-agents bench-index \
-	simulate clean e2e-claude-code soak fuzz gpu-check gpu-wheels bench-vs-vllm bench-overhead bench-spec bench-moe \
+	simulate clean e2e-claude-code soak fuzz gpu-check gpu-wheels gpu-carry bench-vs-vllm bench-overhead bench-spec bench-moe \
 	bench-disk
 
 install: $(INSTALLED) $(TINY)/deepinfer_tiny.json $(TINY_MOE) $(SMOLLM2) cpu-kernels
@@ -185,6 +185,11 @@ gpu-check: install
 
 gpu-wheels: install
 	$(PY) -m tools.gpu_check --download wheels
+
+# The lent H200 with the real model: wheels and SmolLM2 split over two device calls
+# (.gpu-carry/first, .gpu-carry/second); prints the two calls to make.
+gpu-carry: install
+	$(PY) -m tools.gpu_carry .gpu-carry
 
 clean:
 	rm -rf $(VENV) models *.egg-info .pytest_cache .ruff_cache .hypothesis

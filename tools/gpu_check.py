@@ -12,7 +12,8 @@ Steps, in order, each timed, guarded (a failure is logged, the next step runs):
               (tools/gpu_wheels.py); prebuilt FlashInfer kernels if carried; the project
               itself editable; then `import flashinfer` in a child
   models      the default tiny model, and the benchmark model: a random ~1B Llama
-              (hidden 2048, 16 layers, 16 query / 8 KV heads of 128, MLP 8192)
+              (hidden 2048, 16 layers, 16 query / 8 KV heads of 128, MLP 8192); the
+              real model joined from the parts carried (--real-model-parts)
   flashinfer  build (nvcc) and check the kernels the tests and benchmarks use
   tests       pytest -m cuda over the test files that have CUDA tests
   matmul      the measured bf16 matmul rate, 8192^3 (the roofline for prefill)
@@ -30,14 +31,18 @@ the start), so the run ends inside the device tool's 10 minutes. Without CUDA (o
 --cpu) the same steps run on the CPU with tiny shapes, the install is a pip dry run,
 and the CUDA-only step is skipped with its reason: that is how this tool is tested.
 
-On the lent H200 (no network, 64 MiB carried), with wheels/ fetched here first
-(git-ignored; 42 MiB, with prebuilt kernels 45 MiB):
+On the lent H200 (no network, 64 MiB carried a call), with the wheels and the real model
+split over two calls here first (tools/gpu_carry.py prints both calls):
 
-    python -m tools.gpu_check --download wheels          # here
-    python -m tools.gpu_check --build-kernels wheels     # here, optional (nvcc; slow)
-    device run:  command   PYTHONUNBUFFERED=1 python3 -m tools.gpu_check "$OUT" --wheels wheels
-                 carry     ["wheels"]
-                 timeout_s 600
+    python -m tools.gpu_carry .gpu-carry                 # here (make gpu-carry)
+    device call 1: carry [".gpu-carry/first"]: its model part into models/.carried
+    device call 2: carry [".gpu-carry/second"], timeout_s 600:
+        PYTHONUNBUFFERED=1 python3 -m tools.gpu_check "$OUT" --wheels .gpu-carry/second/wheels \
+            --real-model-parts models/.carried,.gpu-carry/second
+
+Without the real model, one call does the rest: `--download wheels` (42 MiB; with
+prebuilt kernels, --build-kernels, 45 MiB) and `python3 -m tools.gpu_check "$OUT"
+--wheels wheels`, carrying ["wheels"].
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from orchestrator.config import repo_env
-from tools import gpu_wheels
+from tools import gpu_carry, gpu_wheels
 from tools.gpu_probe import MARKER as PROBE_MARKER
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,6 +98,7 @@ class Check:
     cutoff_s: float
     deadline_s: float
     log_file: TextIO
+    real_model_parts: list[Path] = field(default_factory=list)
     record: dict[str, Any] = field(default_factory=dict)
 
     def elapsed(self) -> float:
@@ -216,8 +222,12 @@ def step_models(c: Check) -> dict:
     out = c.sh([*make, "--out", str(bench_model_path(c)), "--tokenizer-from", str(TINY_MODEL),
                 *flags], 240)
     stamp = json.loads((bench_model_path(c) / "deepinfer_tiny.json").read_text())
-    return {"tiny": str(TINY_MODEL), "bench": str(bench_model_path(c)), "shape": shape,
-            "bench_parameters": stamp["num_parameters"], "output": out.strip()[-500:]}
+    result = {"tiny": str(TINY_MODEL), "bench": str(bench_model_path(c)), "shape": shape,
+              "bench_parameters": stamp["num_parameters"], "output": out.strip()[-500:]}
+    if c.real_model_parts:  # carried in two device calls (tools/gpu_carry.py)
+        result["real_model"] = gpu_carry.assemble(c.real_model_parts, REPO / "models")
+        c.log(f"real model: {result['real_model']}")
+    return result
 
 
 def step_flashinfer(c: Check) -> dict:
@@ -413,6 +423,7 @@ def headline(record: dict) -> dict:
         "flashinfer_rel_err": {k: s.get("flashinfer", {}).get(f"{k}_rel_err")
                                for k in ("prefill", "decode")},
         "tests": s.get("tests", {}).get("summary"),
+        "real_model": s.get("models", {}).get("real_model", {}).get("status"),
         "matmul_tflop_s": s.get("matmul", {}).get("tflop_s"),
         "memory_copy_gb_s": s.get("memory", {}).get("copy_gb_s"),
         "swap_gb_s": {f"{r['way']} {r['blocks']} {r['slots']}": (round(r["out_gb_s"], 1),
@@ -448,7 +459,8 @@ def run_check(args: argparse.Namespace) -> dict:
         models = args.models or (REPO / "models" if cuda else args.results / "models")
         c = Check(results=args.results, wheels=args.wheels, cuda=cuda, quick=args.quick,
                   models=models, t0=time.monotonic(), cutoff_s=args.cutoff_s,
-                  deadline_s=args.deadline_s, log_file=log_file)
+                  deadline_s=args.deadline_s, log_file=log_file,
+                  real_model_parts=[Path(p) for p in args.real_model_parts.split(",") if p])
         c.record.update(started=time.strftime("%Y-%m-%d %H:%M:%S"), mode="cuda" if cuda
                         else "cpu", quick=args.quick, argv=sys.argv[1:], steps={})
         c.log(f"gpu_check: {c.record['mode']} run, steps {','.join(selected)}, cut-off "
@@ -471,11 +483,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", type=Path, default=None,
                    help="where the benchmark model is made (default: models/ on CUDA, "
                         "RESULTS/models in a CPU run)")
+    p.add_argument("--real-model-parts", default="", metavar="DIR,DIR",
+                   help="folders holding the real model's parts (tools/gpu_carry.py): "
+                        "joined into models/ before the tests")
     p.add_argument("--quick", action="store_true", help="smaller benchmarks")
     p.add_argument("--cpu", action="store_true", help="the CPU run even where CUDA is")
     p.add_argument("--steps", default=None, help="a comma-separated subset of the steps")
-    p.add_argument("--cutoff-s", type=float, default=510, help="no step starts after this")
-    p.add_argument("--deadline-s", type=float, default=570, help="every child ends by this")
+    # under 8 minutes in all (issue 21), the rest of the device's 15 for its start and a rerun
+    p.add_argument("--cutoff-s", type=float, default=420, help="no step starts after this")
+    p.add_argument("--deadline-s", type=float, default=475, help="every child ends by this")
     p.add_argument("--download", type=Path, metavar="DIR",
                    help="fetch the wheels into DIR (here, with PyPI) and exit")
     p.add_argument("--build-kernels", type=Path, metavar="DIR",

@@ -101,15 +101,15 @@ WHEELS: tuple[Wheel, ...] = (
 
 
 def pip_download(dest: Path, python_versions: tuple[str, ...] = PYTHON_VERSIONS,
-                 log=print) -> int:
-    """Fetch every wheel into `dest` (no dependencies); returns the folder's size in bytes."""
+                 wheels: tuple[Wheel, ...] = WHEELS, log=print) -> int:
+    """Fetch `wheels` into `dest` (no dependencies); returns the folder's size in bytes."""
     dest.mkdir(parents=True, exist_ok=True)
     base = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
             "--only-binary=:all:", "--implementation", "cp", "-d", str(dest)]
     for flag in PLATFORMS:
         base += ["--platform", flag]
-    pure = [w.requirement for w in WHEELS if not w.compiled]
-    compiled = [w.requirement for w in WHEELS if w.compiled]
+    pure = [w.requirement for w in wheels if not w.compiled]
+    compiled = [w.requirement for w in wheels if w.compiled]
     jobs = [([*base, "--python-version", python_versions[0]], pure)]
     for v in python_versions:
         jobs.append(([*base, "--python-version", v, "--abi", "cp" + v.replace(".", ""),

@@ -1,0 +1,54 @@
+"""tools/gpu_carry.py: the real model split over two device calls and joined there."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tools import gpu_carry
+
+
+def make_model(tmp_path: Path) -> Path:
+    model = tmp_path / "real.gguf"
+    model.write_bytes(os.urandom(3000))
+    return model
+
+
+def test_the_parts_join_into_the_model_where_both_calls_landed(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_carry, "FIRST_PART_BYTES", 1000)
+    model = make_model(tmp_path)
+    manifest = gpu_carry.split(model, tmp_path / "carry")
+    assert (tmp_path / "carry" / "first" / manifest["parts"][0]).stat().st_size == 1000
+    assert (tmp_path / "carry" / "second" / manifest["parts"][1]).stat().st_size == 2000
+    models = tmp_path / "models"
+    folders = [tmp_path / "carry" / "first", tmp_path / "carry" / "second"]
+    joined = gpu_carry.assemble(folders, models)
+    assert joined == {"status": "ok", "path": str(models / "real.gguf"), "joined": True}
+    assert (models / "real.gguf").read_bytes() == model.read_bytes()
+    assert gpu_carry.assemble(folders, models)["joined"] is False  # there already: kept
+
+
+def test_a_fresh_machine_or_a_bad_part_leaves_no_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_carry, "FIRST_PART_BYTES", 1000)
+    model = make_model(tmp_path)
+    manifest = gpu_carry.split(model, tmp_path / "carry")
+    models = tmp_path / "models"
+    # call 2 on a fresh machine: call 1's part is not there
+    alone = gpu_carry.assemble([tmp_path / "nowhere", tmp_path / "carry" / "second"], models)
+    assert alone["status"] == "absent" and manifest["parts"][0] in alone["reason"]
+    assert gpu_carry.assemble([tmp_path / "nowhere"], models)["status"] == "absent"
+    first = tmp_path / "carry" / "first" / manifest["parts"][0]
+    first.write_bytes(b"x" * 1000)  # damaged on the way
+    bad = gpu_carry.assemble([tmp_path / "carry" / "first", tmp_path / "carry" / "second"],
+                             models)
+    assert bad["status"] == "failed"
+    assert not list(models.iterdir())  # neither the model nor a partial file is left
+
+
+def test_both_folders_name_the_same_parts(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_carry, "FIRST_PART_BYTES", 1000)
+    gpu_carry.split(make_model(tmp_path), tmp_path / "carry")
+    first, second = (json.loads((tmp_path / "carry" / k / "manifest.json").read_text())
+                     for k in ("first", "second"))
+    assert first == second and first["bytes"] == 3000
