@@ -403,6 +403,7 @@ class PeerServer:
                "--dtype", args.dtype, "--enable-prefix-caching",
                "--enable-prompt-tokens-details", *shlex.split(args.vllm_args)]
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._shm_before = shm_names()
         self._log = open(log_path, "w")  # noqa: SIM115
         self._log.write(" ".join(cmd) + "\n")
         self._log.flush()
@@ -439,7 +440,36 @@ class PeerServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        removed = remove_leaked_shm(self._shm_before)
+        if removed:
+            self._log.write(f"\n[bench_vs_vllm] removed {len(removed)} shared-memory files "
+                            f"vLLM left in /dev/shm: {', '.join(removed)}\n")
         self._log.close()
+
+
+SHM = Path("/dev/shm")
+
+
+def shm_names(shm: Path = SHM) -> set[str]:
+    return {p.name for p in shm.iterdir()} if shm.is_dir() else set()
+
+
+def remove_leaked_shm(before: set[str], shm: Path = SHM, prefix: str = "psm_") -> list[str]:
+    """vLLM's message queues live in Python shared-memory files (psm_*, up to 240 MiB each)
+    that its processes, stopped by signals, leave behind: 12 a run piled up over sessions.
+    Removes those made since `before` that no live process still maps."""
+    new = sorted(n for n in shm_names(shm) - before if n.startswith(prefix))
+    if not new:
+        return []
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with suppress(OSError):
+            mapped.update(n for n in new if str(shm / n) in maps.read_text())
+    removed = [n for n in new if n not in mapped]
+    for n in removed:
+        with suppress(FileNotFoundError):
+            (shm / n).unlink()
+    return removed
 
 
 @contextmanager
