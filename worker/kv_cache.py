@@ -13,6 +13,14 @@ from collections.abc import Callable
 
 import torch
 
+# The most blocks a tier copy stages on the device at once (a chunk of a step's swaps):
+# 32 KiB a block a layer for the 1B benchmark model, so 8 MiB a staging tensor.
+STAGING_BLOCKS = 256
+
+
+def _chunks(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    return [pairs[i:i + STAGING_BLOCKS] for i in range(0, len(pairs), STAGING_BLOCKS)]
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, num_host_blocks: int, block_size: int,
@@ -88,33 +96,37 @@ class KVCache:
         microseconds of launch for a few KB; here 2 a layer each way where the slots run
         on, plus the gather or the scatter. The same code runs on the CPU, where the
         tests hold it to `_swap_cpu`."""
-        out_blocks, out_runs = self._moves([(s, b) for b, s in swap_out])
-        in_blocks, in_runs = self._moves(swap_in)
+        assert len({b for _, b in swap_in}) == len(swap_in), "two swap_ins into one block"
+        outs = [self._moves(c) for c in _chunks(sorted((s, b) for b, s in swap_out))]
+        ins = [self._moves(c) for c in _chunks(sorted(swap_in))]
         page = self.k.shape[2:]
-        out_k, out_v, in_k, in_v = (
-            torch.empty((len(ids), *page), dtype=self.k.dtype, device=self.device)
-            for ids in (swap_out, swap_out, swap_in, swap_in))
+        out_k, out_v, in_k, in_v = (  # a chunk's worth: bounded device memory
+            torch.empty((min(len(pairs), STAGING_BLOCKS), *page), dtype=self.k.dtype,
+                        device=self.device)
+            for pairs in (swap_out, swap_out, swap_in, swap_in))
         for layer in range(self.k.shape[0]):
-            if swap_out:  # first: a block going out may be one coming in (or new KV)
-                torch.index_select(self.k[layer], 0, out_blocks, out=out_k)
-                torch.index_select(self.v[layer], 0, out_blocks, out=out_v)
-                for row, slot, n in out_runs:  # pinned destination: a true async copy
-                    self.k_host[layer, slot:slot + n].copy_(out_k[row:row + n], non_blocking=True)
-                    self.v_host[layer, slot:slot + n].copy_(out_v[row:row + n], non_blocking=True)
-            if swap_in:
-                for row, slot, n in in_runs:
-                    in_k[row:row + n].copy_(self.k_host[layer, slot:slot + n], non_blocking=True)
-                    in_v[row:row + n].copy_(self.v_host[layer, slot:slot + n], non_blocking=True)
-                self.k[layer].index_copy_(0, in_blocks, in_k)
-                self.v[layer].index_copy_(0, in_blocks, in_v)
+            # first the copies out: a block going out may be one coming in (or new KV)
+            for blocks, runs in outs:
+                k, v = out_k[:len(blocks)], out_v[:len(blocks)]
+                torch.index_select(self.k[layer], 0, blocks, out=k)
+                torch.index_select(self.v[layer], 0, blocks, out=v)
+                for row, slot, n in runs:  # pinned destination: a true async copy
+                    self.k_host[layer, slot:slot + n].copy_(k[row:row + n], non_blocking=True)
+                    self.v_host[layer, slot:slot + n].copy_(v[row:row + n], non_blocking=True)
+            for blocks, runs in ins:
+                k, v = in_k[:len(blocks)], in_v[:len(blocks)]
+                for row, slot, n in runs:
+                    k[row:row + n].copy_(self.k_host[layer, slot:slot + n], non_blocking=True)
+                    v[row:row + n].copy_(self.v_host[layer, slot:slot + n], non_blocking=True)
+                self.k[layer].index_copy_(0, blocks, k)
+                self.v[layer].index_copy_(0, blocks, v)
             layer_queued()
 
     def _moves(self, pairs: list[tuple[int, int]]
                ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-        """(host slot, device block) pairs in slot order: the blocks as an index on the
+        """(host slot, device block) pairs, in slot order: the blocks as an index on the
         device, and the runs of consecutive slots as (first staging row, first slot,
         count)."""
-        pairs = sorted(pairs)
         runs: list[tuple[int, int, int]] = []
         for row, (slot, _) in enumerate(pairs):
             if runs and runs[-1][1] + runs[-1][2] == slot:
@@ -122,9 +134,11 @@ class KVCache:
                 runs[-1] = (first_row, first_slot, n + 1)
             else:
                 runs.append((row, slot, 1))
-        blocks = torch.tensor([b for _, b in pairs], dtype=torch.long)
-        if self.device.type == "cuda" and pairs:  # pinned, so the copy does not wait for the stream
-            blocks = blocks.pin_memory().to(self.device, non_blocking=True)
+        cuda = self.device.type == "cuda"
+        # pinned, so the copy to the device does not wait for the stream's earlier work
+        blocks = torch.tensor([b for _, b in pairs], dtype=torch.long, pin_memory=cuda)
+        if cuda:
+            blocks = blocks.to(self.device, non_blocking=True)
         return blocks, runs
 
     def sync_copies(self) -> None:

@@ -132,6 +132,10 @@ def test_two_nodes_talk_over_curve_and_nobody_else_does(default_model: Path,
     secret = tmp_path / "secret"
     secret.write_bytes(base64.b64encode(os.urandom(32)))
     secret.chmod(0o600)
+    refused = subprocess.run([sys.executable, "-m", "orchestrator.launcher", "--nnodes", "2",
+                              "--secret-file", str(secret), *serve], cwd=REPO,
+                             env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "needs --master-port" in refused.stderr
     master_port, port = free_port(span=3), free_port()  # the head binds master_port + 1, + 2
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-port", str(master_port),
               "--secret-file", str(secret)]

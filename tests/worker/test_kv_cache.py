@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from worker import kv_cache
 from worker.kv_cache import KVCache
 
 LAYERS, BLOCKS, HOST_SLOTS, BLOCK, KV_HEADS, HEAD_DIM = 3, 8, 8, 4, 2, 8
@@ -80,10 +81,13 @@ def test_swap_out_and_in_round_trips_blocks_exactly(device):
     assert not cache.k[:, [1, 5]].any() and not cache.v[:, [1, 5]].any()
 
 
-def test_batched_swaps_move_what_the_plain_copies_move():
+@pytest.mark.parametrize("staging", [kv_cache.STAGING_BLOCKS, 2])
+def test_batched_swaps_move_what_the_plain_copies_move(staging, monkeypatch):
     # The CUDA path (`_swap_by_layer`: gather, one copy per run of host slots, scatter)
     # runs on the CPU as well: over random steps it must leave both tiers as the CPU's
-    # own fancy-index copies do, runs of consecutive slots and scattered ones alike.
+    # own fancy-index copies do, runs of consecutive slots and scattered ones alike, and
+    # in chunks of `staging` blocks.
+    monkeypatch.setattr(kv_cache, "STAGING_BLOCKS", staging)
     rng = random.Random(5)
     batched, plain = make_cache("cpu"), make_cache("cpu")
     layers_done = []
@@ -107,8 +111,8 @@ def test_batched_swaps_move_what_the_plain_copies_move():
 
 def test_slot_runs():
     cache = make_cache("cpu")
-    blocks, runs = cache._moves([(4, 0), (2, 7), (5, 1), (3, 6), (0, 2)])
-    assert blocks.tolist() == [2, 7, 6, 0, 1]  # in slot order
+    blocks, runs = cache._moves([(0, 2), (2, 7), (3, 6), (4, 0), (5, 1)])  # (slot, block)
+    assert blocks.tolist() == [2, 7, 6, 0, 1]
     assert runs == [(0, 0, 1), (1, 2, 4)]  # (first staging row, first slot, count)
     assert cache._moves([])[1] == []
 
