@@ -18,6 +18,7 @@ from rich.table import Table
 
 from cache.manager import CacheAccountingError
 from scheduler.control import SchedulerControl
+from scheduler.cpu_policy import defer_to_ranks
 from scheduler.engine import EngineCore, RankDivergenceError, agree_limits, restore_disk
 from scheduler.executor import WorkerFailure, ZmqExecutor
 from scheduler.kv_events import KVEventPublisher
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(**json.loads((args.run_dir / "config.json").read_text()))
     addresses = json.loads((args.run_dir / "addresses.json").read_text())
     log = configure_logging("scheduler")
+    # before ZeroMQ's I/O threads and the control server start: they inherit it
+    log.info("cpu_policy", sched_batch=defer_to_ranks())
 
     executor = ZmqExecutor(addresses["workers"], config,
                            control_dir=args.run_dir)

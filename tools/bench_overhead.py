@@ -59,6 +59,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from orchestrator.launcher import stop_all
+from scheduler.cpu_policy import defer_to_ranks
 from scheduler.engine import EngineCore, StepTotals, agree_limits
 from scheduler.executor import ZmqExecutor
 from scheduler.scheduler import Scheduler
@@ -353,6 +354,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="the ranks' device: on a GPU the batch inputs and the KV tiers live "
                         "there (one GPU: world size 1)")
+    p.add_argument("--scheduler-policy", choices=("batch", "normal"), default="batch",
+                   help="the scheduler's CPU policy: SCHED_BATCH, as the engine's "
+                        "(scheduler/cpu_policy.py), or the default one")
     p.add_argument("--step-channel", choices=("auto", "zmq", "shm"), default="auto",
                    help="plans and results over the ZeroMQ socket or shared memory "
                         "(EngineConfig.step_channel)")
@@ -373,6 +377,8 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> int:
 
     args = parse_args(argv)
     console = console or Console(width=240)
+    # the scheduler here runs in this process: under the policy scheduler/main.py sets
+    sched_batch = args.scheduler_policy == "batch" and defer_to_ranks()
     num_layers = load_config(args.model).num_layers
     machine = describe(measure=not args.no_machine_rates)
     console.print(summary_line(machine))
@@ -418,7 +424,7 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> int:
                            else v) for k, v in vars(args).items()},
               "machine": machine, "machine_line": summary_line(machine),
               "load_avg_start": load_start, "load_avg_end": load_end, "elapsed_s": elapsed,
-              "problems": problems, "results": rows}
+              "problems": problems, "scheduler_sched_batch": sched_batch, "results": rows}
     path.write_text(json.dumps(record, indent=2))
     console.print(f"results: {path}")
     return 1 if problems else 0

@@ -41,6 +41,15 @@ def served(default_model, tmp_path_factory):
     assert not engine.run_dir.exists(), "run directory (and its ipc sockets) left behind"
 
 
+def test_the_scheduler_runs_under_sched_batch_and_the_ranks_do_not(served):
+    # scheduler/cpu_policy.py: its wake-ups must not preempt a rank feeding the device
+    pids = served.pids()
+    for tid in os.listdir(f"/proc/{pids['scheduler']}/task"):  # every thread of it
+        assert os.sched_getscheduler(int(tid)) == os.SCHED_BATCH, tid
+    ranks = [p for name, p in pids.items() if name.startswith("rank")]
+    assert ranks and all(os.sched_getscheduler(p) == os.SCHED_OTHER for p in ranks)
+
+
 def hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
     import transformers
 

@@ -24,7 +24,8 @@ def test_bench_overhead_smoke(default_model, tmp_path):
     status = main(["--model", str(default_model), "--world-sizes", "1", "--batches", "1,8",
                    "--steps", "6", "--warmup-steps", "1", "--output-tokens", "2",
                    "--idle-forward-ms", "2", "--idle-batch", "8", "--idle-world-sizes", "1",
-                   "--no-machine-rates", "--json", str(path)],
+                   # the pytest process keeps its own CPU policy (cpu_policy has its test)
+                   "--scheduler-policy", "normal", "--no-machine-rates", "--json", str(path)],
                   console=Console(file=out, width=240, color_system=None))
     printed = out.getvalue()
     result = json.loads(path.read_text())
@@ -68,7 +69,8 @@ def test_bench_overhead_breakdown_without_overlap(default_model, tmp_path):
     status = main(["--model", str(default_model), "--world-sizes", "1", "--batches", "4",
                    "--modes", "decode", "--steps", "6", "--warmup-steps", "1",
                    "--idle-world-sizes", "", "--no-async-scheduling", "--no-machine-rates",
-                   "--json", str(path)], console=Console(file=io.StringIO(), width=240))
+                   "--scheduler-policy", "normal", "--json", str(path)],
+                  console=Console(file=io.StringIO(), width=240))
     result = json.loads(path.read_text())
     assert status == 0, result["problems"]
     (row,) = result["results"]
