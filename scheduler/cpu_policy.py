@@ -15,19 +15,22 @@ from preempting the running task, so the rank launches its next step first and t
 scheduler runs a few tens of microseconds later, or on another core. Measured, four
 alternated rounds of `python -m tools.bench_overhead` (BENCHMARKS.md): beside a 5 ms
 forward the ranks idle 1.1-2.6% against 1.8-5.0%, and the steps with no forward take as
-long as before. Nothing to do off Linux.
+long as before. Nothing to do off Linux; DEEPINFER_SCHEDULER_POLICY=normal in the
+environment keeps the default policy (for comparisons, or a machine where it misbehaves).
 """
 
 from __future__ import annotations
 
 import os
 
+POLICY_ENV = "DEEPINFER_SCHEDULER_POLICY"  # "batch" (the default) or "normal"
+
 
 def defer_to_ranks() -> bool:
     """Every thread of this process under SCHED_BATCH, and so the threads they start from
     now on (a thread takes its creator's policy). Whether it took (an unprivileged process
     may always move its own threads to this policy)."""
-    if not hasattr(os, "SCHED_BATCH"):
+    if not hasattr(os, "SCHED_BATCH") or os.environ.get(POLICY_ENV, "batch") == "normal":
         return False
     try:
         threads = [int(t) for t in os.listdir("/proc/self/task")]

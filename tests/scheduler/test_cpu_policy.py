@@ -31,3 +31,13 @@ def test_every_thread_runs_under_sched_batch():
                          capture_output=True, text=True, check=True).stdout.split()
     batch = str(os.SCHED_BATCH)
     assert out == [batch, "True", batch, batch]  # started after; this thread; started before
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux only")
+def test_the_environment_can_keep_the_default_policy():
+    child = "from scheduler.cpu_policy import defer_to_ranks; import os; " \
+            "print(defer_to_ranks(), os.sched_getscheduler(0))"
+    out = subprocess.run([sys.executable, "-c", child], cwd=REPO, capture_output=True,
+                         env=subprocess_env(DEEPINFER_SCHEDULER_POLICY="normal"), text=True,
+                         check=True).stdout.split()
+    assert out == ["False", str(os.SCHED_OTHER)]
