@@ -187,7 +187,7 @@ gpu-wheels: install
 	$(PY) -m tools.gpu_check --download wheels
 
 # The lent H200 with the real model: wheels and SmolLM2 split over two device calls
-# (.gpu-carry/first, .gpu-carry/second); prints the two calls to make.
+# (.gpu-carry/main: the run; .gpu-carry/rest: the real model's test); prints both calls.
 gpu-carry: install
 	$(PY) -m tools.gpu_carry .gpu-carry
 

@@ -18,7 +18,6 @@ from rich.table import Table
 
 from cache.manager import CacheAccountingError
 from scheduler.control import SchedulerControl
-from scheduler.cpu_policy import defer_to_ranks
 from scheduler.engine import EngineCore, RankDivergenceError, agree_limits, restore_disk
 from scheduler.executor import WorkerFailure, ZmqExecutor
 from scheduler.kv_events import KVEventPublisher
@@ -29,6 +28,7 @@ from wire.client import AbortRequest, GenerateRequest, RequestOutput, StatsReque
 from wire.config import EngineConfig
 from wire.control import PrefixBreak
 from wire.control_server import control_address
+from wire.cpu_policy import defer_to_ranks
 from wire.gc_policy import settle_heap
 from wire.lifecycle import ClientHello, EngineInfo, EngineLimits, Shutdown
 from wire.log import configure_logging

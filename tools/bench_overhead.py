@@ -59,13 +59,13 @@ from rich.table import Table
 from tqdm import tqdm
 
 from orchestrator.launcher import stop_all
-from scheduler.cpu_policy import defer_to_ranks
 from scheduler.engine import EngineCore, StepTotals, agree_limits
 from scheduler.executor import ZmqExecutor
 from scheduler.scheduler import Scheduler
 from tools.local_ranks import spawn_local_ranks
 from wire.client import GenerateRequest
 from wire.config import EngineConfig
+from wire.cpu_policy import defer_to_ranks
 from wire.gc_policy import settle_heap
 from worker.null_model import NULL_HEAD_DIM, NULL_KV_HEADS
 
@@ -356,7 +356,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "there (one GPU: world size 1)")
     p.add_argument("--scheduler-policy", choices=("batch", "normal"), default="batch",
                    help="the scheduler's CPU policy: SCHED_BATCH, as the engine's "
-                        "(scheduler/cpu_policy.py), or the default one")
+                        "(wire/cpu_policy.py), or the default one")
     p.add_argument("--step-channel", choices=("auto", "zmq", "shm"), default="auto",
                    help="plans and results over the ZeroMQ socket or shared memory "
                         "(EngineConfig.step_channel)")

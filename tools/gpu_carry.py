@@ -11,7 +11,7 @@ The first writes two folders and prints the two calls to make:
   `--real-model-parts .gpu-carry/main`: finding its part alone, gpu_check keeps it in
   models/.carried (ignored, so it stays while the machine is warm: 30 s after a call),
   and the real model's test skips in that run, saying so.
-- rest/: the GGUF's first part (60 MiB) and manifest.json. Call 2, made at once after
+- rest/: the GGUF's first part (58 MiB) and manifest.json. Call 2, made at once after
   call 1, joins the parts into models/<name>, checks their SHA-256, and runs the CUDA
   engine test on the real model against the CPU (the wheels call 1 installed are still
   there). Should call 2 find a fresh machine, only that test is lost.
@@ -30,7 +30,7 @@ from tools import gpu_wheels
 
 REPO = Path(__file__).resolve().parent.parent
 REAL_MODEL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-REST_PART_BYTES = 60 << 20  # with the working tree (~2.5 MiB) under a call's 64 MiB
+REST_PART_BYTES = 58 << 20  # with the working tree (2.3 MiB) well under a call's 64
 CALL_LIMIT_BYTES = 64 << 20
 PYTHON = "3.12"  # the H200 image's
 CARRIED = "models/.carried"  # where call 1 leaves its part on the device
@@ -102,22 +102,35 @@ def _mib(folder: Path) -> float:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
 
 
-def prepare(dest: Path, model: Path = REAL_MODEL, log=print) -> dict:
-    """Write dest/main and dest/rest and print the two device calls. `dest` must be a
-    git-ignored folder inside the checkout (carried paths are), named relative to it."""
+def check_destination(dest: Path, model: Path) -> Path:
+    """Where `prepare` may write: a git-ignored folder inside the checkout, named relative
+    to it, holding nothing but this tool's own folders (it replaces those)."""
     if dest.is_absolute() or ".." in dest.parts:
         raise SystemExit(f"{dest}: name a folder inside the checkout, relative to it")
-    ignored = subprocess.run(["git", "check-ignore", "-q", str(dest)], cwd=REPO).returncode
+    # the trailing slash: a pattern for folders ("/.gpu-carry/") matches one not made yet
+    ignored = subprocess.run(["git", "check-ignore", "-q", f"{dest}/"], cwd=REPO).returncode
     if ignored != 0:
         raise SystemExit(f"{dest} is not git-ignored: it would travel with every call")
+    out = REPO / dest
+    if out.resolve() in model.resolve().parents or any(
+            p.is_dir() and not (p / "manifest.json").is_file() for p in out.glob("*")):
+        raise SystemExit(f"{dest} holds other things: name a folder of its own")
+    return out
+
+
+def prepare(dest: Path, model: Path = REAL_MODEL, log=print) -> dict:
+    """Write dest/main and dest/rest and print the two device calls."""
     if not model.is_file():
         raise SystemExit(f"{model} is absent: `make install` extracts it")
-    out = REPO / dest
-    shutil.rmtree(out, ignore_errors=True)
+    out = check_destination(dest, model)
+    for folder in ("main", "rest"):  # this tool's own folders only
+        shutil.rmtree(out / folder, ignore_errors=True)
     manifest = split(model, out)
     needed = tuple(w for w in gpu_wheels.WHEELS if w.needed)
     gpu_wheels.pip_download(out / "main" / "wheels", (PYTHON,), needed, log=log)
-    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True,
+    # what travels with each call besides: tracked files, and untracked ones not ignored
+    tracked = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                              "--exclude-standard"], cwd=REPO, capture_output=True,
                              check=True).stdout.split(b"\0")
     tree = sum((REPO / f.decode()).stat().st_size for f in tracked
                if f and (REPO / f.decode()).is_file()) / 2**20

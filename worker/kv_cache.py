@@ -96,7 +96,8 @@ class KVCache:
         microseconds of launch for a few KB; here 2 a layer each way where the slots run
         on, plus the gather or the scatter. The same code runs on the CPU, where the
         tests hold it to `_swap_cpu`."""
-        assert len({b for _, b in swap_in}) == len(swap_in), "two swap_ins into one block"
+        if len({b for _, b in swap_in}) != len(swap_in):  # the scatter would pick one at random
+            raise ValueError(f"two swap_ins into one block: {swap_in}")
         outs = [self._moves(c) for c in _chunks(sorted((s, b) for b, s in swap_out))]
         ins = [self._moves(c) for c in _chunks(sorted(swap_in))]
         page = self.k.shape[2:]

@@ -22,6 +22,7 @@ import zmq
 from wire import codec
 from wire.config import EngineConfig
 from wire.control_server import control_address, control_dir_for
+from wire.cpu_policy import run_as_rank
 from wire.gc_policy import settle_heap
 from wire.lifecycle import Shutdown, StartFailed, WorkerConnect, host_identity
 from wire.log import configure_logging
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--scheduler (or DEEPINFER_SCHEDULER) is required")
     info = RankInfo.from_env()
     log = configure_logging("worker", info.rank)
+    run_as_rank()  # before ZeroMQ's and OpenMP's threads start: they inherit it
 
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)

@@ -61,12 +61,24 @@ def test_a_fresh_machine_or_a_bad_part_leaves_no_model(tmp_path, monkeypatch):
     assert not list(models.iterdir())  # neither the model nor a partial file is left
 
 
-def test_prepare_refuses_a_folder_that_would_travel_with_every_call(tmp_path):
+def test_the_destination_is_an_ignored_folder_of_its_own(tmp_path, monkeypatch):
+    import subprocess
+
     import pytest
 
-    for dest in (Path("tools"), tmp_path / "carry", Path("../elsewhere")):
+    repo = tmp_path / "repo"
+    (repo / "models" / "tiny").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / ".gitignore").write_text("/.gpu-carry/\n/models\n")
+    model = repo / "models" / "real.gguf"
+    model.write_bytes(b"x")
+    monkeypatch.setattr(gpu_carry, "REPO", repo)
+    # not made yet (a fresh clone): a folder pattern must match it all the same
+    assert gpu_carry.check_destination(Path(".gpu-carry"), model) == repo / ".gpu-carry"
+    for dest in (Path("tools"), tmp_path / "carry", Path("../elsewhere"),
+                 Path("models")):  # not ignored, absolute, outside, the model's own
         with pytest.raises(SystemExit):
-            gpu_carry.prepare(dest, model=make_model(tmp_path), log=lambda _m: None)
+            gpu_carry.check_destination(dest, model)
 
 
 def test_both_folders_name_the_same_parts(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
 """The scheduler process runs under SCHED_BATCH: its wake-ups do not preempt a rank.
+A rank runs under the default policy whatever started it.
 
 Under overlap scheduling a rank's critical path is the device's: from the end of one
 forward to the launch of the next, the device waits. In that window the rank sends its
@@ -28,19 +29,32 @@ POLICY_ENV = "DEEPINFER_SCHEDULER_POLICY"  # "batch" (the default) or "normal"
 
 def defer_to_ranks() -> bool:
     """Every thread of this process under SCHED_BATCH, and so the threads they start from
-    now on (a thread takes its creator's policy). Whether it took (an unprivileged process
-    may always move its own threads to this policy)."""
+    now on (a thread takes its creator's policy). Whether it took: a sandbox may refuse
+    (an unprivileged process may otherwise always move its own threads to this policy)."""
     if not hasattr(os, "SCHED_BATCH") or os.environ.get(POLICY_ENV, "batch") == "normal":
         return False
+    return _set_every_thread(os.SCHED_BATCH)
+
+
+def run_as_rank() -> None:
+    """A rank under the default policy, the one the scheduler defers to, even when it was
+    started by a process under SCHED_BATCH (a child keeps its parent's policy: a
+    benchmark's ranks, started by a process that runs a scheduler)."""
+    if hasattr(os, "SCHED_BATCH") and os.sched_getscheduler(0) == os.SCHED_BATCH:
+        _set_every_thread(os.SCHED_OTHER)
+
+
+def _set_every_thread(policy: int) -> bool:
     try:
         threads = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
         threads = [0]  # this thread alone
+    took = True
     for tid in threads:  # on Linux the policy is a thread's own
         try:
-            os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
         except ProcessLookupError:  # a thread that ended meanwhile
             continue
-        except OSError:  # a sandbox that forbids it: the default policy stays
-            return False
-    return True
+        except OSError:  # a sandbox that refuses: that thread keeps its policy
+            took = False
+    return took
