@@ -284,7 +284,17 @@ class ModelRunner:
         # scheduler rejects them first; this is the worker's own guard).
         assert 0 <= token_ids.min() and token_ids.max() < self.vocab_size, (
             "token id outside the vocabulary")
-        return torch.from_numpy(token_ids).to(self.device)
+        return self._to_device(token_ids)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """`array` on this rank's device. On CUDA through pinned memory, without waiting:
+        under overlap scheduling the next step's inputs are made while this step's
+        forward runs, and a copy from pageable memory would wait for that forward to end
+        (torch synchronizes the stream for it), which is the overlap undone."""
+        tensor = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _forward(self, step: PreparedStep, ids: torch.Tensor, return_logits: bool
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -293,7 +303,7 @@ class ModelRunner:
         b, plan = step.batch, step.plan
         self.attn.plan(b.meta)
         hidden = self.model.forward(ids, b.positions, b.slots, self.kv, self.attn, b.seq_lens)
-        rows = torch.tensor(b.sample_rows, dtype=torch.long, device=self.device)
+        rows = self._to_device(np.array(b.sample_rows, dtype=np.int64))
         logits = self.model.logits(hidden if return_logits else hidden[rows])
         sampled = None
         if logits is not None and b.sample_rows:
@@ -406,7 +416,6 @@ class ModelRunner:
         t32 = torch.from_numpy
         meta = AttentionMetadata(t32(qo_indptr), t32(kv_indptr), t32(kv_indices),
                                  t32(last_page_len), bs)
-        dev = self.device
         ends = qo_indptr[nd + 1:].tolist()  # the chunks' (after the decodes')
         pending = [(row, s, d.token_ids, row) for row, s in enumerate(d.seq_ids)
                    if d.token_ids[row] == PENDING_TOKEN] if PENDING_TOKEN in d.token_ids else []
@@ -414,14 +423,14 @@ class ModelRunner:
                     for end, c in zip(ends, chunks) if c.token_ids[-1] == PENDING_TOKEN]
         return BatchInputs(
             token_ids=token_ids,
-            positions=torch.from_numpy(positions).to(dev),
-            slots=torch.from_numpy(slots).to(dev),
+            positions=self._to_device(positions),
+            slots=self._to_device(slots),
             meta=meta,
             # a drafted decode samples at each draft and after the last
             sample_rows=[*range(nd)] + [row for end, c in zip(ends, chunks) if c.sample
                                         for row in range(end - 1 - c.num_draft, end)],
             pending=pending,
-            seq_lens=(torch.from_numpy(np.repeat(ctx, n_tok).astype(np.int64)).to(dev)
+            seq_lens=(self._to_device(np.repeat(ctx, n_tok).astype(np.int64))
                       if self.model_config.dynamic_rope else None),
         )
 

@@ -80,6 +80,40 @@ def test_float32_engine_on_cuda_gives_the_cpu_tokens(model_name, seed, request):
         assert gpu[rid]["cached"] == cpu[rid]["cached"], rid
 
 
+def test_the_next_step_is_prepared_without_waiting_for_the_forward_in_flight(default_model):
+    """Overlap scheduling prepares step k+1 while step k's forward runs on the device. A
+    copy from pageable memory in that preparation makes torch synchronize the stream, so
+    the preparation would wait for the forward: none may (torch's sync debug mode raises
+    on any synchronizing call)."""
+    from worker.distributed import TensorParallelGroup
+    from worker.model_runner import ModelRunner
+
+    config = EngineConfig(model=str(default_model), dtype="float32", device="cuda",
+                          kv_cache_memory=64 << 20,
+                          max_model_len=fitting_max_model_len(default_model, 64 << 20))
+    runner = ModelRunner(config, TensorParallelGroup(0, 1), torch.device("cuda"))
+    rng = random.Random(5)
+    runner.execute(StepPlan(0, new_seqs=[NewSequence(1, [0, 1]), NewSequence(2, [2, 3])],
+                            chunks=[ScheduledChunk(1, tokens(rng, 20), 0, True),
+                                    ScheduledChunk(2, tokens(rng, 20), 0, True)]))
+    first = runner.prepare(StepPlan(1, chunks=[ScheduledChunk(1, tokens(rng, 1), 20, True),
+                                               ScheduledChunk(2, tokens(rng, 1), 20, True)]))
+    runner.launch(first)
+    x = torch.randn(4096, 4096, device="cuda")  # more work queued behind the forward
+    for _ in range(8):
+        x = x @ x / 64
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ahead = runner.prepare(StepPlan(2, chunks=[
+            ScheduledChunk(1, tokens(rng, 1), 21, True),
+            ScheduledChunk(2, tokens(rng, 1), 21, True)]))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    runner.finish(first)
+    runner.launch(ahead)
+    assert len(runner.finish(ahead).sampled) == 2
+
+
 # --- bf16: FlashInfer against the torch backend inside the model -------------------------
 
 # Two bf16 runs differ by rounding only; as in tests/worker/test_reference.py, every
