@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 import time
@@ -166,6 +167,9 @@ def _shut_down(runner: ModelRunner, log, msg: Shutdown) -> int:
     return 0
 
 
+LOOK_S = 50e-6  # between looks at a GPU forward's end while a plan is awaited
+
+
 def _next_message(sock: zmq.Socket | RankChannel, runner: ModelRunner
                   ) -> tuple[object, float]:
     """The next message and its decode time, if it comes before the forward in flight
@@ -174,8 +178,14 @@ def _next_message(sock: zmq.Socket | RankChannel, runner: ModelRunner
     when the forward ran on this core (CPU): the result would only be later."""
     if not (runner.config.async_scheduling and runner.forward_in_flight()):
         return None, 0.0
-    if not sock.poll(int(runner.busy_s() * 1000)):
-        return None, 0.0
+    # The plan comes a little after the launch: the scheduler plans it once it has the
+    # result this rank sent just before. So it is waited for until the forward ends, not
+    # looked for once: the null model's end is known; a GPU's cannot be polled beside
+    # the socket, so it is looked at every LOOK_S.
+    while not sock.poll(math.ceil(runner.busy_s() * 1000)):
+        if runner.forward_done():
+            return None, 0.0
+        time.sleep(LOOK_S)
     frame = sock.recv()
     t0 = time.perf_counter()
     msg = codec.decode(frame)

@@ -151,6 +151,7 @@ class ModelRunner:
         # (the rank's control thread marks the step there; test-only faults hook in too).
         self.on_applied: Callable[[StepPlan], None] | None = None
         self._last_forward_end: float | None = None  # perf_counter; for RankTiming.gap_s
+        self._forward_end: torch.cuda.Event | None = None  # recorded after a CUDA launch
         # seq id -> the token it sampled last (every rank, with overlap scheduling): what a
         # PENDING_TOKEN in the next plan stands for
         self.last_token: dict[int, int] = {}
@@ -232,6 +233,9 @@ class ModelRunner:
             self.model.launch(step.plan)
         else:
             step.sampled, step.logits = self._forward(step, ids, return_logits)
+            if self.device.type == "cuda":  # its end, for `forward_done`
+                self._forward_end = torch.cuda.Event()
+                self._forward_end.record()
 
     def forward_in_flight(self) -> bool:
         """Whether the forward just launched runs beside this core (a GPU's, or the null
@@ -243,6 +247,12 @@ class ModelRunner:
     def busy_s(self) -> float:
         """How long that forward still runs, where known (the null model); else 0."""
         return self.model.busy_s() if isinstance(self.model, NullModel) else 0.0
+
+    def forward_done(self) -> bool:
+        """Whether the forward last launched has ended (a GPU's: its work queued so far)."""
+        if isinstance(self.model, NullModel):
+            return self.model.busy_s() == 0
+        return self._forward_end is None or self._forward_end.query()
 
     def finish(self, step: PreparedStep) -> StepOutput:
         if step.batch is None:
