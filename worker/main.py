@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import os
 import sys
 import time
@@ -167,7 +166,7 @@ def _shut_down(runner: ModelRunner, log, msg: Shutdown) -> int:
     return 0
 
 
-LOOK_S = 50e-6  # between looks at a GPU forward's end while a plan is awaited
+LOOK_S = 100e-6  # between looks at a forward's end while a plan is awaited
 
 
 def _next_message(sock: zmq.Socket | RankChannel, runner: ModelRunner
@@ -180,9 +179,10 @@ def _next_message(sock: zmq.Socket | RankChannel, runner: ModelRunner
         return None, 0.0
     # The plan comes a little after the launch: the scheduler plans it once it has the
     # result this rank sent just before. So it is waited for until the forward ends, not
-    # looked for once: the null model's end is known; a GPU's cannot be polled beside
-    # the socket, so it is looked at every LOOK_S.
-    while not sock.poll(math.ceil(runner.busy_s() * 1000)):
+    # looked for once: by polls for the whole milliseconds left where that is known (the
+    # null model), and between them the forward's end looked at every LOOK_S (a GPU's
+    # end cannot be polled beside the socket).
+    while not sock.poll(int(runner.busy_s() * 1000)):
         if runner.forward_done():
             return None, 0.0
         time.sleep(LOOK_S)

@@ -22,7 +22,7 @@ from tests.conftest import SMOLLM2, fitting_max_model_len, needs_smollm2
 from tests.scheduler.engine_harness import inprocess_engine, run_until_done
 from wire.client import GenerateRequest
 from wire.config import EngineConfig
-from wire.step import NewSequence, ScheduledChunk, StepPlan
+from wire.step import PENDING_TOKEN, NewSequence, ScheduledChunk, StepPlan
 
 pytestmark = pytest.mark.cuda
 
@@ -84,34 +84,41 @@ def test_the_next_step_is_prepared_without_waiting_for_the_forward_in_flight(def
     """Overlap scheduling prepares step k+1 while step k's forward runs on the device. A
     copy from pageable memory in that preparation makes torch synchronize the stream, so
     the preparation would wait for the forward: none may (torch's sync debug mode raises
-    on any synchronizing call)."""
+    on any synchronizing call). The tokens are those of the same steps run one by one."""
     from worker.distributed import TensorParallelGroup
     from worker.model_runner import ModelRunner
 
     config = EngineConfig(model=str(default_model), dtype="float32", device="cuda",
                           kv_cache_memory=64 << 20,
                           max_model_len=fitting_max_model_len(default_model, 64 << 20))
-    runner = ModelRunner(config, TensorParallelGroup(0, 1), torch.device("cuda"))
     rng = random.Random(5)
-    runner.execute(StepPlan(0, new_seqs=[NewSequence(1, [0, 1]), NewSequence(2, [2, 3])],
-                            chunks=[ScheduledChunk(1, tokens(rng, 20), 0, True),
-                                    ScheduledChunk(2, tokens(rng, 20), 0, True)]))
-    first = runner.prepare(StepPlan(1, chunks=[ScheduledChunk(1, tokens(rng, 1), 20, True),
-                                               ScheduledChunk(2, tokens(rng, 1), 20, True)]))
+    prompts = [tokens(rng, 20), tokens(rng, 20)]
+    plans = [StepPlan(0, new_seqs=[NewSequence(1, [0, 1]), NewSequence(2, [2, 3])],
+                      chunks=[ScheduledChunk(s, p, 0, True) for s, p in ((1, prompts[0]),
+                                                                         (2, prompts[1]))])]
+    for k in (1, 2):  # decodes of the token sampled the step before (PENDING_TOKEN)
+        plans.append(StepPlan(k, chunks=[ScheduledChunk(s, [PENDING_TOKEN], 19 + k, True)
+                                         for s in (1, 2)]))
+
+    one_by_one = ModelRunner(config, TensorParallelGroup(0, 1), torch.device("cuda"))
+    expected = [one_by_one.execute(p).sampled for p in plans]
+
+    runner = ModelRunner(config, TensorParallelGroup(0, 1), torch.device("cuda"))
+    got = [runner.execute(plans[0]).sampled]
+    first = runner.prepare(plans[1])
     runner.launch(first)
     x = torch.randn(4096, 4096, device="cuda")  # more work queued behind the forward
     for _ in range(8):
         x = x @ x / 64
     torch.cuda.set_sync_debug_mode("error")
     try:
-        ahead = runner.prepare(StepPlan(2, chunks=[
-            ScheduledChunk(1, tokens(rng, 1), 21, True),
-            ScheduledChunk(2, tokens(rng, 1), 21, True)]))
+        ahead = runner.prepare(plans[2])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    runner.finish(first)
+    got.append(runner.finish(first).sampled)
     runner.launch(ahead)
-    assert len(runner.finish(ahead).sampled) == 2
+    got.append(runner.finish(ahead).sampled)
+    assert got == expected and all(len(s) == 2 for s in got)
 
 
 # --- bf16: FlashInfer against the torch backend inside the model -------------------------
