@@ -85,13 +85,16 @@ def answer(frame: bytes, rank: int, rank_us: float) -> bytes:
 # --- the three transports: start N ranks, then submit(frame) / collect() from the sender
 
 class ZmqLink:
+    SHM = False  # the ranks' steps over the socket itself
+
     def __init__(self, ranks: int, rank_us: float, run_dir: str) -> None:
-        address = f"ipc://{run_dir}/transport.sock"
+        self.address = f"ipc://{run_dir}/transport.sock"
         # forked before this process has a ZeroMQ context (a forked one is not usable)
-        self.procs = start_ranks(ranks, lambda r: _zmq_rank(address, r, rank_us))
+        self.procs = start_ranks(
+            ranks, lambda r: _socket_rank(self.address, r, ranks, rank_us, self.SHM))
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.bind(address)
+        self.sock.bind(self.address)
         self.ids = [self.sock.recv_multipart()[0] for _ in range(ranks)]
         self.collected = 0
         self.early = 0  # results of the next step, from ranks ahead of the others
@@ -100,17 +103,22 @@ class ZmqLink:
         for identity in self.ids:
             self.sock.send_multipart([identity, frame])
 
+    def _arrived(self) -> list[bytes]:
+        """The next result frames to come in (at least one)."""
+        return [self.sock.recv_multipart()[1]]
+
     def collect(self) -> None:
         """Results come in arrival order: a rank may answer step k+1 (sent before step k
         is collected) before a slower one answers step k."""
         step, needed, self.early = self.collected, len(self.ids) - self.early, 0
         while needed:
-            result = codec.decode(self.sock.recv_multipart()[1])
-            assert result.step in (step, step + 1), (result.step, step)
-            if result.step == step:
-                needed -= 1
-            else:
-                self.early += 1
+            for frame in self._arrived():
+                result = codec.decode(frame)
+                assert result.step in (step, step + 1), (result.step, step)
+                if result.step == step:
+                    needed -= 1
+                else:
+                    self.early += 1
         self.collected += 1
 
     def close(self) -> None:
@@ -121,13 +129,16 @@ class ZmqLink:
         self.ctx.term()
 
 
-def _zmq_rank(address: str, rank: int, rank_us: float) -> None:
+def _socket_rank(address: str, rank: int, ranks: int, rank_us: float, shm: bool) -> None:
+    """A rank: its steps over the socket, or over the step channel beside it (the socket
+    then carries the hello and the stop, as in the engine)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(address)
-    sock.send(b"hello")
-    while (frame := sock.recv()) != STOP:
-        sock.send(answer(frame, rank, rank_us))
+    link = RankChannel(address, rank, ranks, sock) if shm else sock
+    sock.send(b"hello")  # after opening the channel: the sender then unlinks its names
+    while (frame := link.recv()) != STOP:
+        link.send(answer(frame, rank, rank_us))
     sock.close(linger=0)
     ctx.term()
 
@@ -161,61 +172,31 @@ def _unix_rank(sock: socket.socket, rank: int, rank_us: float) -> None:
         sock.send(answer(frame, rank, rank_us))
 
 
-class ShmLink:
+class ShmLink(ZmqLink):
     """The engine's own step channel (wire/step_channel.py): plans through shared memory
     with a FIFO byte per rank, results back the same way; the ZeroMQ socket beside it
     carries the hello and the stop, as in the engine."""
 
+    SHM = True
+
     def __init__(self, ranks: int, rank_us: float, run_dir: str) -> None:
-        address = f"ipc://{run_dir}/transport.sock"
-        self.channel = SchedulerChannel(address, ranks)  # made before the ranks open it
+        # made before the ranks open it
+        self.channel = SchedulerChannel(f"ipc://{run_dir}/transport.sock", ranks)
         try:
-            self.procs = start_ranks(ranks, lambda r: _shm_rank(address, r, ranks, rank_us))
-            self.ctx = zmq.Context()
-            self.sock = self.ctx.socket(zmq.ROUTER)
-            self.sock.bind(address)
-            self.ids = [self.sock.recv_multipart()[0] for _ in range(ranks)]
+            super().__init__(ranks, rank_us, run_dir)
         finally:  # every rank has opened it (or none will): its names go either way
             self.channel.unlink()
-        self.collected = 0
-        self.early = 0  # results of the next step, from ranks ahead of the others
 
     def submit(self, frame: bytes) -> None:
         self.channel.post(frame, send_over_socket=None)  # a plan here always fits its slot
 
-    def collect(self) -> None:
-        """As ZmqLink's: the results of step k and of k+1 may come in any order."""
-        step, needed, self.early = self.collected, len(self.ids) - self.early, 0
-        while needed:
-            select.select([self.channel.results_fd], [], [])
-            for frame in self.channel.take_results():
-                result = codec.decode(frame)
-                assert result.step in (step, step + 1), (result.step, step)
-                if result.step == step:
-                    needed -= 1
-                else:
-                    self.early += 1
-        self.collected += 1
+    def _arrived(self) -> list[bytes]:
+        select.select([self.channel.results_fd], [], [])
+        return self.channel.take_results()
 
     def close(self) -> None:
-        for identity in self.ids:
-            self.sock.send_multipart([identity, STOP])
-        join(self.procs)
+        super().close()
         self.channel.close()
-        self.sock.close(linger=0)
-        self.ctx.term()
-
-
-def _shm_rank(address: str, rank: int, ranks: int, rank_us: float) -> None:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(address)
-    channel = RankChannel(address, rank, ranks, sock)
-    sock.send(b"hello")  # after opening the channel: the sender then unlinks its names
-    while (frame := channel.recv()) != STOP:
-        channel.send(answer(frame, rank, rank_us))
-    sock.close(linger=0)
-    ctx.term()
 
 
 LINKS = {"zmq": ZmqLink, "unix": UnixLink, "shm": ShmLink}

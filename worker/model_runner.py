@@ -238,18 +238,18 @@ class ModelRunner:
                 self._forward_end.record()
 
     def forward_in_flight(self) -> bool:
-        """Whether the forward just launched runs beside this core (a GPU's, or the null
-        model's with a forward time), so preparing the next step now costs it nothing."""
-        if isinstance(self.model, NullModel):
-            return self.model.busy_s() > 0
-        return self.device.type == "cuda"
+        """Whether the forward just launched still runs beside this core (a GPU's, or the
+        null model's with a forward time), so preparing the next step now costs it
+        nothing. A forward on the CPU has ended by the time `launch` returns."""
+        return not self.forward_done()
 
     def busy_s(self) -> float:
         """How long that forward still runs, where known (the null model); else 0."""
         return self.model.busy_s() if isinstance(self.model, NullModel) else 0.0
 
     def forward_done(self) -> bool:
-        """Whether the forward last launched has ended (a GPU's: its work queued so far)."""
+        """Whether the forward last launched has ended (a GPU's: its work queued so far;
+        on the CPU always)."""
         if isinstance(self.model, NullModel):
             return self.model.busy_s() == 0
         return self._forward_end is None or self._forward_end.query()
