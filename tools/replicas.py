@@ -27,7 +27,7 @@ import httpx
 
 from orchestrator.config import REPO, TINY_MODEL, repo_env
 from orchestrator.launcher import free_port
-from tools.served import wait_healthy
+from tools.harness.served import wait_healthy
 
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "prefix_hash")
 

@@ -39,9 +39,9 @@ from rich.table import Table
 from tqdm import tqdm
 
 from orchestrator.config import TINY_MODEL
-from tools import inspect as inspect_cli
-from tools.bench import scrape
-from tools.served import Served
+from tools import inspector as inspect_cli
+from tools.benchmarks.agents_http import scrape
+from tools.harness.served import Served
 
 USED_BLOCKS = 'deepinfer_kv_blocks{state=used,tier=device}'
 DIGEST_MISMATCHES = "deepinfer_rank_digest_mismatches_total"

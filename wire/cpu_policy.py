@@ -14,7 +14,7 @@ throughout; the ranks idled 2-5% of their time beside the forward.
 SCHED_BATCH keeps the scheduler's priority and share of CPU; it only stops its wake-ups
 from preempting the running task, so the rank launches its next step first and the
 scheduler runs a few tens of microseconds later, or on another core. Measured, two
-alternated rounds of `python -m tools.bench_overhead` (BENCHMARKS.md): beside a 5 ms
+alternated rounds of `python -m tools.benchmarks.overhead` (BENCHMARKS.md): beside a 5 ms
 forward the ranks idle 1.4-2.5% against 1.8-4.3%, and the steps with no forward take as
 long as before. Nothing to do off Linux; DEEPINFER_SCHEDULER_POLICY=normal in the
 environment keeps the default policy (for comparisons, or a machine where it misbehaves).

@@ -6,7 +6,7 @@ Over ZeroMQ every message crosses the sender's and the receiver's I/O threads: a
 cores each wake-up waits for a core. Here the scheduler writes a plan once, into a slot
 every rank reads, and wakes each rank with a byte on the rank's FIFO; a rank writes its
 result into a slot of its own and wakes the scheduler with a byte on one FIFO, so one
-wake-up may collect several results. Measured alone (tools/bench_transport.py: 4 ranks,
+wake-up may collect several results. Measured alone (tools/benchmarks/transport.py: 4 ranks,
 2 cores), the exchange costs 0.05 ms a step against 0.13 over ZeroMQ.
 
 Only the steps use it: connecting, the configuration, WorkerReady and Shutdown stay on

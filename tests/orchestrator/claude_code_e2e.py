@@ -53,7 +53,7 @@ def install_cli() -> list[str]:
 
 
 def make_model() -> Path:
-    from tools.make_tiny_model import make_tiny_model
+    from tools.tiny_models.make import make_tiny_model
 
     default = make_tiny_model(REPO / "models" / "tiny-llama", quiet=True)
     return make_tiny_model(MODEL, tokenizer_from=default, max_position_embeddings=CONTEXT)

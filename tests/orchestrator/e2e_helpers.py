@@ -6,7 +6,8 @@
     text, token_ids, usage = stream_complete(base_url, prompt=[1, 2, 3], max_tokens=8)
     engine = Served(model_dir, run_dir)   # deepinfer-run serve, 4 ranks; engine.url
 
-Served and wait_healthy live in tools/served.py (tools/bench.py uses them too).
+Served and wait_healthy live in tools/harness/served.py (the HTTP agent benchmark uses
+them too).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from tools.served import Served, wait_healthy  # noqa: F401  (re-exported for the tests)
+from tools.harness.served import Served, wait_healthy  # noqa: F401  (re-exported for the tests)
 
 DEFAULT_TIMEOUT_S = 120.0
 

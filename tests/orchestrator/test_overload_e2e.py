@@ -12,8 +12,8 @@ import pytest
 from rich.console import Console
 
 from tests.orchestrator.e2e_helpers import Served, complete
-from tools import inspect as inspect_cli
-from tools.bench import scrape
+from tools import inspector as inspect_cli
+from tools.benchmarks.agents_http import scrape
 from tools.soak import DIGEST_MISMATCHES, USED_BLOCKS, wait_idle
 
 RUNNING = "deepinfer_num_requests_running"

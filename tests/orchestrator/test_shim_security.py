@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 from orchestrator.config import ServeOptions, add_serve_arguments, build_config, secret_file_env
 from orchestrator.shim.options import API_KEY_ENV, DEFAULT_MAX_HEADER_BYTES, ShimOptions
 from orchestrator.shim.server import build_app, parse_args, resolve_api_key
-from tests.orchestrator.test_http_server import StandInEngine, assert_openai_error
+from tests.orchestrator.test_server import StandInEngine, assert_openai_error
 from wire.security import SECRET_FILE_ENV
 
 KEY = "sekret-key-0123456789"

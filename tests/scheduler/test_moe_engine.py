@@ -18,7 +18,7 @@ import pytest
 
 from tests.scheduler.engine_harness import inprocess_engine, run_until_done, zmq_engine
 from tools import verify
-from tools.served import Served
+from tools.harness.served import Served
 from wire.client import GenerateRequest
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from rich.console import Console
 
 from tests.orchestrator.e2e_helpers import Served
-from tools import inspect as inspect_cli
+from tools import inspector as inspect_cli
 
 
 class Engine(Served):

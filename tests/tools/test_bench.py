@@ -1,4 +1,5 @@
-"""tools/bench.py: the coding-agent benchmark over HTTP, end to end on small settings."""
+"""tools/benchmarks/agents_http.py: the coding-agent benchmark over HTTP, end to end on small
+settings."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import signal
 import pytest
 from rich.console import Console
 
-from tools.bench import main, queue_wait_ms, summarize
-from tools.served import Served
+from tools.benchmarks.agents_http import main, queue_wait_ms, summarize
+from tools.harness.served import Served
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +74,7 @@ def test_queue_wait_from_a_histogram_delta():
 
 
 def test_summarize_without_metrics_keeps_the_usage_figures():
-    from tools.bench import Step
+    from tools.benchmarks.agents_http import Step
 
     steps = [Step(0, 0, 0.0, 0.5, 1.0, 100, 0, 4), Step(0, 1, 1.0, 0.1, 0.4, 120, 96, 4)]
     r = summarize(steps, 2.0, None, None)

@@ -1,4 +1,4 @@
-"""tools/bench_attention.py runs and prints both paths for every case, beside the machine."""
+"""tools/benchmarks/attention.py runs and prints both paths for every case, beside the machine."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from tools import bench_attention
+from tools.benchmarks import attention as bench_attention
 from worker import cpu_kernels
 
 

@@ -1,4 +1,5 @@
-"""tools/bench_overhead.py on tiny settings: one rank, two batches, both modes, an idle cell."""
+"""tools/benchmarks/overhead.py on tiny settings: one rank, two batches, both modes, an idle
+cell."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import pytest
 from rich.console import Console
 
-from tools.bench_overhead import cpu_bound_ms, main
+from tools.benchmarks.overhead import cpu_bound_ms, main
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""tools/bench_transport.py on tiny settings: every transport exchanges the right steps."""
+"""tools/benchmarks/transport.py on tiny settings: every transport exchanges the right steps."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from tools import bench_transport
+from tools.benchmarks import transport as bench_transport
 
 
 def test_every_transport_runs_overlapped_steps_in_order():

@@ -1,4 +1,5 @@
-"""tools/bench_vs_hf.py and tools/machine.py, end to end on the tiny model and small shapes."""
+"""tools/benchmarks/vs_hf.py and tools/benchmarks/machine.py, end to end on the tiny model and
+small shapes."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import json
 
 import pytest
 
-from tools import bench_vs_hf, machine
+from tools.benchmarks import machine
+from tools.benchmarks import vs_hf as bench_vs_hf
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""tools/bench_vs_vllm.py without vLLM: the load's tokens, the stream client against a
+"""tools/benchmarks/vs_vllm.py without vLLM: the load's tokens, the stream client against a
 canned vLLM-style stream, the summary and ratios; end to end (slow) with a second
 DeepInfer standing in for the peer through the same OpenAI code path."""
 
@@ -11,7 +11,7 @@ import httpx
 import pytest
 from rich.console import Console
 
-from tools import bench_vs_vllm as bvv
+from tools.benchmarks import vs_vllm as bvv
 
 
 def test_vocab_of_the_tiny_model_leaves_out_its_special_tokens(default_model):

@@ -1,4 +1,4 @@
-"""tools/gpu_carry.py: the real model split over two device calls and joined there."""
+"""tools/gpu/carry.py: the real model split over two device calls and joined there."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from tools import gpu_carry
+from tools.gpu import carry as gpu_carry
 
 
 def make_model(tmp_path: Path) -> Path:

@@ -1,4 +1,4 @@
-"""tools/gpu_check.py: its CPU run end to end on tiny shapes, and the guards that keep one
+"""tools/gpu/check.py: its CPU run end to end on tiny shapes, and the guards that keep one
 device run whole (a failing step, a step out of time, a child past its deadline)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tools import gpu_check
-from tools.model_flops import prefill_flop
+from tools.benchmarks.model_flops import prefill_flop
+from tools.gpu import check as gpu_check
 
 
 def test_cpu_run_records_every_step(default_model: Path, tmp_path: Path) -> None:

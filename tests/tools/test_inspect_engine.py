@@ -179,8 +179,8 @@ def test_every_command_renders_in_80_columns_and_its_json_parses(engine):
 
 def test_console_script_entry_point(engine):
     setup = (REPO / "setup.cfg").read_text()
-    assert "deepinfer-inspect = tools.inspect:main" in setup
-    out = subprocess.run([sys.executable, "-m", "tools.inspect", "ranks"], cwd=REPO,
+    assert "deepinfer-inspect = tools.inspector:main" in setup
+    out = subprocess.run([sys.executable, "-m", "tools.inspector", "ranks"], cwd=REPO,
                          env=subprocess_env(DEEPINFER_RUN_DIR=str(engine.run_dir), COLUMNS="80"),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -13,8 +13,8 @@ import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.shim.metrics import Metrics
-from tools.inspect_check import compare
-from tools.inspect_client import EngineNotFound, find_run_dir, load_engine
+from tools.inspection.check import compare
+from tools.inspection.client import EngineNotFound, find_run_dir, load_engine
 from wire import codec
 from wire.client import EngineStats, HistogramData, RequestOutput
 from wire.control import (

@@ -1,10 +1,11 @@
-"""tools/profile_step.py on tiny settings: the scheduler and a null rank in one process."""
+"""tools/benchmarks/profile_step.py on tiny settings: the scheduler and a null rank in one
+process."""
 
 from __future__ import annotations
 
 import pytest
 
-from tools.profile_step import main
+from tools.benchmarks.profile_step import main
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import pytest
 from orchestrator.launcher import free_port
 from tests.orchestrator.claude_code_body import claude_code_request
 from tests.scheduler.kv_event_subscriber import Subscriber
-from tools.bench_routing import AgentLoad
+from tools.benchmarks.routing import AgentLoad
 from tools.replicas import Replicas, smg_binary
 
 pytestmark = [pytest.mark.slow,

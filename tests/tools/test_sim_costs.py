@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tools.sim_costs import HardwareCostModel
-from tools.sim_presets import HARDWARE, MODELS
+from tools.sim.costs import HardwareCostModel
+from tools.sim.presets import HARDWARE, MODELS
 
 LLAMA_8B = MODELS["llama-3.1-8b"]
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tools.sim_implied import (
+from tools.sim.implied import (
     analyse,
     max_attention_flops_per_pair,
     max_kv_bytes_per_token,
     node_kv_bytes_per_token,
 )
-from tools.sim_presets import HARDWARE, MODELS
+from tools.sim.presets import HARDWARE, MODELS
 
 
 def test_57m_tokens_on_4x_b200_leave_about_12_kb_per_token():

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from tools.sim_costs import HardwareCostModel
-from tools.sim_hardware_args import add_hardware_args, hardware_cost
-from tools.sim_presets import HARDWARE, MODELS, model_from_config, tier_capacities
+from tools.sim.costs import HardwareCostModel
+from tools.sim.hardware_args import add_hardware_args, hardware_cost
+from tools.sim.presets import HARDWARE, MODELS, model_from_config, tier_capacities
 
 LLAMA_8B, B200 = MODELS["llama-3.1-8b"], HARDWARE["4xb200"]
 

@@ -8,8 +8,8 @@ import pytest
 
 from scheduler.engine import EngineCore
 from tests.scheduler.engine_harness import inprocess_engine
-from tools.sim_costs import HardwareCostModel
-from tools.sim_presets import HARDWARE, MODELS
+from tools.sim.costs import HardwareCostModel
+from tools.sim.presets import HARDWARE, MODELS
 from tools.simulate import CostModel, Scenario, main, run_scenario, simulate
 
 SMALL = Scenario(agents=3, context_tokens=400, shared_tokens=160, turns=3, turn_tokens=40,

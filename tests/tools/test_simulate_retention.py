@@ -3,7 +3,7 @@ loses to the burst, with no retained block evicted early while they fit under th
 
 from __future__ import annotations
 
-from tools.simulate_retention import RetentionScenario, run
+from tools.sim.retention import RetentionScenario, run
 
 
 def test_retention_keeps_paused_sessions_through_a_burst() -> None:

@@ -1,7 +1,7 @@
 """The engine on CUDA equals the engine on CPU (world size 1).
 
 - float32: the real scheduler and model, in this process, on the default model and on
-  the real one (SmolLM2, where it was carried: tools/gpu_carry.py), with a
+  the real one (SmolLM2, where it was carried: tools/gpu/carry.py), with a
   device tier small enough that blocks are written back to the host tier (pinned, side
   stream) and swapped in again: the same greedy tokens and the same cache hits as on
   the CPU, request by request.
@@ -131,7 +131,7 @@ BF16_LOGIT_TOL = 0.05
 
 @pytest.fixture(scope="module")
 def head_dim_128_model(default_model, tmp_path_factory):
-    from tools.make_tiny_model import make_tiny_model
+    from tools.tiny_models.make import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-hd128", num_layers=4,
                            hidden_size=512, num_heads=4, num_kv_heads=2, head_dim=128,

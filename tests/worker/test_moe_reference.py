@@ -71,7 +71,7 @@ def test_grouped_experts_equal_a_per_token_loop():
 def test_unnormalised_top_k_and_sparse_step_match_hf(default_model, tmp_path):
     """norm_topk_prob=false (HF's Qwen3-MoE default: the top-k softmax weights as they
     are) and decoder_sparse_step=2 with no mlp_only_layers: layers 1 and 3 sparse."""
-    from tools.make_tiny_model import make_tiny_model
+    from tools.tiny_models.make import make_tiny_model
 
     made = make_tiny_model(tmp_path / "made", arch="qwen3_moe", mlp_only_layers=(0, 2),
                            tokenizer_from=default_model, quiet=True)
