@@ -246,8 +246,10 @@ class EngineCore:
                 and not sched.needs_tokens() and time.monotonic() >= sched.overlap_hold_until:
             self._submit()  # step k+1, planned and sent while the ranks run step k
         record = self._complete(self._in_flight.popleft())
-        record.step_s = time.perf_counter() - t0
+        # the CPU interval nested in the wall one (read second, read first), so a busy
+        # thread's CPU time never exceeds its step by the clock reads themselves
         record.cpu_s = time.thread_time() - cpu0
+        record.step_s = time.perf_counter() - t0
         self.totals.add(record)
         return record
 
