@@ -165,8 +165,8 @@ def model_name(model: str) -> str:
 
 
 def default_write_policy(disk_cache_dir: str) -> str:
-    """With a disk tier, write-through (issue 18: a block goes to disk as soon as it is
-    computed, since the disk is written from the host tier's copies). Under write_back
+    """With a disk tier, write-through (a block goes to disk as soon as it is computed,
+    since the disk is written from the host tier's copies). Under write_back
     only what the device tier evicts would reach the disk, so a session still on the
     device -- the one just served -- would be lost at a crash or restart."""
     return "write_through" if disk_cache_dir else EngineConfig(model="").kv_write_policy

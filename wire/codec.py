@@ -8,7 +8,7 @@ data crosses the wire: no pickle, no code.
 Each message type's converters are built once from its type hints (`_encoder`,
 `_decoder`) rather than re-inspected value by value: a step plan of 256 chunks crosses
 the wire every few milliseconds, and reflecting over every field of every chunk cost
-more than the socket (issue 15's breakdown). A part of a message that needs no
+more than the socket (the engine-overhead benchmark's breakdown). A part of a message that needs no
 conversion (ints, strings, bytes, lists of them) is handed to msgpack as it is.
 """
 

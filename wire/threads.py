@@ -9,7 +9,7 @@ against 32 us with one, a SmolLM2 decode step 630 ms against 61 ms with no spinn
 costs a wake-up of the other thread at every region, and a decode step is a few hundred
 short regions (each linear layer and attention call of every layer): the tiny model's
 bf16 decode step at 4 x 2,800 tokens took 11-12 ms passive against 7.7 ms spinning a
-little, and with two busy processes beside it 35 ms against 20-27 (BENCHMARKS.md). So the
+little, and with two busy processes beside it 35 ms against 20-27 (docs/perf-log/). So the
 threads spin about 0.1 ms (GOMP_SPINCOUNT, at libgomp's ~100,000 spins a millisecond),
 long enough to catch the next region of a forward, short enough that a busy machine
 loses little. An explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment wins.

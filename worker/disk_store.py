@@ -65,7 +65,7 @@ log = structlog.get_logger("disk_store")
 
 @dataclass(frozen=True)
 class DiskIdentity:
-    """What must match for a stored record to be this engine's KV (issue 18): the model
+    """What must match for a stored record to be this engine's KV: the model
     files, dtype, block size, world size and this rank's shard of the layout."""
 
     model_digest: str

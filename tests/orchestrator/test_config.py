@@ -75,7 +75,7 @@ def test_the_disk_tier_is_off_by_default_and_needs_the_host_tier(default_model: 
 def test_the_disk_tier_writes_through_unless_told_otherwise(default_model: Path,
                                                             tmp_path: Path) -> None:
     """The disk is written from the host tier's copies: with a disk tier the default is
-    write-through, so a block reaches the disk as soon as it is computed (issue 18)."""
+    write-through, so a block reaches the disk as soon as it is computed."""
     assert engine_config("--model", str(default_model)).kv_write_policy == "write_back"
     disk = ("--model", str(default_model), "--host-cache-memory", "1000000",
             "--disk-cache-dir", str(tmp_path / "d"), "--disk-cache-size", "5000")

@@ -1,7 +1,7 @@
 """Disk reads in the background (cache/disk_flow.py, worker/disk_tier.py): a sequence whose
 prefix is on disk waits for its reads while the others step, comes in token-identical,
 and leaks nothing if aborted mid-read; a record damaged on one rank is recomputed on
-every rank, the digests agreeing (issue 18)."""
+every rank, the digests agreeing."""
 
 from __future__ import annotations
 

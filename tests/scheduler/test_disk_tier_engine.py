@@ -1,6 +1,6 @@
 """The disk tier inside the engine: KV goes device -> host -> disk -> host -> device
 bit-identical, greedy output is token-identical, a restart on the same directory is warm,
-damage and another identity are never served (issue 18)."""
+damage and another identity are never served."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from tools.sim.presets import HARDWARE, MODELS
 
 
 def test_57m_tokens_on_4x_b200_leave_about_12_kb_per_token():
-    # 4 x 180 GB over 57M tokens; issue 20's 13.5 KB counts the 192 GB die
+    # 4 x 180 GB over 57M tokens (13.5 KB would count the 192 GB die, not the 180 usable)
     assert max_kv_bytes_per_token(HARDWARE["4xb200"], 57_000_000) == pytest.approx(
         4 * 180e9 / 57e6)
 

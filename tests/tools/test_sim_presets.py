@@ -22,7 +22,7 @@ def test_llama_8b_shapes_give_its_published_parameter_count():
 
 def test_kv_bytes_per_token_per_rank():
     # K and V x 32 layers x (8 KV heads / TP) x 128 x 2 bytes
-    assert LLAMA_8B.kv_bytes_per_token(1) == 131_072  # 128 KiB, the figure of issue 20
+    assert LLAMA_8B.kv_bytes_per_token(1) == 131_072  # 128 KiB, the figure quoted for Llama-3.1-8B
     assert LLAMA_8B.kv_bytes_per_token(4) == 2 * 32 * 2 * 128 * 2 == 32_768
     assert LLAMA_8B.kv_bytes_per_token(16) == 2 * 32 * 1 * 128 * 2  # heads replicated past 8
     assert MODELS["llama-3.3-70b"].kv_bytes_per_token(1) == 2 * 80 * 8 * 128 * 2 == 327_680

@@ -1,5 +1,5 @@
 """TTFT of a resumed long session: served from the disk tier after a restart, against
-recomputed from scratch (issue 18). The real scheduler and model, in process.
+recomputed from scratch. The real scheduler and model, in process.
 
     python -m tools.benchmarks.disk                         # 50K tokens, a 64K-context model
     python -m tools.benchmarks.disk --context-tokens 8000 --model models/tiny-llama

@@ -4,8 +4,8 @@ three ways, with the engine's overlap (the next plan sent before this one's resu
     python -m tools.benchmarks.transport [--ranks 4] [--batch 64] [--steps 2000]
         [--rank-us 0,200] [--sched-us 0,400] [--transports zmq,unix,shm]
 
-Issue 15 asks for a shared-memory broadcast if the socket is what bounds the step. This
-measures whether it is, with nothing of the engine around the exchange:
+A shared-memory broadcast of the plan is worth its code only if the socket is what bounds
+the step. This measures whether it is, with nothing of the engine around the exchange:
 
 - zmq: ROUTER / DEALER over ipc://, as scheduler/executor.py and worker/main.py use them
   (each message through the sender's and the receiver's ZeroMQ I/O threads);

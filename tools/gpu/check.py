@@ -421,7 +421,7 @@ def run_step(c: Check, step: Step) -> None:
 
 
 def headline(record: dict) -> dict:
-    """The figures the issue asks for, pulled out of the steps."""
+    """The run's headline figures, pulled out of the steps."""
     s = {k: v.get("result", {}) for k, v in record["steps"].items()}
     env, bench, http = s.get("env", {}), s.get("bench", {}), s.get("http", {})
     return {
@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smaller benchmarks")
     p.add_argument("--cpu", action="store_true", help="the CPU run even where CUDA is")
     p.add_argument("--steps", default=None, help="a comma-separated subset of the steps")
-    # under 8 minutes in all (issue 21), the rest of the device's 15 for its start and a rerun
+    # under 8 minutes in all: the rest of a 15-minute GPU session for its start and a rerun
     p.add_argument("--cutoff-s", type=float, default=420, help="no step starts after this")
     p.add_argument("--deadline-s", type=float, default=475, help="every child ends by this")
     p.add_argument("--download", type=Path, metavar="DIR",

@@ -1,8 +1,8 @@
 """Seconds per step for a model on a machine, from published figures (the simulator's clock).
 
 - **Decode** is bound by HBM reads: each step reads every weight once, and each sequence
-  reads its KV. Calibrated on vLLM's Llama-3.1-8B on one H100 (issue 20 quotes it as
-  6.4 ms per step + 4.4e-5 ms per context token), which is ~75% of the H100's 3.35 TB/s
+  reads its KV. Calibrated on vLLM's figure for Llama-3.1-8B on one H100, 6.4 ms per
+  step + 4.4e-5 ms per context token, which is ~75% of the H100's 3.35 TB/s
   for the 16 GB of weights and ~89% of it for the 128 KiB of KV per token. Another
   model/machine pair keeps those efficiencies: its fixed part is scaled by (weight bytes
   per GPU / HBM bandwidth), its per-token part by (KV bytes per rank / HBM bandwidth).
@@ -17,9 +17,10 @@
   few KiB each run near 5 GB/s. Our engine copies a block layer by layer, K and V apart
   (`worker/kv_cache.py`: 2 x num_layers copies of block_size x kv_heads x head_dim
   elements, 8 KiB for Llama-3.1-8B at TP 4), so FRAGMENTED is the default.
-- **Engine overhead** per step, from BENCHMARKS.md's engine-overhead section (null model,
-  world size 1, decode): 0.50 ms at batch 1 and 9.7 ms at batch 256, i.e. ~0.5 ms +
-  36 us per sequence. With overlap scheduling (issue 15) it runs behind the forward, so a
+- **Engine overhead** per step, from the first engine-overhead measurement (null model,
+  world size 1, decode; docs/perf-log/2026-11-29-to-2026-12-03.md): 0.50 ms at batch 1 and
+  9.7 ms at batch 256, i.e. ~0.5 ms + 36 us per sequence (BENCHMARKS.md has the current,
+  lower figures). With overlap scheduling it runs behind the forward, so a
   step takes the longer of the two; without it, their sum.
 """
 
