@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +14,16 @@ from orchestrator.shim.options import (
     api_key_from,
 )
 from orchestrator.shim.tenants import Tenants
+from orchestrator.tier_sizing import (
+    DISK_MAX_PER_RANK,
+    DISK_SHARE,
+    HOST_MAX_PER_RANK,
+    HOST_SHARE,
+    NodeRoom,
+    measure_room,
+    prepare_disk_dir,
+    size_disk_tiers,
+)
 from wire.config import EngineConfig, SpeculativeConfig
 from wire.security import (
     SECRET_FILE_ENV,
@@ -75,8 +86,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="CUDA: size the device tier to this share of GPU memory, measured by "
                         "a profiling pass (overrides --kv-cache-memory)")
-    p.add_argument("--host-cache-memory", type=int, default=d.host_cache_memory,
-                   help="bytes per rank for the host KV tier (0 disables it)")
+    p.add_argument("--host-cache-memory", type=int, default=None, metavar="BYTES",
+                   help="bytes per rank for the host KV tier (0, the default, disables it; "
+                        "with --disk-cache-dir, which it feeds, the default is "
+                        f"{HOST_SHARE * 100:.0f}%% of the free RAM split among this node's "
+                        f"ranks, at most {HOST_MAX_PER_RANK >> 30} GiB each)")
     p.add_argument("--max-retained-fraction", type=float, default=d.max_retained_fraction,
                    help="of each KV tier, what prefixes a client marked for retention "
                         "(cache_control) may hold before the rest of them are plain LRU")
@@ -97,13 +111,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="ADDR",
                    help="a ROUTER socket where a reconnecting subscriber asks for the recent "
                         "event batches it missed (vLLM's replay protocol)")
-    p.add_argument("--disk-cache-dir", default=d.disk_cache_dir,
+    p.add_argument("--disk-cache-dir", default=d.disk_cache_dir, metavar="DIR",
                    help="a directory (created 0700) for the disk KV tier, below the host "
                         "tier; it survives restarts: a restarted engine with the same model "
-                        "and layout finds its blocks again (off by default)")
-    p.add_argument("--disk-cache-size", type=int, default=d.disk_cache_size,
-                   help="bytes per rank for the disk KV tier (with --disk-cache-dir; needs "
-                        "--host-cache-memory, which feeds it)")
+                        "and layout finds its blocks again (off by default). Alone, it sizes "
+                        "the disk tier and the host tier from what the node has free (see "
+                        "--disk-cache-size, --host-cache-memory; the sizes are logged)")
+    p.add_argument("--disk-cache-size", type=int, default=None, metavar="BYTES",
+                   help="bytes per rank for the disk KV tier (with --disk-cache-dir; "
+                        f"default: {DISK_SHARE * 100:.0f}%% of the free space there, "
+                        "counting the tier's own files, split among this node's ranks, at "
+                        f"most {DISK_MAX_PER_RANK >> 30} GiB each; more than the free space "
+                        "is refused)")
     p.add_argument("--disk-max-queued-writes", type=int, default=d.disk_max_queued_writes,
                    help="disk writes a rank queues before it drops new ones, rather than "
                         "slow a step")
@@ -172,7 +191,26 @@ def default_write_policy(disk_cache_dir: str) -> str:
     return "write_through" if disk_cache_dir else EngineConfig(model="").kv_write_policy
 
 
-def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfig, ServeOptions]:
+def disk_tier_flags(args: argparse.Namespace, num_local_ranks: int,
+                    measure: Callable[[Path, int], NodeRoom] = measure_room,
+                    ) -> tuple[str, int, int]:
+    """(--disk-cache-dir, --disk-cache-size, --host-cache-memory) as the engine takes them:
+    with a directory, the sizes not given are taken from the room `measure` finds there
+    and in RAM (orchestrator/tier_sizing.py); without one, the flags as given, for
+    EngineConfig to check (a size alone is refused there)."""
+    disk_size, host_memory = args.disk_cache_size, args.host_cache_memory
+    if not args.disk_cache_dir:
+        return "", disk_size or 0, host_memory or 0
+    directory = prepare_disk_dir(args.disk_cache_dir)
+    sizes = size_disk_tiers(disk_size, host_memory, measure(directory, num_local_ranks))
+    return str(directory), sizes.disk_cache_size, sizes.host_cache_memory
+
+
+def build_config(args: argparse.Namespace, world_size: int, num_local_ranks: int | None = None,
+                 measure: Callable[[Path, int], NodeRoom] = measure_room,
+                 ) -> tuple[EngineConfig, ServeOptions]:
+    """The engine's config and the shim's options from the command line. `num_local_ranks`
+    (default: all of them) share this node's disk and RAM; `measure` finds that room."""
     model = Path(args.model).resolve()
     if model.suffix == ".gguf" and not model.is_file():
         raise SystemExit(f"--model {args.model}: no such file (run `make install` for the "
@@ -180,6 +218,8 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
     if model.suffix != ".gguf" and not (model / "config.json").is_file():
         raise SystemExit(f"--model {args.model}: no config.json there, and not a .gguf file "
                          "(run `make install` for the default model)")
+    disk_dir, disk_size, host_memory = disk_tier_flags(
+        args, world_size if num_local_ranks is None else num_local_ranks, measure)
     config = EngineConfig(
         model=str(model),
         dtype=args.dtype,
@@ -188,10 +228,10 @@ def build_config(args: argparse.Namespace, world_size: int) -> tuple[EngineConfi
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        host_cache_memory=args.host_cache_memory,
-        kv_write_policy=args.kv_write_policy or default_write_policy(args.disk_cache_dir),
-        disk_cache_dir=str(Path(args.disk_cache_dir).resolve()) if args.disk_cache_dir else "",
-        disk_cache_size=args.disk_cache_size,
+        host_cache_memory=host_memory,
+        kv_write_policy=args.kv_write_policy or default_write_policy(disk_dir),
+        disk_cache_dir=disk_dir,
+        disk_cache_size=disk_size,
         disk_max_queued_writes=args.disk_max_queued_writes,
         disk_write_bytes_per_s=args.disk_write_bytes_per_s,
         enable_prefix_caching=not args.no_prefix_caching,

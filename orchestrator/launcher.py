@@ -229,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     log = configure_logging("launcher")
     os.umask(0o077)  # what the engine writes (run dir, sockets, logs) is this user's only
     world_size = args.nproc_per_node * args.nnodes
-    config, serve = build_config(args, world_size)
+    try:  # a flag the config refuses: its reason, not a traceback
+        config, serve = build_config(args, world_size, args.nproc_per_node)
+    except ValueError as exc:
+        raise SystemExit(f"deepinfer-run serve: {exc}") from None
     multi_node = args.nnodes > 1
     os.environ.update(secret_file_env(args.secret_file, multi_node))  # for every child
     if multi_node and not args.master_port:  # each node would pick a port of its own

@@ -234,6 +234,13 @@ class EngineCore:
         """Requests to serve, or a step in flight to collect."""
         return bool(self._in_flight) or self.scheduler.has_work()
 
+    def has_unreported_writes(self) -> bool:
+        """Disk writes planned that not every rank has reported yet. A rank reports a write
+        only in a step result, so an engine with nothing else to do still steps now and
+        then (scheduler/main.py) until each is committed or dropped: else the last
+        request's blocks would wait, pending, for the next request."""
+        return self.scheduler.cache.disk.num_pending > 0
+
     def step(self) -> StepRecord:
         """Complete one step: plan it (if not planned yet), and with overlap plan and submit
         the next before collecting it; check the ranks, apply rank 0's tokens. The record

@@ -1,7 +1,8 @@
 """The scheduler process: requests in from the shim, step plans out to the ranks.
 
 One loop in one thread: take every message waiting on the client socket, run one
-engine step if there is work, send each output to the client that asked.
+engine step if there is work (or disk writes the ranks have yet to report), send each
+output to the client that asked.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ class SchedulerServer:
     def run(self) -> None:
         while not self._stopping:
             self._drain_clients(block=not self.core.has_work())
-            if self.core.has_work():
+            # idle with disk writes in flight: a step every IDLE_POLL_MS collects them
+            if self.core.has_work() or self.core.has_unreported_writes():
                 self._send(self.core.step().outputs)
                 if self.kv_events is not None:  # what the step's plans did to the index
                     self.kv_events.publish(self.core.scheduler.cache.take_events())

@@ -15,6 +15,7 @@ from orchestrator.shim.chat_template import Message, join_text
 from orchestrator.shim.errors import ApiError
 from orchestrator.shim.generation import Delivery
 from orchestrator.shim.json_body import loads
+from orchestrator.shim.openai_sampling import sampling_params
 from orchestrator.shim.placeholders import openai_readable
 from orchestrator.shim.retention import marks as retention_marks
 from orchestrator.shim.retention import ttl_of
@@ -25,12 +26,10 @@ from orchestrator.shim.validate import (
     cache_salt,
     describe,
     invalid,
-    is_finite_number,
     is_int64,
     is_positive_int64,
-    number,
 )
-from wire.client import GenerateRequest, Retention, SamplingParams
+from wire.client import GenerateRequest, Retention
 
 T = TypeVar("T")
 
@@ -40,10 +39,6 @@ T = TypeVar("T")
 CACHE_SALT_ERROR = "'cache_salt' must be a non-empty string of at most {limit} characters"
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
-
-
-def _number(body: dict[str, Any], name: str, default: float) -> float:
-    return float(number(body, name, default, "'{name}' must be a number, got {value}"))
 
 
 def _content(content: Any, where: str) -> str:
@@ -180,27 +175,16 @@ def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
     model = body.get("model", "")
     if not isinstance(model, str):
         raise invalid(f"'model' must be a string, got {describe(model)}", "model")
-    for name, bad in (("n", body.get("n") not in (None, 1)),
-                      ("logprobs", body.get("logprobs") not in (None, False))):
-        if bad:
-            raise ApiError(f"'{name}' = {describe(body[name])} is not supported", param=name,
-                           code="unsupported")
+    if body.get("logprobs") not in (None, False):
+        raise ApiError(f"'logprobs' = {describe(body['logprobs'])} is not supported",
+                       param="logprobs", code="unsupported")
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:  # absent or null: the older name
         max_tokens = body.get("max_tokens")
     if max_tokens is not None and not is_positive_int64(max_tokens):
         raise invalid(f"'max_tokens' must be a positive integer, got {describe(max_tokens)}",
                    "max_tokens")
-    temperature, top_p = _number(body, "temperature", 1.0), _number(body, "top_p", 1.0)
-    if not 0 <= temperature <= 2:
-        raise invalid("'temperature' must be in [0, 2]", "temperature")
-    if not 0 < top_p <= 1:
-        raise invalid("'top_p' must be in (0, 1]", "top_p")
-    top_k, seed = body.get("top_k"), body.get("seed")
-    if top_k is not None and (not is_int64(top_k) or top_k < -1):
-        raise invalid("'top_k' must be a 64-bit integer >= -1", "top_k")
-    if seed is not None and not is_int64(seed):
-        raise invalid("'seed' must be a 64-bit integer", "seed")
+    sampling = sampling_params(body)  # as /v1/completions reads them
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
@@ -223,8 +207,7 @@ def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
         tools=tools,
         tool_choice=_tool_choice(body, tools),
         max_tokens=max_tokens,
-        sampling=SamplingParams(temperature=temperature, top_p=top_p,
-                                top_k=max(top_k or 0, 0), seed=seed),
+        sampling=sampling,
         delivery=Delivery(stop=[s for s in stop if s], stream=stream,
                           include_usage=options.get("include_usage") is True),
         session=session_key(explicit, model, messages, tools),
@@ -256,7 +239,6 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 _KINDS: dict[type, tuple[str, Any]] = {
     int: ("a 64-bit integer", is_int64),
-    float: ("a finite number", is_finite_number),
     bool: ("a boolean", lambda v: isinstance(v, bool)),
     str: ("a string", lambda v: isinstance(v, str)),
 }
@@ -349,16 +331,7 @@ def parse_completion(
     if max_output_tokens > 0:
         max_tokens = min(max_tokens, max_output_tokens)
 
-    temperature = _opt(body, "temperature", float, 1.0)  # OpenAI's default, not greedy
-    top_p = _opt(body, "top_p", float, 1.0)
-    top_k = _opt(body, "top_k", int, 0)
-    if temperature < 0:
-        raise ApiError("'temperature' must be >= 0", param="temperature")
-    if not 0 < top_p <= 1:
-        raise ApiError("'top_p' must be in (0, 1]", param="top_p")
-    if top_k < -1:
-        raise ApiError("'top_k' must be >= 0 (0 or -1: disabled)", param="top_k")
-    seed: int | None = _opt(body, "seed", int, None)  # type: ignore[arg-type]
+    sampling = sampling_params(body)  # as /v1/chat/completions reads them
 
     stop_token_ids = body.get("stop_token_ids")
     if stop_token_ids is not None:
@@ -372,9 +345,7 @@ def parse_completion(
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,
         max_tokens=max_tokens,
-        sampling=SamplingParams(
-            temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed
-        ),
+        sampling=sampling,
         stop_token_ids=stop_token_ids or [],
         ignore_eos=_opt(body, "ignore_eos", bool, False),
         cache_salt=cache_salt(body, CACHE_SALT_ERROR),
@@ -391,16 +362,13 @@ def parse_completion(
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
-    """Options we do not implement are refused when set, never silently ignored."""
+    """Options we do not implement are refused when set, never silently ignored (those
+    both endpoints have, n, the penalties and logit_bias, in openai_sampling)."""
     unsupported = {
-        "n": body.get("n") not in (None, 1),
         "best_of": body.get("best_of") not in (None, 1),
         "echo": body.get("echo") not in (None, False),
         "logprobs": body.get("logprobs") is not None,
         "suffix": body.get("suffix") is not None,
-        "presence_penalty": body.get("presence_penalty") not in (None, 0),
-        "frequency_penalty": body.get("frequency_penalty") not in (None, 0),
-        "logit_bias": body.get("logit_bias") not in (None, {}),
     }
     for name, is_set in unsupported.items():
         if is_set:

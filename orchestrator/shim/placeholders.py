@@ -9,13 +9,15 @@ becomes one line naming what it was:
     [image: url, sha256 1a2b3c4d5e6f; this model reads text only]   (the URL's digest)
 
 The same bytes always give the same line, so whatever follows still extends the cached
-prefix. `--on-image reject` refuses them instead (`check_replaced`). Anthropic block types
-the engine cannot act on (server tools' calls and results, redacted thinking, search
-results, ...) become `[server_tool_use: web_search; not available on this server]`, a
-`fallback` marker is dropped (Anthropic does not render it either), and a type nobody
-knows is a 400 naming it, as Anthropic answers: dropping it would change the prompt
-without a word. Text a block carries in plain form (a plain-text document, a compaction
-summary) is kept as text.
+prefix. `--on-image reject` refuses them instead (`check_replaced`). An image whose bytes
+are none of the types the APIs read (png, jpeg, gif, webp), or for Anthropic not the type
+its block declares, is the 400 the real API answers (image_types.py): a placeholder would
+serve what the API refuses. Anthropic block types the engine cannot act on (server tools'
+calls and results, redacted thinking, search results, ...) become `[server_tool_use:
+web_search; not available on this server]`, a `fallback` marker is dropped (Anthropic
+does not render it either), and a type nobody knows is a 400 naming it, as Anthropic
+answers: dropping it would change the prompt without a word. Text a block carries in
+plain form (a plain-text document, a compaction summary) is kept as text.
 
     body, replaced = anthropic_readable(body)
     messages, replaced = openai_readable(messages)
@@ -34,6 +36,8 @@ from typing import Any
 
 import structlog
 
+from orchestrator.shim.errors import ApiError
+from orchestrator.shim.image_types import IMAGE_TYPES, sniff_image
 from orchestrator.shim.state import ServerState
 from orchestrator.shim.validate import describe, invalid
 
@@ -197,8 +201,13 @@ def _anthropic_media_text(block: dict[str, Any], kind: str, where: str) -> str:
         media_type = source.get("media_type")
         if not isinstance(media_type, str):
             raise invalid(f"{where}.source.media_type: Field required", "messages")
-        return media_text(kind, media_type, decode_base64(source.get("data"),
-                                                          f"{where}.source.data"))
+        if kind == "image" and media_type not in IMAGE_TYPES:
+            raise invalid(f"{where}.source.media_type: Input should be "
+                          f"{_either(IMAGE_TYPES)}", "messages")
+        data = decode_base64(source.get("data"), f"{where}.source.data")
+        if kind == "image":
+            _check_anthropic_image(media_type, data, where)
+        return media_text(kind, media_type, data)
     if by == "url" and isinstance(source.get("url"), str):
         return reference_text(kind, "url", source["url"])
     if by == "file" and isinstance(source.get("file_id"), str):
@@ -209,6 +218,24 @@ def _anthropic_media_text(block: dict[str, Any], kind: str, where: str) -> str:
         return reference_text(kind, "content", blocks)
     raise invalid(f"{where}.source: Input should be a {kind} source with a 'type' of "
                   f"'base64', 'url' or 'file', got {describe(source)}", "messages")
+
+
+def _either(names: tuple[str, ...]) -> str:
+    """'a', 'b' or 'c', as Anthropic lists the values a field takes."""
+    quoted = [f"'{n}'" for n in names]
+    return f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+def _check_anthropic_image(media_type: str, data: bytes, where: str) -> None:
+    """Anthropic reads an image's bytes and refuses those that are not of the type the
+    block declares (400): a placeholder for them would serve what Anthropic does not."""
+    actual = sniff_image(data)
+    if actual is None:
+        raise invalid(f"{where}.source.data: Could not process image: the data is not a "
+                      f"{media_type} image", "messages")
+    if actual != media_type:
+        raise invalid(f"{where}.source: The image was specified using the {media_type} "
+                      f"media type, but the image appears to be a {actual} image", "messages")
 
 
 # --- OpenAI chat ---------------------------------------------------------------------------
@@ -276,5 +303,13 @@ def _url_text(kind: str, url: str, where: str, *, bare_base64: bool = False) -> 
     media_type = match["type"] or "text/plain"  # RFC 2397's default
     payload = url[match.end():]
     if ";base64" in match["params"].lower():
-        return media_text(kind, media_type, decode_base64(payload, f"'{where}'"))
-    return media_text(kind, media_type, payload.encode())
+        data = decode_base64(payload, f"'{where}'")
+    else:
+        data = payload.encode()
+    if kind == "image" and sniff_image(data) is None:
+        # OpenAI reads the bytes (a JPEG labelled image/png is read as the JPEG it is) and
+        # refuses what is none of the four image types
+        raise ApiError(f"'{where}': You uploaded an unsupported image. Please make sure your "
+                       "image has one of the following formats: ['png', 'jpeg', 'gif', "
+                       "'webp'].", param="messages", code="invalid_image_format")
+    return media_text(kind, media_type, data)

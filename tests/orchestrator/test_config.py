@@ -65,9 +65,9 @@ def test_the_disk_tier_is_off_by_default_and_needs_the_host_tier(default_model: 
                            "--disk-cache-dir", str(tmp_path / "d"), "--disk-cache-size", "5000")
     assert config.disk_cache_dir == str((tmp_path / "d").resolve())
     assert config.disk_cache_size == 5000
-    with pytest.raises(ValueError, match="host tier"):
+    with pytest.raises(ValueError, match="host tier"):  # turned off: nothing feeds the disk
         engine_config("--model", str(default_model), "--disk-cache-dir", str(tmp_path),
-                      "--disk-cache-size", "5000")
+                      "--disk-cache-size", "5000", "--host-cache-memory", "0")
     with pytest.raises(ValueError, match="go together"):
         engine_config("--model", str(default_model), "--disk-cache-size", "5000")
 

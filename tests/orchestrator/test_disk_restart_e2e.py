@@ -65,3 +65,35 @@ def test_a_session_hits_the_disk_right_after_restart(default_model, tmp_path):
     finally:
         code = engine.stop()
     assert code == 0, engine.log()[-3000:]
+
+
+def test_disk_cache_dir_alone_serves_with_a_disk_tier(default_model, tmp_path):
+    """`deepinfer-run serve --disk-cache-dir DIR` and no other tier flag: the launcher
+    sizes the disk tier from the free space at DIR and the host tier that feeds it from
+    the free RAM, says so in its log, and a request's blocks reach the disk."""
+    disk = tmp_path / "disk"
+    engine = Engine(default_model, tmp_path / "run", "--disk-cache-dir", str(disk), nproc=1)
+    try:
+        sized = {e["event"]: e for e in engine.events("disk_tier_sized")
+                 + engine.events("host_tier_sized")}
+        disk_bytes = sized["disk_tier_sized"]["bytes_per_rank"]
+        host_bytes = sized["host_tier_sized"]["bytes_per_rank"]
+        assert disk_bytes > 0 and host_bytes > 0
+        assert sized["disk_tier_sized"]["share"] > 0 and sized["host_tier_sized"]["share"] > 0
+        (restored,) = engine.events("disk_tier_restored")
+        assert restored["disk_blocks"] > 0
+
+        rng = random.Random(7)
+        complete(engine.url, prompt=[rng.randrange(10, 8000) for _ in range(100)],
+                 max_tokens=4, temperature=0, ignore_eos=True)
+        # write-through (the default with a disk tier): the prompt's 6 full blocks are
+        # written in the background and committed once the rank reports them
+        engine.wait_for("the prompt's blocks written to disk", lambda: metric(
+            engine.url, 'deepinfer_disk_bytes_total{direction="written"}') >= 6 * BLOCK_BYTES_TINY)
+        status, view = engine.inspect_json("cache")
+        assert status == 0 and view["disk"]["committed_writes"] >= 6
+        assert os.path.getsize(disk / "rank0.kv") <= disk_bytes
+        assert os.stat(disk).st_mode & 0o777 == 0o700
+    finally:
+        code = engine.stop()
+    assert code == 0, engine.log()[-3000:]

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 
 import pytest
 import structlog
 from structlog.testing import capture_logs
 
 from orchestrator import launcher
+from orchestrator.config import repo_env
 from orchestrator.launcher import (
     Child,
     _bindable,
@@ -30,6 +32,23 @@ def test_restart_is_refused_where_it_cannot_work(capsys) -> None:
         parse_args(["--restart", "-1", "serve"])
     assert parse_args(["serve"]).restart == 0
     assert parse_args(["--restart", "2", "serve"]).restart == 2
+
+
+def test_a_flag_the_config_refuses_stops_the_launch_with_its_reason(default_model,
+                                                                    tmp_path) -> None:
+    """Not a traceback: the reason, before any process starts."""
+    (tmp_path / "file").write_text("x")
+    for flags, reason in ((["--disk-cache-size", "5000"], "go together"),
+                          (["--disk-cache-dir", str(tmp_path / "file" / "kv")],
+                           "cannot create it")):
+        r = subprocess.run([sys.executable, "-m", "orchestrator.launcher", "--run-dir",
+                            str(tmp_path / "run"), "serve", "--model", str(default_model),
+                            *flags], capture_output=True, text=True, env=repo_env(),
+                           timeout=120)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith("deepinfer-run serve: ")
+        assert reason in r.stderr
+        assert not (tmp_path / "run").exists()
 
 
 def sleeper(name: str, seconds: str = "60") -> Child:

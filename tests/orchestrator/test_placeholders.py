@@ -235,3 +235,90 @@ def test_openai_chat_image_is_a_placeholder(client, engine) -> None:
             {"type": "text", "text": "what is this?"}]}]})
     assert r.status_code == 200, r.text
     assert media_text("image", "image/png", PNG) + "\nwhat is this?" in prompt_of(engine)
+
+
+# --- images whose bytes are not what they say --------------------------------------------
+
+JPEG = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00" + bytes(100)
+GIF = b"GIF89a" + bytes(100)
+WEBP = b"RIFF\x64\x00\x00\x00WEBPVP8 " + bytes(100)
+
+
+def typed_image(media_type: str, data: bytes) -> dict[str, Any]:
+    return {"type": "image", "source": {"type": "base64", "media_type": media_type,
+                                        "data": b64(data)}}
+
+
+@pytest.mark.parametrize("media_type, data, message", [
+    ("image/png", b"\0\0\0",  # "AAAA"
+     "messages.0.content.0.source.data: Could not process image: the data is not a "
+     "image/png image"),
+    ("image/png", b"%PDF-1.7\n" + bytes(50),
+     "messages.0.content.0.source.data: Could not process image: the data is not a "
+     "image/png image"),
+    ("image/png", JPEG,
+     "messages.0.content.0.source: The image was specified using the image/png media type, "
+     "but the image appears to be a image/jpeg image"),
+    ("image/webp", GIF,
+     "messages.0.content.0.source: The image was specified using the image/webp media "
+     "type, but the image appears to be a image/gif image"),
+    ("image/bmp", PNG,
+     "messages.0.content.0.source.media_type: Input should be 'image/jpeg', 'image/png', "
+     "'image/gif' or 'image/webp'"),
+], ids=["zeros", "a-pdf", "jpeg-declared-png", "gif-declared-webp", "bmp"])
+def test_anthropic_image_bytes_not_of_their_type_are_a_400(client, engine, media_type, data,
+                                                           message) -> None:
+    """As Anthropic answers: no placeholder for an image it could not read."""
+    for stream in (False, True):
+        r = post(client, {"stream": stream, "messages": [user(typed_image(media_type, data),
+                                                              text("what is this?"))]})
+        assert assert_error(r, 400, "invalid_request_error") == message
+    r = client.post("/v1/messages/count_tokens", json={"model": "m", "messages": [user(
+        typed_image(media_type, data))]})
+    assert assert_error(r, 400, "invalid_request_error") == message
+    # inside a tool result, as Claude Code's Read tool sends a screenshot
+    r = post(client, {"messages": [user({"type": "tool_result", "tool_use_id": "t",
+                                         "content": [typed_image(media_type, data)]})]})
+    assert assert_error(r, 400, "invalid_request_error").startswith(
+        "messages.0.content.0.content.0.source")
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize("media_type, data", [
+    ("image/png", PNG), ("image/jpeg", JPEG), ("image/gif", GIF), ("image/webp", WEBP)])
+def test_anthropic_images_of_each_type_are_placeholders(client, engine, media_type,
+                                                        data) -> None:
+    engine.script("ok")
+    r = post(client, {"messages": [user(typed_image(media_type, data), text("hi"))]})
+    assert r.status_code == 200, r.text
+    assert media_text("image", media_type, data) in prompt_of(engine)
+
+
+@pytest.mark.parametrize("url", [
+    "data:image/png;base64,AAAA",  # three zero bytes
+    f"data:image/png;base64,{b64(b'%PDF-1.7')}",
+    "data:image/png,not-an-image",
+    "data:,",
+], ids=["zeros", "a-pdf", "text", "empty"])
+def test_openai_image_bytes_that_are_no_image_are_a_400(client, engine, url) -> None:
+    r = client.post("/v1/chat/completions", json={"model": "m", "messages": [{
+        "role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                    {"type": "text", "text": "what is this?"}]}]})
+    assert r.status_code == 400, r.text
+    assert r.json() == {"error": {
+        "message": "'messages[0].content[0]': You uploaded an unsupported image. Please make "
+                   "sure your image has one of the following formats: ['png', 'jpeg', "
+                   "'gif', 'webp'].",
+        "type": "invalid_request_error", "param": "messages", "code": "invalid_image_format"}}
+    assert engine.requests == []
+
+
+def test_openai_reads_an_images_bytes_whatever_its_label(client, engine) -> None:
+    """OpenAI decodes the bytes (a JPEG labelled image/png is read as a JPEG): served."""
+    for label, data in (("image/png", JPEG), ("image/jpg", JPEG), ("image/webp", WEBP)):
+        engine.script("ok")
+        r = client.post("/v1/chat/completions", json={"model": "m", "messages": [{
+            "role": "user", "content": [{"type": "image_url", "image_url": {
+                "url": f"data:{label};base64,{b64(data)}"}}]}]})
+        assert r.status_code == 200, r.text
+        assert media_text("image", label, data) in prompt_of(engine)

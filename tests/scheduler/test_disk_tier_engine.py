@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import os
 import random
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
 from cache.hashing import BlockHashChain, make_extra_key
+from scheduler.main import IDLE_POLL_MS, SchedulerServer
 from tests.scheduler.engine_harness import inprocess_engine, run_until_done, zmq_engine
 from wire.client import GenerateRequest
+from wire.lifecycle import EngineInfo
 from worker.disk_store import record_bytes
 
 BS = 16
@@ -86,6 +91,39 @@ def test_round_trip_through_disk_is_bit_identical(default_model, tmp_path) -> No
     assert torch.equal(device_kv(core, prompt), kv_before)  # bit-identical KV
     stats = core.scheduler.cache.stats
     assert stats.num_disk_hit_tokens == 144 and stats.num_disk_read_blocks == 9
+    core.executor.shutdown()
+
+
+def test_an_idle_scheduler_steps_until_every_disk_write_is_reported(default_model,
+                                                                     tmp_path) -> None:
+    """A rank writes in the background and reports a write only in a step result: the
+    scheduler's loop, with no request left, still steps now and then (each IDLE_POLL_MS,
+    not in a spin) until every write is committed, so a served request's blocks are on the
+    disk's index, and in its metrics, without waiting for the next request."""
+    # a slow disk (~0.5 s a write): most of the writes land after the request's last step
+    core = disk_engine(default_model, tmp_path / "disk",
+                       disk_write_bytes_per_s=2 * BLOCK_BYTES_TINY)
+    run_until_done(core, [GenerateRequest("r", tokens(random.Random(9), 150), 4,
+                                          ignore_eos=True)])
+    disk, steps = core.scheduler.cache.disk, core.scheduler.step
+    assert disk.num_planned_writes >= 9  # the prompt's 9 full blocks, written through
+    assert disk.num_pending > 0 and not core.has_work()  # the request is done, not its writes
+    limits = core.scheduler.limits
+    server = SchedulerServer(core, EngineInfo("tiny", BS, 1, limits),
+                             f"ipc://{tmp_path}/requests.sock", structlog.get_logger())
+    loop = threading.Thread(target=server.run)
+    t0 = time.monotonic()
+    loop.start()
+    try:
+        deadline = t0 + 30
+        while disk.num_pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        server.stop()
+        loop.join(timeout=30)
+    waited_s = time.monotonic() - t0
+    assert disk.num_pending == 0 and disk.num_committed_writes == disk.num_planned_writes
+    assert core.scheduler.step - steps <= waited_s / (IDLE_POLL_MS / 1000) + 3  # no spin
     core.executor.shutdown()
 
 
@@ -164,6 +202,7 @@ from pathlib import Path
 from tests.scheduler.engine_harness import run_until_done
 from tests.scheduler.test_disk_tier_engine import disk_engine, settle_writes, tokens
 from wire.client import GenerateRequest
+from wire.lifecycle import EngineInfo
 core = disk_engine(sys.argv[1], Path(sys.argv[2]))
 rng = random.Random(12)
 a, b = tokens(rng, 150), tokens(rng, 150)

@@ -228,3 +228,23 @@ def test_model_files_digest_ignores_files_the_kv_does_not_depend_on(tmp_path) ->
     assert model_files_digest(str(model)) == d1
     (model / "model.safetensors").write_bytes(b"y" * 11)
     assert model_files_digest(str(model)) != d1
+
+
+def bytes_read_by_this_process() -> int:
+    """The bytes this process's read syscalls returned so far (the kernel's count)."""
+    io = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
+    return int(io["rchar"])
+
+
+def test_the_scan_reads_no_payload_of_an_empty_slot(tmp_path) -> None:
+    """A fresh tier is a sparse file of empty slots (an automatically sized one, hundreds
+    of thousands of them): the start-up scan reads their headers only, and still reads,
+    checks and finds every written record."""
+    s = store(tmp_path, budget_slots=2000)
+    write_all(s, [(3, 3), (1500, 9)])
+    before = bytes_read_by_this_process()
+    found = s.scan()
+    read = bytes_read_by_this_process() - before
+    assert found.slots.tolist() == [3, 1500] and found.num_torn == 0
+    assert read < 2000 * HEADER_BYTES + 2 * record_bytes(PAYLOAD) + 4096  # /proc/self/io
+    s.close()
