@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import add_serve_arguments, build_config
+from orchestrator.config import DEFAULT_MODEL, REPO, add_serve_arguments, build_config
 from scheduler.executor import choose_channel
 from wire.config import EngineConfig
 from wire.step_channel import supported
@@ -83,3 +83,15 @@ def test_the_disk_tier_writes_through_unless_told_otherwise(default_model: Path,
     assert engine_config(*disk, "--kv-write-policy", "write_back").kv_write_policy == "write_back"
     assert engine_config("--model", str(default_model), "--kv-write-policy",
                          "write_through").kv_write_policy == "write_through"
+
+
+def test_the_model_flag_names_its_true_default() -> None:
+    """`deepinfer-run serve --help` says which model is served without --model: the
+    flag's own default (the SmolLM2 GGUF), not the tests' tiny model."""
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    model = next(a for a in p._actions if "--model" in a.option_strings)
+    default = Path(model.default)
+    assert default == DEFAULT_MODEL and default.suffix == ".gguf"
+    assert f"(default: {default.relative_to(REPO)}," in model.help
+    assert "tiny" not in model.help and ".gguf file" in model.help
