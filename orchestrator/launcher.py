@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.config import (
@@ -43,6 +43,8 @@ from orchestrator.config import (
 )
 from orchestrator.gguf_tokenizer import write_tokenizer_dir
 from orchestrator.shim.options import API_KEY_ENV
+from wire import codec
+from wire.config import CONFIG_FILE
 from wire.control_server import CONTROL_DIR_ENV, control_address
 from wire.log import configure_logging
 from wire.security import SECRET_FILE_ENV
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         if config.model.endswith(".gguf"):  # its tokenizer, as the shim and scheduler read one
             tokenizer = write_tokenizer_dir(config.model, run_dir / "tokenizer")
             config = dataclasses.replace(config, tokenizer=str(tokenizer))
-        (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2))
+        codec.write_file(run_dir / CONFIG_FILE, config)
         (run_dir / "addresses.json").write_text(json.dumps(launch.addresses))
 
     group: list[Child] = []

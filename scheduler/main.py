@@ -26,7 +26,7 @@ from scheduler.scheduler import RequestRejected, Scheduler
 from scheduler.telemetry import Telemetry
 from wire import codec
 from wire.client import AbortRequest, GenerateRequest, RequestOutput, StatsRequest
-from wire.config import EngineConfig
+from wire.config import CONFIG_FILE, EngineConfig
 from wire.control import PrefixBreak
 from wire.control_server import control_address
 from wire.cpu_policy import defer_to_ranks
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="DeepInfer scheduler")
     parser.add_argument("--run-dir", required=True, type=Path)
     args = parser.parse_args(argv)
-    config = EngineConfig(**json.loads((args.run_dir / "config.json").read_text()))
+    config = codec.read_file(args.run_dir / CONFIG_FILE, EngineConfig)
     addresses = json.loads((args.run_dir / "addresses.json").read_text())
     log = configure_logging("scheduler")
     # before ZeroMQ's I/O threads and the control server start: they inherit it

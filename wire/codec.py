@@ -21,7 +21,8 @@ import types
 import typing
 from collections.abc import Callable
 from functools import cache
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import msgpack
 
@@ -215,3 +216,23 @@ def decode(frame: bytes) -> Any:
         return _decoder(cls)(body)
     except (TypeError, ValueError, AttributeError, KeyError) as exc:
         raise ProtocolError(f"malformed {name}: {exc}") from exc
+
+
+# --- files ------------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def write_file(path: Path, message: Any) -> None:
+    """A message one process leaves for another in a file (the run directory's engine
+    config): the frame a socket would carry, so its types come back whole, nested
+    dataclasses included, where a JSON round trip hands the reader dicts."""
+    path.write_bytes(encode(message))
+
+
+def read_file(path: Path, cls: type[T]) -> T:
+    """The message `write_file` left at `path`, which must be a `cls`."""
+    message = decode(path.read_bytes())
+    if not isinstance(message, cls):
+        raise ProtocolError(f"{path}: a {type(message).__name__}, not a {cls.__name__}")
+    return message

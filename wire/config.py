@@ -6,6 +6,9 @@ import json
 from dataclasses import dataclass, fields
 
 SPECULATIVE_METHODS = ("ngram",)
+# In the run directory: the launcher writes the EngineConfig there and the scheduler reads
+# it, a codec frame (wire/codec.py write_file / read_file) like every message between them.
+CONFIG_FILE = "config.msgpack"
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,11 @@ class EngineConfig:
         return self.tokenizer or self.model
 
     def __post_init__(self) -> None:
+        # the codec encodes the nested config by its fields: a dict here (a JSON round
+        # trip's) would fail only when the config is sent to the ranks
+        if not isinstance(self.speculative, SpeculativeConfig | None):
+            raise TypeError(f"speculative must be a SpeculativeConfig or None, not "
+                            f"{type(self.speculative).__name__}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unknown dtype {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -21,7 +21,7 @@ from worker.kv_cache import KVCache
 from worker.layers import ParallelLMHead, Rotary, VocabParallelEmbedding, rms_norm
 from worker.linear import Linear
 from worker.model_config import ModelConfig
-from worker.moe import MoEWeights, load_moe_weights, moe_forward
+from worker.moe import MoEWeights, fused_names, load_moe_weights, moe_forward
 from worker.weights import CheckpointReader
 
 
@@ -96,7 +96,8 @@ class LlamaModel:
             ])
         moe, gate_up, down = None, None, None
         if i in cfg.moe_layers:
-            moe = load_moe_weights(reader, cfg, i, r, self.tp.world_size)
+            moe = load_moe_weights(reader, cfg, i, r, self.tp.world_size,
+                                   stacked=fused_names(i)[0] in reader)
             moe.router, moe.gate_up, moe.down = map(self._dev, (moe.router, moe.gate_up,
                                                                   moe.down))
         else:

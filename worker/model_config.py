@@ -4,13 +4,15 @@ The Llama family is served: Llama 2/3, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 de
 (per-head q/k RMSNorm, explicit head_dim), and the mixture-of-experts Qwen3-MoE and
 Mixtral (worker/moe.py); rope scalings linear, llama3, yarn and dynamic NTK
 (worker/rope.py). Anything else is refused here, at load, with a clear message rather
-than producing wrong logits later.
+than producing wrong logits later. Keys are read as transformers reads them, under
+either name of its `attribute_map` aliases (`with_aliases`).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from worker.rope import ROPE_TYPES, rope_frequencies, rope_type
@@ -24,6 +26,14 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
 }
 SUPPORTED_ROPE_TYPES = ROPE_TYPES
+# transformers' `attribute_map` of each family's config class, {alias: the name stored}: a
+# config.json may hold an attribute under either name. transformers 5 saves Qwen3-MoE's
+# expert count as `num_local_experts`, where 4.x saved `num_experts`. transformers is a dev
+# dependency: where it is installed its own maps are read too (attribute_map below).
+ATTRIBUTE_MAPS = {
+    "qwen3_moe": {"num_experts": "num_local_experts"},
+    "mixtral": {"num_experts": "num_local_experts"},
+}
 
 
 class UnsupportedModelError(ValueError):
@@ -113,6 +123,32 @@ class ModelConfig:
                 self.max_position_embeddings)
 
 
+@cache
+def attribute_map(family: str) -> dict[str, str]:
+    """{alias: stored name} for a family (a model_type): ours, and the installed
+    transformers' config class's where there is one."""
+    aliases = dict(ATTRIBUTE_MAPS.get(family, {}))
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        aliases.update(CONFIG_MAPPING[family].attribute_map)
+    except (ImportError, KeyError):  # not installed, or too old to know the family
+        pass
+    return aliases
+
+
+def with_aliases(raw: dict, family: str) -> dict:
+    """config.json as transformers reads it: each attribute under both of its names, from
+    whichever the file holds (the stored name where it holds both)."""
+    out = dict(raw)
+    for alias, stored in attribute_map(family).items():
+        if stored in raw:
+            out[alias] = raw[stored]
+        elif alias in raw:
+            out[stored] = raw[alias]
+    return out
+
+
 def _moe_fields(raw: dict, family: str) -> dict:
     """The MoE part of a config.json, as transformers reads it."""
     if family == "mixtral":  # every layer sparse; top-k renormalised; experts are the MLP
@@ -146,6 +182,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             f"DeepInfer serves {sorted(SUPPORTED_ARCHITECTURES)}"
         )
     family = SUPPORTED_ARCHITECTURES[arch]
+    raw = with_aliases(raw, family)
     if raw.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {raw['hidden_act']!r} is not supported (silu)")
 

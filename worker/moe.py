@@ -51,21 +51,43 @@ def router_name(config: ModelConfig, layer: int) -> str:
     return f"model.layers.{layer}.{block}.gate.weight"
 
 
-def load_moe_weights(reader, config: ModelConfig, layer: int, rank: int,
-                     world_size: int) -> MoEWeights:
+def fused_names(layer: int) -> tuple[str, str, str]:
+    """(gate_up, down, router) of one layer in transformers 5's own layout, both families:
+    every expert in one tensor, gate_up [num_experts, 2 * moe_intermediate, hidden] (gate
+    rows, then up rows) and down [num_experts, hidden, moe_intermediate]. What it holds in
+    memory, and saves with save_pretrained(save_original_format=False); by default it
+    saves the per-expert names above."""
+    p = f"model.layers.{layer}.mlp."
+    return p + "experts.gate_up_proj", p + "experts.down_proj", p + "gate.weight"
+
+
+def load_moe_weights(reader, config: ModelConfig, layer: int, rank: int, world_size: int,
+                     stacked: bool = False) -> MoEWeights:
     """This rank's slices of every expert of one layer (only those are read: the reader's
     row / column slicing), and the whole router. `reader`: a CheckpointReader or
-    GGUFCheckpointReader (worker/gguf.py)."""
+    GGUFCheckpointReader (worker/gguf.py). `stacked`: the checkpoint holds the experts in
+    transformers 5's own layout (fused_names; only a CheckpointReader reads it)."""
     inter = config.moe_intermediate_size // world_size
     m0, m1 = rank * inter, (rank + 1) * inter
-    gate_up, down = [], []
-    for e in range(config.num_experts):
-        gate, up, dn = expert_names(config, layer, e)
-        gate_up.append(torch.cat([reader.rows(gate, m0, m1), reader.rows(up, m0, m1)]))
-        down.append(reader.cols(dn, m0, m1))
-    return MoEWeights(router=reader.full(router_name(config, layer)),
-                      gate_up=torch.stack(gate_up), down=torch.stack(down),
-                      top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob)
+    if stacked:
+        gate_up_name, down_name, router = fused_names(layer)
+        full = config.moe_intermediate_size
+        gate_up = reader.expert_rows(gate_up_name, [(m0, m1), (full + m0, full + m1)])
+        down = reader.expert_cols(down_name, m0, m1)
+    else:
+        gate_ups, downs = [], []
+        for e in range(config.num_experts):
+            gate, up, dn = expert_names(config, layer, e)
+            gate_ups.append(torch.cat([reader.rows(gate, m0, m1), reader.rows(up, m0, m1)]))
+            downs.append(reader.cols(dn, m0, m1))
+        gate_up, down = torch.stack(gate_ups), torch.stack(downs)
+        router = router_name(config, layer)
+    w = MoEWeights(router=reader.full(router), gate_up=gate_up, down=down,
+                   top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob)
+    if not w.num_experts == gate_up.shape[0] == config.num_experts:
+        raise ValueError(f"layer {layer}: the checkpoint holds {w.num_experts} experts (its "
+                         f"router's rows), config.json says {config.num_experts}")
+    return w
 
 
 def route(x: torch.Tensor, w: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,6 +60,18 @@ class CheckpointReader:
         """Columns [start, end) of a 2-D tensor (row-parallel shard)."""
         return self._slice(name)[:, start:end].to(self.dtype)
 
+    def expert_rows(self, name: str, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """Of a stacked [experts, rows, cols] tensor, the rows of each range in `ranges`,
+        concatenated in that order, for every expert (a rank's gate and up rows of fused
+        experts: worker/moe.py fused_names)."""
+        part = self._slice(name)
+        return torch.cat([part[:, start:end] for start, end in ranges], dim=1).to(self.dtype)
+
+    def expert_cols(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Columns [start, end) of every expert's matrix in a stacked [experts, rows, cols]
+        tensor (row-parallel shard)."""
+        return self._slice(name)[:, :, start:end].to(self.dtype)
+
     def close(self) -> None:
         self._handles.clear()
         self._progress.close()

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
 
-from orchestrator.config import add_serve_arguments, build_config
+from orchestrator.config import DEFAULT_MODEL, REPO, add_serve_arguments, build_config
 from scheduler.executor import choose_channel
-from wire.config import EngineConfig
+from wire import codec
+from wire.config import CONFIG_FILE, EngineConfig, SpeculativeConfig
 from wire.step_channel import supported
 
 
@@ -83,3 +84,49 @@ def test_the_disk_tier_writes_through_unless_told_otherwise(default_model: Path,
     assert engine_config(*disk, "--kv-write-policy", "write_back").kv_write_policy == "write_back"
     assert engine_config("--model", str(default_model), "--kv-write-policy",
                          "write_through").kv_write_policy == "write_through"
+
+
+def test_the_model_flag_names_its_true_default() -> None:
+    """`deepinfer-run serve --help` says which model is served without --model: the
+    flag's own default (the SmolLM2 GGUF), not the tests' tiny model."""
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    model = next(a for a in p._actions if "--model" in a.option_strings)
+    default = Path(model.default)
+    assert default == DEFAULT_MODEL and default.suffix == ".gguf"
+    assert f"(default: {default.relative_to(REPO)}," in model.help
+    assert "tiny" not in model.help and ".gguf file" in model.help
+
+
+def test_every_engine_flag_survives_the_run_directory(default_model: Path,
+                                                      tmp_path: Path) -> None:
+    """The launcher leaves the EngineConfig in the run directory for the scheduler, which
+    sends it on to the ranks: every field comes back equal and of its type, the nested
+    speculative config included. (A JSON file read back with EngineConfig(**...) gave the
+    scheduler a dict there, and every engine started with --speculative-config exited.)"""
+    config = engine_config(
+        "--model", str(default_model), "--dtype", "bfloat16", "--device", "cpu",
+        "--block-size", "32", "--kv-cache-memory", "1000000", "--gpu-memory-utilization", "0.5",
+        "--host-cache-memory", "2000000", "--max-retained-fraction", "0.25",
+        "--kv-write-policy", "write_through", "--kv-events-endpoint", "5557",
+        "--kv-events-replay-endpoint", "5558", "--disk-cache-dir", str(tmp_path / "disk"),
+        "--disk-cache-size", "3000000", "--disk-max-queued-writes", "16",
+        "--disk-write-bytes-per-s", "1e6", "--no-prefix-caching", "--max-model-len", "256",
+        "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--max-queued-requests", "9",
+        "--max-queued-tokens", "100", "--full-cache-check-every", "5", "--step-timeout", "12.5",
+        "--attention-backend", "torch", "--torch-threads", "3", "--seed", "7",
+        "--null-model-forward-ms", "2.5", "--step-channel", "zmq", "--no-async-scheduling",
+        "--served-model-name", "coder", "other",
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+                                '"prompt_lookup_max": 5, "prompt_lookup_min": 1}')
+    defaults = EngineConfig(model="")
+    # every field set away from its default (a GGUF's tokenizer is the launcher's to set)
+    assert [f.name for f in fields(EngineConfig)
+            if getattr(config, f.name) == getattr(defaults, f.name)] == ["tokenizer"]
+    assert config.speculative == SpeculativeConfig("ngram", 3, 5, 1)
+    codec.write_file(tmp_path / CONFIG_FILE, config)  # as the launcher does
+    back = codec.read_file(tmp_path / CONFIG_FILE, EngineConfig)  # as the scheduler does
+    assert back == config
+    assert [type(getattr(back, f.name)) for f in fields(EngineConfig)] == [
+        type(getattr(config, f.name)) for f in fields(EngineConfig)]
+    assert codec.decode(codec.encode(back)) == config  # and on to the ranks

@@ -71,6 +71,25 @@ def test_bad_frames_are_refused(frame, match):
         codec.decode(frame)
 
 
+def test_a_message_left_in_a_file_comes_back_whole(tmp_path):
+    """The run directory's engine config (the launcher writes it, the scheduler reads it):
+    the nested speculative config comes back a SpeculativeConfig, not a dict."""
+    config = EngineConfig(model="/m", speculative=SpeculativeConfig("ngram", 5, 3, 1),
+                          null_model_forward_ms=1.5)
+    codec.write_file(tmp_path / "config.msgpack", config)
+    back = codec.read_file(tmp_path / "config.msgpack", EngineConfig)
+    assert back == config and type(back.speculative) is SpeculativeConfig
+    with pytest.raises(codec.ProtocolError, match="not a StepPlan"):
+        codec.read_file(tmp_path / "config.msgpack", StepPlan)
+
+
+def test_a_config_holds_its_speculative_config_typed():
+    """A dict there (EngineConfig(**json.load(...))) is refused where it is made, not
+    found out when the config is sent to the ranks."""
+    with pytest.raises(TypeError, match="SpeculativeConfig or None, not dict"):
+        EngineConfig(model="/m", speculative={"method": "ngram"})
+
+
 def test_unregistered_types_are_not_encoded():
     with pytest.raises(codec.ProtocolError):
         codec.encode(object())

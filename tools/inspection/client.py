@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from wire import codec
+from wire.config import CONFIG_FILE, EngineConfig
 from wire.control_server import ControlUnavailable, ask, control_address
 
 RUN_DIR_ENV = "DEEPINFER_RUN_DIR"
@@ -81,10 +83,10 @@ def load_engine(run_dir: Path) -> EngineAddresses:
                                engine.get("http"))
     world_size = engine.get("world_size")
     if world_size is None:
-        config = run_dir / "config.json"
+        config = run_dir / CONFIG_FILE
         if not config.is_file():
-            raise EngineNotFound(f"{run_dir} holds neither engine.json nor config.json")
-        world_size = json.loads(config.read_text())["world_size"]
+            raise EngineNotFound(f"{run_dir} holds neither engine.json nor {CONFIG_FILE}")
+        world_size = codec.read_file(config, EngineConfig).world_size
     return EngineAddresses(
         run_dir, control_address(run_dir, "scheduler"),
         {r: control_address(run_dir, f"rank{r}") for r in range(world_size)}, engine.get("http"))
