@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 from worker.rope import ROPE_TYPES, rope_frequencies, rope_type
@@ -28,8 +27,10 @@ SUPPORTED_ARCHITECTURES = {
 SUPPORTED_ROPE_TYPES = ROPE_TYPES
 # transformers' `attribute_map` of each family's config class, {alias: the name stored}: a
 # config.json may hold an attribute under either name. transformers 5 saves Qwen3-MoE's
-# expert count as `num_local_experts`, where 4.x saved `num_experts`. transformers is a dev
-# dependency: where it is installed its own maps are read too (attribute_map below).
+# expert count as `num_local_experts`, where 4.x saved `num_experts`. A table, not an
+# import: transformers is a dev dependency, and importing its config registry cost each rank
+# ~0.7 s and 23 MB at start; tests/worker/test_hf_saved_moe.py holds the table equal to the
+# installed transformers' maps.
 ATTRIBUTE_MAPS = {
     "qwen3_moe": {"num_experts": "num_local_experts"},
     "mixtral": {"num_experts": "num_local_experts"},
@@ -123,18 +124,10 @@ class ModelConfig:
                 self.max_position_embeddings)
 
 
-@cache
 def attribute_map(family: str) -> dict[str, str]:
-    """{alias: stored name} for a family (a model_type): ours, and the installed
-    transformers' config class's where there is one."""
-    aliases = dict(ATTRIBUTE_MAPS.get(family, {}))
-    try:
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-        aliases.update(CONFIG_MAPPING[family].attribute_map)
-    except (ImportError, KeyError):  # not installed, or too old to know the family
-        pass
-    return aliases
+    """{alias: stored name} for a family (a model_type), as its transformers config class
+    maps them (the table above; a test holds it equal to the installed transformers')."""
+    return ATTRIBUTE_MAPS.get(family, {})
 
 
 def with_aliases(raw: dict, family: str) -> dict:
