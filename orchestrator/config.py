@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from orchestrator.shim.options import (
@@ -130,7 +130,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "slow a step")
     p.add_argument("--disk-write-bytes-per-s", type=float, default=d.disk_write_bytes_per_s,
                    help="a rank's disk write rate limit (0: none)")
-    p.add_argument("--no-prefix-caching", action="store_true",
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="disable prefix caching (for comparisons)")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
@@ -143,7 +143,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--full-cache-check-every", type=int, default=d.full_cache_check_every,
                    help="debugging: also run the full O(capacity) cache check every N steps "
                         "(0: never; the cheap accounting check runs every step regardless)")
-    p.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
+    p.add_argument("--step-timeout", dest="step_timeout_s", metavar="STEP_TIMEOUT", type=float,
+                   default=d.step_timeout_s,
                    help="seconds a step may take before a rank that has not answered is "
                         "declared hung and the engine stops")
     p.add_argument("--attention-backend", default=d.attention_backend,
@@ -160,7 +161,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="how plans reach the ranks and results come back: the ZeroMQ socket, "
                         "or shared memory with FIFO wake-ups (ranks on this host, x86-64: "
                         "fewer wake-ups a step); auto: shared memory where it can serve")
-    p.add_argument("--no-async-scheduling", action="store_true",
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="plan each step only after the ranks finished the one before (by "
                         "default step k+1 is planned and sent while the ranks run step k)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -222,40 +223,21 @@ def build_config(args: argparse.Namespace, world_size: int, num_local_ranks: int
                          "(run `make install` for the default model)")
     disk_dir, disk_size, host_memory = disk_tier_flags(
         args, world_size if num_local_ranks is None else num_local_ranks, measure)
-    config = EngineConfig(
+    # Each EngineConfig field whose flag has its name (the flag's dest) is copied as it
+    # is; the few below are derived. `tokenizer` is the launcher's (a GGUF's is written
+    # from the file).
+    from_flags = {f.name: getattr(args, f.name) for f in fields(EngineConfig)
+                  if hasattr(args, f.name)}
+    config = EngineConfig(**from_flags | dict(
         model=str(model),
-        dtype=args.dtype,
-        device=args.device,
         world_size=world_size,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
         host_cache_memory=host_memory,
         kv_write_policy=args.kv_write_policy or default_write_policy(disk_dir),
         disk_cache_dir=disk_dir,
         disk_cache_size=disk_size,
-        disk_max_queued_writes=args.disk_max_queued_writes,
-        disk_write_bytes_per_s=args.disk_write_bytes_per_s,
-        enable_prefix_caching=not args.no_prefix_caching,
-        max_retained_fraction=args.max_retained_fraction,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_queued_requests=args.max_queued_requests,
-        max_queued_tokens=args.max_queued_tokens,
-        step_timeout_s=args.step_timeout,
-        full_cache_check_every=args.full_cache_check_every,
-        attention_backend=args.attention_backend,
-        torch_threads=args.torch_threads,
-        seed=args.seed,
-        null_model_forward_ms=args.null_model_forward_ms,
-        async_scheduling=not args.no_async_scheduling,
-        step_channel=args.step_channel,
-        kv_events_endpoint=args.kv_events_endpoint,
-        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         served_model_name=(args.served_model_name or [model_name(str(model))])[0],
         speculative=speculative_from(args.speculative_config),
-    )
+    ))
     serve = ServeOptions(
         host=args.host, port=args.port, api_key=api_key_from(args),
         served_model_name=tuple(args.served_model_name or ()),

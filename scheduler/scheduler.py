@@ -58,35 +58,51 @@ class Scheduler:
             num_disk_blocks=limits.num_disk_blocks,
             num_ranks=config.world_size,
         ), clock)
+        # Where a sequence is, from `add_request` until the ranks close it: in at most one
+        # of the first five at a time, and in `_by_request` all along.
+        #   queue        waiting its turn. In: `add_request`; at the head again when
+        #                preempted (`_preempt`) or when its disk reads are in but its blocks
+        #                are not. Out: admitted, parked in `_reading`, aborted, or ended by a
+        #                grammar that failed to compile (`_settle_grammar`).
+        #   _reading     out of the queue, waiting on the disk reads its admission started
+        #                (cache/disk_flow.py), so the queue behind it is not held up. Out:
+        #                admitted (before the queue), back to the queue head, or aborted.
+        #   running      admitted: holds blocks, open on the ranks, oldest first. In:
+        #                `_start`. Out: an end (a stop token or a length in `update`, an
+        #                abort, a deadline, a prompt that can never fit), a preemption, or
+        #                a close ahead of its last token (`_close_ahead`).
+        #   _to_close    ended while open on the ranks (`_finish`). Out: the next plan
+        #                closes it (`_close`, where the close-timing rule is).
+        #   _awaiting    closed ahead of its last token, which the step in flight samples
+        #                (seq id -> sequence; `_close_ahead`). Out: `update` emits that
+        #                token as its end, or an abort drops it.
+        #   _by_request  request id -> sequence. Out: at its end if the ranks do not hold it
+        #                open, else when the plan after closes it.
         self.queue = RequestQueue(config.max_queued_requests, config.max_queued_tokens)
+        self._reading: list[Sequence] = []
         self.running: list[Sequence] = []
+        self._to_close: list[Sequence] = []
+        self._awaiting: dict[int, Sequence] = {}
+        self._by_request: dict[str, Sequence] = {}
+        self._deadlines: list[tuple[float, int, str]] = []  # heap: (deadline, seq id, request id)
+        self._pending_outputs: list[RequestOutput] = []  # decided while planning
+        self._trims: list[TrimBlocks] = []  # tables to shorten by the next plan (`_trim`)
+        self._next_seq_id = 1
         self.step = 0
         # what the ranks must hold after each plan
         self.digest = StateDigest(limits.num_device_blocks, limits.num_host_blocks,
                                   limits.num_disk_blocks)
         self.digest_s = 0.0  # seconds the last plan's digest prediction took
-        self._by_request: dict[str, Sequence] = {}
-        self._next_seq_id = 1
-        self._to_close: list[Sequence] = []
         # Until then (time.monotonic), the engine plans only after each step's results:
         # an inspection is comparing the ranks with the scheduler (scheduler/control.py).
         self.overlap_hold_until = 0.0
-        # closed ahead of their last token, which a step in flight samples (`_close_ahead`)
-        self._awaiting: dict[int, Sequence] = {}
-        self._pending_outputs: list[RequestOutput] = []  # decided while planning
         self._model_key = config.model
         self._sessions = SessionChains(config.block_size)
-        self._deadlines: list[tuple[float, int, str]] = []  # (deadline, seq id, request id)
         self.disk_torn_at_start = 0  # disk blocks the ranks dropped at start-up
         self._guides = GuideFactory(config.tokenizer_dir, limits.vocab_size,
                                     list(limits.eos_token_ids))
         self.speculative = config.speculative  # None: no drafts
         self.spec_stats = SpecStats()
-        self._trims: list[TrimBlocks] = []  # tables to shorten by the next plan (`_trim`)
-        # Out of the queue, waiting on the disk reads their admission started
-        # (cache/disk_flow.py): admitted first once the reads are in; the queue behind
-        # them is not held up.
-        self._reading: list[Sequence] = []
 
     # --- requests ------------------------------------------------------------------
 
@@ -248,24 +264,40 @@ class Scheduler:
     # --- planning ------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
+        """The next step's plan, made in four phases: close what ended, run the running
+        sequences, admit waiting ones into the budget left, then seal the plan with the
+        cache's ops and the digest the ranks must then hold."""
+        plan = StepPlan(step=self.step)
+        self._expire_and_close(plan)
+        num_running = len(self.running)
+        budget = self._run_running(plan, self.config.max_num_batched_tokens)
+        # not in a step whose running set shrank (a preemption: blocks are short, and
+        # admitting would only thrash)
+        if len(self.running) == num_running:
+            self._admit_waiting(plan, budget)
+        return self._seal(plan)
+
+    def _expire_and_close(self, plan: StepPlan) -> None:
+        """End the requests whose deadline passed, then close on the ranks, with `plan`,
+        every sequence that ended since the last plan and every one whose token in flight
+        is certain to be its last (`_close_ahead`)."""
         if self._deadlines:
             self._expire(time.monotonic())
-        plan = StepPlan(step=self.step)
         to_close, self._to_close = self._to_close, []
         for seq in to_close:
             self._close(seq, plan)
         self._close_ahead(plan)
-        budget = self.config.max_num_batched_tokens
 
-        # Running sequences first (decodes and unfinished prefills), oldest first.
-        # When blocks run out, the newest running sequence is preempted (it has not
-        # been scheduled in this step yet: the loop goes oldest to newest).
+    def _run_running(self, plan: StepPlan, budget: int) -> int:
+        """The running sequences' tokens (decodes and unfinished prefills), oldest first,
+        within `budget`; returns the budget left. When blocks run out, the newest running
+        sequence is preempted (it has not been planned in this step yet: the loop goes
+        oldest to newest)."""
         self._grow_running(budget)
         # the running sequences' commits, registered together after the loop (before any
         # admission, which may hit them; none of them is closed in this step)
         commits: list[tuple[int, list[int], int]] = []
         i = 0
-        num_running_before = len(self.running)
         no_drafts: tuple[list[int], list[bytes]] = ([], [])
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -280,7 +312,7 @@ class Scheduler:
                 self._preempt(self.running[-1], plan)
                 grown = self._grow(seq, num_new)
             if grown:
-                self._schedule(plan, seq, num_new, drafts, draft_masks, commits)
+                self._run_tokens(plan, seq, num_new, drafts, draft_masks, commits)
                 budget -= num_new + len(drafts)
                 i += 1
             elif len(self.running) == 1 and seq.num_pending:
@@ -292,13 +324,13 @@ class Scheduler:
             else:
                 self._preempt(seq, plan)
         self.cache.commit_many(commits, plan.step)
+        return budget
 
-        # Then admit from the queue while budget, sequence slots and blocks last; not in
-        # a step that had to preempt (blocks are short: admitting would only thrash).
-        preempted = len(self.running) < num_running_before
-        room = lambda: (not preempted and budget > 0  # noqa: E731
-                        and len(self.running) < self.config.max_num_seqs)
-        for seq in list(self._reading):  # first those whose disk reads are in
+    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
+        """Admit waiting sequences while `budget`, sequence slots and blocks last: first
+        those whose disk reads are in, then the queue in order."""
+        room = lambda: budget > 0 and len(self.running) < self.config.max_num_seqs  # noqa: E731
+        for seq in list(self._reading):
             if not room():
                 break
             if self._admit(seq, budget):
@@ -322,6 +354,10 @@ class Scheduler:
             self.queue.pop()
             budget -= self._start(plan, seq, budget)
 
+    def _seal(self, plan: StepPlan) -> StepPlan:
+        """Finish `plan`: the table trims still due, the cache's ops of this step (tier
+        copies, registrations, disk reads and writes), and the digest the ranks must hold
+        once they applied it; the next plan is the next step's."""
         closed = set(plan.close)  # closed whole on the ranks, before any trim
         plan.trim = [t for t in self._trims if t.seq_id not in closed]
         self._trims = []
@@ -342,13 +378,13 @@ class Scheduler:
             # output without tokens), not only with the first token
             self._pending_outputs.append(seq.take_output())
         self.running.append(seq)
-        self._schedule(plan, seq, num_new)
+        self._run_tokens(plan, seq, num_new)
         return num_new
 
-    def _schedule(self, plan: StepPlan, seq: Sequence, num_new: int,
-                  drafts: list[int] | None = None,
-                  draft_masks: list[bytes] | None = None,
-                  commits: list[tuple[int, list[int], int]] | None = None) -> None:
+    def _run_tokens(self, plan: StepPlan, seq: Sequence, num_new: int,
+                    drafts: list[int] | None = None,
+                    draft_masks: list[bytes] | None = None,
+                    commits: list[tuple[int, list[int], int]] | None = None) -> None:
         """Run `num_new` more tokens of `seq` in `plan`, with the block-table delta the
         ranks need first. The blocks whose KV this step writes are registered at once:
         steps run in order, and in each layer the ranks write the whole batch's KV
@@ -358,7 +394,7 @@ class Scheduler:
         block is registered only once every token in it is verified. A guided sequence's
         drafts come with the mask of the sample after each (`draft_masks`, `_drafts`).
         With `commits`, the registration is queued there instead, and the caller makes
-        all of them at once before anything may hit them (`schedule`: the running
+        all of them at once before anything may hit them (`_run_running`: the running
         sequences', before the admissions)."""
         # Written for the common case, a running sequence's one-token decode, which
         # every sequence of the batch goes through every step: few calls, few lookups.
@@ -496,7 +532,7 @@ class Scheduler:
 
     def _grow_running(self, budget: int) -> None:
         """The running sequences' new blocks for this step in one allocation
-        (cache.grow), when they all fit: the loop in `schedule` then finds room for each
+        (cache.grow), when they all fit: the loop in `_run_running` then finds room for each
         as it goes. When they do not, nothing is taken here and the loop grows them one
         by one, preempting the newest. The tokens each is given are the loop's, budget
         included, so the loop's outcome is the same either way; drafts are decided in the

@@ -37,8 +37,9 @@ from worker.distributed import (
     set_torch_threads,
     shutdown_tensor_parallel,
 )
+from worker.forward import PreparedStep
 from worker.inprocess import ready_message
-from worker.model_runner import ModelRunner, PreparedStep
+from worker.model_runner import ModelRunner
 
 # Tests inject faults into a rank through this hook: a Python file whose
 # `install(runner, rank, control_dir, log)` runs once before the first step

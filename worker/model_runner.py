@@ -19,7 +19,7 @@ from wire.client import SamplingParams
 from wire.config import EngineConfig
 from wire.digest import StateDigest, samples_digest
 from wire.step import PENDING_TOKEN, RankTiming, StepPlan, count_accepted
-from worker.attention import AttentionBackend, AttentionMetadata, create_backend
+from worker.attention import AttentionBackend, AttentionMetadata
 from worker.block_table import BlockTables
 from worker.budget import (
     check_holds_one_sequence,
@@ -30,11 +30,11 @@ from worker.budget import (
 )
 from worker.disk_tier import RankDiskTier
 from worker.distributed import TensorParallelGroup
+from worker.forward import BatchInputs, ModelForward, PreparedStep, to_device
 from worker.gguf import load_config
 from worker.kv_cache import KVCache
 from worker.model import LlamaModel
 from worker.null_model import NullModel
-from worker.sampler import sample_tensor
 
 
 @dataclass
@@ -49,34 +49,6 @@ class StepOutput:
     disk_queue_depth: int = 0
     disk_read_done: list[int] = field(default_factory=list)  # disk reads finished (checked)
     disk_read_bad: list[int] = field(default_factory=list)  # ... whose record failed its check
-
-
-@dataclass
-class BatchInputs:
-    """A step's inputs, built while the step before may still run (`ModelRunner.prepare`)."""
-
-    token_ids: np.ndarray  # on the host: PENDING_TOKEN rows are filled in at the launch
-    positions: torch.Tensor
-    slots: torch.Tensor
-    meta: AttentionMetadata
-    sample_rows: list[int]
-    # (row of token_ids, its sequence, the plan's list holding the token, index in it):
-    # each PENDING_TOKEN, resolved at the launch in the batch and in the plan alike
-    pending: list[tuple[int, int, list[int], int]]
-    seq_lens: torch.Tensor | None = None  # [T] context at the chunk's end: dynamic NTK only
-
-
-@dataclass
-class PreparedStep:
-    """A plan applied to this rank's state, its batch built: ready to launch."""
-
-    plan: StepPlan
-    digest: int  # this rank's state digest after the plan: what its result reports
-    timing: RankTiming
-    batch: BatchInputs | None = None  # None: the plan runs no chunk
-    launched_at: float = 0.0  # perf_counter
-    sampled: torch.Tensor | None = None  # the real model's tokens, maybe still on the device
-    logits: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -98,14 +70,24 @@ class ModelRunner:
         # seeded by position), and each rank reports what it sampled, which the scheduler
         # checks against rank 0's (StepResult.sampled_digest).
         self.every_rank_samples = config.async_scheduling and tp.world_size > 1
+        # seq id -> (its sampling parameters, its seed), from the plan that opens it until
+        # the launch of the plan that closes it
+        self.sampling: dict[int, tuple[SamplingParams, int]] = {}
+        # The model, and the forward pass that launches and finishes each step's forward
+        # (worker/forward.py): the model's on its device, or the null model, which is its
+        # own and has the same interface, so nothing below asks which it is.
         self.model: LlamaModel | NullModel
+        self.forward_pass: ModelForward | NullModel
         if config.null_model_forward_ms is not None:  # benchmarks: the engine's own cost
-            self.model = NullModel(self.model_config, tp, config.null_model_forward_ms,
-                                   self.every_rank_samples)
+            self.model = self.forward_pass = NullModel(
+                self.model_config, tp, config.null_model_forward_ms, self.every_rank_samples)
         else:
             self.model = LlamaModel(self.model_config, tp, self.dtype, device,
                                     logits_everywhere=self.every_rank_samples)
             self.model.load(config.model, show_progress=tp.rank == 0)
+            self.forward_pass = ModelForward(self.model, config.attention_backend,
+                                             config.block_size, self.sampling)
+        self.attn: AttentionBackend | None = self.forward_pass.attn
 
         m = self.model
         block_bytes = KVCache.bytes_per_block(
@@ -115,9 +97,11 @@ class ModelRunner:
         # Ranks may have different free memory; every rank must hold the same
         # block ids, so all take the minimum.
         self.kv_bytes_per_block = block_bytes
-        if (num_device_blocks is None and device.type == "cuda" and config.gpu_memory_utilization
-                and isinstance(m, LlamaModel)):  # the null model has nothing to profile
-            num_device_blocks = self._profile_num_blocks(block_bytes)
+        if num_device_blocks is None and device.type == "cuda" and config.gpu_memory_utilization:
+            # None: nothing to profile (the null model); sized as without profiling
+            num_device_blocks = self.forward_pass.profile_num_blocks(
+                min(config.max_num_batched_tokens, self.max_model_len), block_bytes,
+                config.gpu_memory_utilization)
         if num_device_blocks is None:
             budget = device_tier_bytes(config, block_bytes // config.block_size,
                                        self.max_model_len, device, local_world_size())
@@ -130,13 +114,7 @@ class ModelRunner:
             self.model_config.num_layers, self.num_device_blocks, self.num_host_blocks,
             config.block_size, m.num_kv_heads, m.head_dim, self.dtype, device,
         )
-        # the null model attends to nothing: no backend (nor its compiled kernel) to load
-        self.attn: AttentionBackend | None = None if isinstance(m, NullModel) else create_backend(
-            config.attention_backend, m.num_heads, m.num_kv_heads, m.head_dim,
-            config.block_size, self.dtype, device,
-        )
         self.block_tables = BlockTables(max_cols=-(-self.max_model_len // config.block_size))
-        self.sampling: dict[int, tuple[SamplingParams, int]] = {}
         # the disk tier, below the host tier (worker/disk_tier.py); None when off
         self.disk: RankDiskTier | None = None
         if config.disk_cache_size and self.num_host_blocks:
@@ -151,37 +129,9 @@ class ModelRunner:
         # (the rank's control thread marks the step there; test-only faults hook in too).
         self.on_applied: Callable[[StepPlan], None] | None = None
         self._last_forward_end: float | None = None  # perf_counter; for RankTiming.gap_s
-        self._forward_end: torch.cuda.Event | None = None  # recorded after a CUDA launch
         # seq id -> the token it sampled last (every rank, with overlap scheduling): what a
         # PENDING_TOKEN in the next plan stands for
         self.last_token: dict[int, int] = {}
-
-    def _profile_num_blocks(self, block_bytes: int) -> int:
-        """CUDA: blocks that fit in `gpu_memory_utilization` of the GPU after the weights and
-        the activations of the largest step (measured by running one)."""
-        cfg, m, bs = self.config, self.model, self.config.block_size
-        num_tokens = min(cfg.max_num_batched_tokens, self.max_model_len)
-        scratch_blocks = -(-num_tokens // bs)
-        kv = KVCache(self.model_config.num_layers, scratch_blocks, 0, bs, m.num_kv_heads,
-                     m.head_dim, self.dtype, self.device)
-        attn = create_backend(cfg.attention_backend, m.num_heads, m.num_kv_heads, m.head_dim,
-                              bs, self.dtype, self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-        attn.plan(AttentionMetadata(i32([0, num_tokens]), i32([0, scratch_blocks]),
-                                    i32(list(range(scratch_blocks))),
-                                    i32([num_tokens - (scratch_blocks - 1) * bs]), bs))
-        positions = torch.arange(num_tokens, device=self.device)
-        hidden = self.model.forward(torch.zeros(num_tokens, dtype=torch.long, device=self.device),
-                                    positions, positions, kv, attn)
-        self.model.logits(hidden[-1:])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - kv.k.nbytes - kv.v.nbytes
-        del kv, attn, hidden
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return max(0, int(total * cfg.gpu_memory_utilization - peak) // block_bytes)
 
     # --- one step ----------------------------------------------------------------
     #
@@ -227,15 +177,7 @@ class ModelRunner:
         if self._last_forward_end is not None:
             step.timing.gap_s = t3 - self._last_forward_end
         step.launched_at = t3
-        ids = self._resolve_pending(step)
-        if isinstance(self.model, NullModel):
-            assert not return_logits, "the null model has no logits"
-            self.model.launch(step.plan)
-        else:
-            step.sampled, step.logits = self._forward(step, ids, return_logits)
-            if self.device.type == "cuda":  # its end, for `forward_done`
-                self._forward_end = torch.cuda.Event()
-                self._forward_end.record()
+        self.forward_pass.launch(step, self._resolve_pending(step), self.kv, return_logits)
 
     def forward_in_flight(self) -> bool:
         """Whether the forward just launched still runs beside this core (a GPU's, or the
@@ -245,24 +187,17 @@ class ModelRunner:
 
     def busy_s(self) -> float:
         """How long that forward still runs, where known (the null model); else 0."""
-        return self.model.busy_s() if isinstance(self.model, NullModel) else 0.0
+        return self.forward_pass.busy_s()
 
     def forward_done(self) -> bool:
         """Whether the forward last launched has ended (a GPU's: its work queued so far;
         on the CPU always)."""
-        if isinstance(self.model, NullModel):
-            return self.model.busy_s() == 0
-        return self._forward_end is None or self._forward_end.query()
+        return self.forward_pass.done()
 
     def finish(self, step: PreparedStep) -> StepOutput:
         if step.batch is None:
             return self._with_disk(StepOutput([], step.digest, step.timing), idle=True)
-        if isinstance(self.model, NullModel):
-            sampled = self.model.finish()
-        else:  # reading the tokens waits for the device
-            rows = step.plan.decodes.seq_ids + [c.seq_id for c in step.plan.chunks if c.sample
-                                                for _ in range(c.num_draft + 1)]
-            sampled = list(zip(rows, step.sampled.tolist())) if step.sampled is not None else []
+        sampled = self.forward_pass.finish(step)  # waits for the forward
         t4 = time.perf_counter()
         step.timing.forward_s = t4 - step.launched_at
         self._last_forward_end = t4
@@ -294,32 +229,7 @@ class ModelRunner:
         # scheduler rejects them first; this is the worker's own guard).
         assert 0 <= token_ids.min() and token_ids.max() < self.vocab_size, (
             "token id outside the vocabulary")
-        return self._to_device(token_ids)
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """`array` on this rank's device. On CUDA through pinned memory, without waiting:
-        under overlap scheduling the next step's inputs are made while this step's
-        forward runs, and a copy from pageable memory would wait for that forward to end
-        (torch synchronizes the stream for it), which is the overlap undone."""
-        tensor = torch.from_numpy(array)
-        if self.device.type != "cuda":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
-
-    def _forward(self, step: PreparedStep, ids: torch.Tensor, return_logits: bool
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Issue the model over the batch and the samples (this rank's, if it samples; and,
-        asked, every row's logits). On a GPU nothing here waits for the device."""
-        b, plan = step.batch, step.plan
-        self.attn.plan(b.meta)
-        hidden = self.model.forward(ids, b.positions, b.slots, self.kv, self.attn, b.seq_lens)
-        rows = self._to_device(np.array(b.sample_rows, dtype=np.int64))
-        logits = self.model.logits(hidden if return_logits else hidden[rows])
-        sampled = None
-        if logits is not None and b.sample_rows:
-            sampled = self._sample(plan, logits[rows] if return_logits else logits,
-                                   b.sample_rows)
-        return sampled, logits if return_logits else None
+        return to_device(token_ids, self.device)
 
     @staticmethod
     def _accept_drafts(plan: StepPlan,
@@ -433,14 +343,14 @@ class ModelRunner:
                     for end, c in zip(ends, chunks) if c.token_ids[-1] == PENDING_TOKEN]
         return BatchInputs(
             token_ids=token_ids,
-            positions=self._to_device(positions),
-            slots=self._to_device(slots),
+            positions=to_device(positions, self.device),
+            slots=to_device(slots, self.device),
             meta=meta,
             # a drafted decode samples at each draft and after the last
             sample_rows=[*range(nd)] + [row for end, c in zip(ends, chunks) if c.sample
                                         for row in range(end - 1 - c.num_draft, end)],
             pending=pending,
-            seq_lens=(self._to_device(np.repeat(ctx, n_tok).astype(np.int64))
+            seq_lens=(to_device(np.repeat(ctx, n_tok).astype(np.int64), self.device)
                       if self.model_config.dynamic_rope else None),
         )
 
@@ -453,19 +363,3 @@ class ModelRunner:
             # An exact page table: a spare page would read stale KV.
             assert p <= n_table, (
                 f"seq {c.seq_id}: {n_ctx} tokens need {p} blocks, table has {n_table}")
-
-    def _sample(self, plan: StepPlan, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """The tokens of the plan's sampling rows, in order, on the logits' device: one row
-        per sample, a drafted decode's rows its last num_draft + 1 positions, each sampled
-        as plain decoding would sample it there (its seed, its position, and a guided
-        one's mask there: the grammar's after the drafts before it)."""
-        d = plan.decodes  # first: one row each, at the position after its token, no mask
-        rows_of = [(s, p + 1) for s, p in zip(d.seq_ids, d.start_pos)]
-        rows_of += [(c.seq_id, c.start_pos + len(c.token_ids) - c.num_draft + k)
-                    for c in plan.chunks if c.sample for k in range(c.num_draft + 1)]
-        assert len(rows_of) == len(rows)
-        params = [self.sampling[s][0] for s, _ in rows_of]
-        seeds = [self.sampling[s][1] for s, _ in rows_of]
-        positions = [p for _, p in rows_of]
-        masks = [None] * len(d) + [m for c in plan.chunks if c.sample for m in c.row_masks()]
-        return sample_tensor(logits, params, seeds, positions, masks)

@@ -17,6 +17,12 @@ Choices, and why:
   really took. Like a GPU's, the forward runs beside the rank: `launch` starts it,
   `finish` waits for its end, and in between the rank may prepare its next step
   (worker/main.py), as it does over a real GPU forward.
+- It is the ModelRunner's forward pass as the real model's `ModelForward` is, with the
+  same interface (worker/forward.py), so the runner never asks which it holds. What it
+  has no use for is a no-op: it attends to nothing (no backend, nor its compiled
+  kernel, is loaded), has no memory to profile, takes no logits and ignores the KV
+  pages and the batch's device inputs (a rank still builds them every step: its page
+  tables check every chunk against its block table).
 - The token at position p is a fixed hash of (the chunk's last input token, p), never
   an end-of-sequence id: runs are reproducible, a prompt gives the same tokens with and
   without a prefix hit, and lengths are set by max_tokens alone. Sampling parameters
@@ -31,6 +37,7 @@ Choices, and why:
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -39,6 +46,12 @@ from wire.digest import _mix64, _mix64_np
 from wire.step import ScheduledChunk, StepPlan
 from worker.distributed import TensorParallelGroup
 from worker.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from worker.forward import PreparedStep
+    from worker.kv_cache import KVCache
 
 # The KV page of one layer: one head of one element (see the module's docstring).
 NULL_KV_HEADS = 1
@@ -67,14 +80,43 @@ class NullModel:
         self._busy_until = 0.0  # perf_counter: the end of the forward in flight
         self._sampled: list[tuple[int, int]] = []
 
+    # --- the forward pass (worker/forward.py) -------------------------------------
+
+    attn = None  # it attends to nothing
+
+    def profile_num_blocks(self, num_tokens: int, block_bytes: int,
+                           memory_fraction: float) -> None:
+        """Nothing to measure (no weights, no activations): the device tier is sized as
+        without profiling."""
+        return None
+
+    def launch(self, step: PreparedStep, ids: torch.Tensor, kv: KVCache,
+               return_logits: bool = False) -> None:
+        """Start the forward of `step.plan`: from now the "device" is busy for the forward
+        time, and the rank's core is free (it may prepare its next step meanwhile, as on
+        a GPU). Its tokens come from the plan, whose pending tokens are resolved."""
+        assert not return_logits, "the null model has no logits"
+        self._start(step.plan)
+
+    def busy_s(self) -> float:
+        """How long the forward in flight still runs."""
+        return max(0.0, self._busy_until - time.perf_counter())
+
+    def done(self) -> bool:
+        return self.busy_s() == 0
+
+    def finish(self, step: PreparedStep | None = None) -> list[tuple[int, int]]:
+        """Wait for the forward in flight; its samples."""
+        if (wait := self.busy_s()) > 0:
+            time.sleep(wait)
+        return self._sampled
+
     def forward(self, plan: StepPlan) -> list[tuple[int, int]]:
-        """`launch`, then `finish`."""
-        self.launch(plan)
+        """A plan's forward at once: `launch`, then `finish`."""
+        self._start(plan)
         return self.finish()
 
-    def launch(self, plan: StepPlan) -> None:
-        """Start the forward: from now the "device" is busy for the forward time, and the
-        rank's core is free (it may prepare its next step meanwhile, as on a GPU)."""
+    def _start(self, plan: StepPlan) -> None:
         self._busy_until = time.perf_counter() + self.forward_s
         # a rank that samples (rank 0, or every rank under overlap scheduling, as with the
         # real model) has a (seq_id, token) for each chunk that samples, the others none
@@ -88,15 +130,7 @@ class NullModel:
         self._sampled += [(c.seq_id, self.token(c, len(c.token_ids) - c.num_draft + k))
                           for c in plan.chunks if c.sample for k in range(c.num_draft + 1)]
 
-    def busy_s(self) -> float:
-        """How long the forward in flight still runs."""
-        return max(0.0, self._busy_until - time.perf_counter())
-
-    def finish(self) -> list[tuple[int, int]]:
-        """Wait for the forward in flight; its samples."""
-        if (wait := self.busy_s()) > 0:
-            time.sleep(wait)
-        return self._sampled
+    # --- the tokens -----------------------------------------------------------------
 
     def token(self, chunk: ScheduledChunk, upto: int | None = None) -> int:
         """The token after the chunk's first `upto` tokens (all: None): a function of the

@@ -28,7 +28,7 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
                   ) -> torch.Tensor:
     """`sample`, the tokens left on the logits' device: on a GPU nothing here waits for
     the forward pass, so the rank prepares its next step while the device still runs
-    (worker/model_runner.py); reading the tokens is the one wait."""
+    (worker/forward.py); reading the tokens is the one wait."""
     if allowed:
         _mask_disallowed(logits, allowed)
     tokens = logits.argmax(dim=-1)

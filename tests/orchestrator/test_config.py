@@ -130,3 +130,58 @@ def test_every_engine_flag_survives_the_run_directory(default_model: Path,
     assert [type(getattr(back, f.name)) for f in fields(EngineConfig)] == [
         type(getattr(config, f.name)) for f in fields(EngineConfig)]
     assert codec.decode(codec.encode(back)) == config  # and on to the ranks
+
+
+def test_every_engine_setting_comes_from_its_flag_or_is_derived(default_model: Path,
+                                                                tmp_path: Path) -> None:
+    """build_config copies each EngineConfig field from the flag whose dest is the field's
+    name, and derives the rest: a field added without a flag fails here until it gets one
+    (or build_config derives it), and each flag's value reaches its field."""
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    dests = set(vars(p.parse_args([])))
+    names = {f.name for f in fields(EngineConfig)}
+    # no flag of their name: the ranks the launcher counts, the parsed --speculative-config,
+    # and the tokenizer the launcher writes for a GGUF model
+    assert names - dests == {"world_size", "speculative", "tokenizer"}
+    # a value other than the default for every field copied from its flag as it is
+    flags = {
+        "dtype": (["--dtype", "bfloat16"], "bfloat16"),
+        "device": (["--device", "cpu"], "cpu"),
+        "block_size": (["--block-size", "32"], 32),
+        "kv_cache_memory": (["--kv-cache-memory", "123456"], 123456),
+        "gpu_memory_utilization": (["--gpu-memory-utilization", "0.5"], 0.5),
+        "host_cache_memory": (["--host-cache-memory", "1000000"], 1000000),
+        "disk_cache_size": (["--disk-cache-size", "5000"], 5000),
+        "disk_max_queued_writes": (["--disk-max-queued-writes", "7"], 7),
+        "disk_write_bytes_per_s": (["--disk-write-bytes-per-s", "1e6"], 1e6),
+        "enable_prefix_caching": (["--no-prefix-caching"], False),
+        "max_retained_fraction": (["--max-retained-fraction", "0.25"], 0.25),
+        "max_model_len": (["--max-model-len", "128"], 128),
+        "max_num_seqs": (["--max-num-seqs", "3"], 3),
+        "max_num_batched_tokens": (["--max-num-batched-tokens", "99"], 99),
+        "max_queued_requests": (["--max-queued-requests", "5"], 5),
+        "max_queued_tokens": (["--max-queued-tokens", "1000"], 1000),
+        "step_timeout_s": (["--step-timeout", "12.5"], 12.5),
+        "full_cache_check_every": (["--full-cache-check-every", "4"], 4),
+        "attention_backend": (["--attention-backend", "torch"], "torch"),
+        "torch_threads": (["--torch-threads", "2"], 2),
+        "seed": (["--seed", "9"], 9),
+        "null_model_forward_ms": (["--null-model-forward-ms", "1.5"], 1.5),
+        "async_scheduling": (["--no-async-scheduling"], False),
+        "step_channel": (["--step-channel", "zmq"], "zmq"),
+        "kv_events_endpoint": (["--kv-events-endpoint", "5557"], "5557"),
+        "kv_events_replay_endpoint": (["--kv-events-replay-endpoint", "5558"], "5558"),
+    }
+    derived = {"model", "kv_write_policy", "disk_cache_dir", "served_model_name"}
+    assert set(flags) == (names & dests) - derived
+    argv = ["--model", str(default_model), "--disk-cache-dir", str(tmp_path / "d"),
+            *(arg for given, _ in flags.values() for arg in given)]
+    config = build_config(p.parse_args(argv), world_size=3)[0]
+    default = EngineConfig(model="")
+    for name, (_, value) in flags.items():
+        assert getattr(config, name) == value != getattr(default, name), name
+    assert (config.model, config.world_size, config.served_model_name) == (
+        str(default_model.resolve()), 3, default_model.name.removesuffix(".gguf"))
+    assert config.disk_cache_dir == str((tmp_path / "d").resolve())
+    assert config.kv_write_policy == "write_through" and config.speculative is None

@@ -68,7 +68,7 @@ def install(runner, rank: int, control_dir: Path | None, log) -> None:
 
     runner.on_applied = on_applied
     if wrong_sample:
-        sample = runner._sample
+        sample = runner.forward_pass._sample  # the real model's (worker/forward.py)
 
         def sample_wrong(plan, logits, rows):
             out = sample(plan, logits, rows)  # a tensor of tokens, one per sampling chunk
@@ -77,4 +77,4 @@ def install(runner, rank: int, control_dir: Path | None, log) -> None:
                 log.warning("fault_wrong_sample", token=int(out[0]))
             return out
 
-        runner._sample = sample_wrong
+        runner.forward_pass._sample = sample_wrong

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import numpy as np
@@ -20,6 +21,7 @@ from wire.step import (
     StepPlan,
 )
 from worker.distributed import TensorParallelGroup
+from worker.forward import ModelForward
 from worker.gguf import load_config
 from worker.model_runner import ModelRunner
 from worker.null_model import NULL_HEAD_DIM, NULL_KV_HEADS, NullModel
@@ -70,6 +72,19 @@ def test_forward_waits_at_least_its_time_and_only_rank_0_samples(default_model):
 def test_world_sizes_the_model_cannot_split_are_refused(default_model):
     with pytest.raises(ValueError, match="does not divide"):
         null_model(default_model, world_size=3)
+
+
+def test_the_null_model_is_a_forward_pass_like_the_real_models():
+    """The runner holds the real model's forward pass or the null model and never asks
+    which (worker/forward.py): every method of the one is on the other, with the same
+    parameters, so a path only a GPU takes cannot call what the null model lacks."""
+    methods = {name: f for name, f in vars(ModelForward).items()
+               if callable(f) and not name.startswith("_")}
+    assert {"launch", "finish", "busy_s", "done", "profile_num_blocks"} <= set(methods)
+    for name, method in methods.items():
+        ours = inspect.signature(getattr(NullModel, name)).parameters
+        assert list(ours) == list(inspect.signature(method).parameters), name
+    assert NullModel.attn is None  # it attends to nothing
 
 
 def test_runner_applies_plans_through_the_real_paths_without_weights(default_model):
