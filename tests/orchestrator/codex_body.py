@@ -17,19 +17,24 @@ DEVELOPER = ("You are Codex, a coding agent. You and the user share the same wor
              "- Keep changes minimal.\n") * 4
 SCHEMA = {"type": "object", "properties": {"cmd": {"type": "string"}},
           "required": ["cmd"], "additionalProperties": False}
+# the namespace's functions: a call the grammar holds to a few tokens (a forced one, e2e)
+APP_SCHEMA = {"type": "object", "properties": {"scope": {"enum": ["repo", "file"]}},
+              "required": ["scope"], "additionalProperties": False}
 
 
-def function_tool(name: str, description: str = "") -> dict[str, Any]:
+def function_tool(name: str, description: str = "",
+                  parameters: dict[str, Any] = SCHEMA) -> dict[str, Any]:
     return {"type": "function", "name": name,
             "description": description or f"{name}: does what its name says.",
-            "strict": False, "parameters": SCHEMA}
+            "strict": False, "parameters": parameters}
 
 
 TOOLS = [
     function_tool("exec_command", "Runs a command in a PTY, returning output."),
     function_tool("update_plan", "Updates the task plan."),
     {"type": "namespace", "name": "codex_apps", "description": "Apps the user connected.",
-     "tools": [function_tool(n) for n in ("search", "fetch", "list", "open", "close")]},
+     "tools": [function_tool(n, parameters=APP_SCHEMA)
+               for n in ("search", "fetch", "list", "open", "close")]},
 ]
 
 

@@ -5,6 +5,7 @@ the prompt (the render endpoint), and errors before and after the stream starts.
 
 from __future__ import annotations
 
+import base64
 import json
 from collections import Counter
 from collections.abc import Iterator
@@ -18,11 +19,12 @@ from starlette.testclient import TestClient
 
 from orchestrator.shim.options import ShimOptions
 from orchestrator.shim.server import build_app
+from tests.orchestrator.claude_code_body import png
 from tests.orchestrator.codex_body import codex_request, first_turn
 from tests.orchestrator.fuzz_requests import API_KEY, MAX_REQUEST_BYTES, responses_request
 from tests.orchestrator.scripted_engine import ScriptedEngine
 
-CALL = '<tool_call>\n{"name": "codex_apps.fetch", "arguments": {"cmd": "ls"}}\n</tool_call>'
+CALL = '<tool_call>\n{"name": "codex_apps.fetch", "arguments": {"scope": "repo"}}\n</tool_call>'
 
 
 @pytest.fixture
@@ -104,7 +106,7 @@ def test_codex_turns_call_a_namespaced_tool_and_keep_the_prefix(client, engine) 
     assert [i["type"] for i in done] == ["message", "function_call"]
     call = done[1]
     assert (call["name"], call["namespace"], json.loads(call["arguments"])) == (
-        "fetch", "codex_apps", {"cmd": "ls"})
+        "fetch", "codex_apps", {"scope": "repo"})
     assert call["call_id"].startswith("call_")
     args = [e for e in evs if e["type"].startswith("response.function_call_arguments")]
     assert [a["type"] for a in args] == ["response.function_call_arguments.delta",
@@ -281,3 +283,23 @@ def test_fuzzed_bodies_get_an_answer_or_a_400_never_a_500(engine, tiny_tokenizer
         answer()
     print("answers:", dict(answers))
     assert answers[200] >= 3 and answers[400] >= 30, answers
+
+
+def test_images_become_placeholders_and_limits_hold(engine, tiny_tokenizer,
+                                                    tiny_template) -> None:
+    """An input_image (in a message or a call's output) is a placeholder, as on the chat
+    API; --on-image reject refuses it; --max-messages counts input items."""
+    image = "data:image/png;base64," + base64.b64encode(png(2, 2)).decode()
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "look"},
+                                          {"type": "input_image", "image_url": image}]}]
+    with app_client(engine, tiny_tokenizer, tiny_template) as client:
+        r = client.post("/v1/responses/render", json={"model": "m", "input": items})
+        prompt = tiny_tokenizer.decode(r.json()["token_ids"], skip_special_tokens=False)
+        assert "look\n[image: image/png, " in prompt
+    with app_client(engine, tiny_tokenizer, tiny_template, on_image="reject",
+                    max_messages=2) as client:
+        r = client.post("/v1/responses", json={"model": "m", "input": items})
+        assert r.status_code == 400 and "--on-image reject" in r.json()["error"]["message"]
+        r = client.post("/v1/responses", json={"model": "m", "input": ["a", "b", "c"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+        assert "at most 2" in r.json()["error"]["message"]
