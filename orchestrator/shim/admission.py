@@ -77,9 +77,11 @@ def check_auth(request: Request, state: ServerState) -> str | None:
 
 
 def check_counts(body: dict[str, Any], state: ServerState) -> None:
-    """--max-messages and --max-tools for the chat APIs, checked before any work is
-    spent on the lists (a body under the byte limit can still hold a million tiny items)."""
+    """--max-messages and --max-tools for the chat APIs (--max-messages counts the
+    Responses API's `input` items), checked before any work is spent on the lists (a body
+    under the byte limit can still hold a million tiny items)."""
     for name, limit in (("messages", state.options.max_messages),
+                        ("input", state.options.max_messages),
                         ("tools", state.options.max_tools)):
         items = body.get(name)
         if isinstance(items, list) and len(items) > limit:

@@ -1,12 +1,12 @@
-"""The part of a chat request both chat APIs share (Anthropic Messages, OpenAI chat):
-render the conversation, tokenize it so the session's prefix keeps matching, check it
-fits, and turn the engine's text into reasoning, text and tool-call events.
+"""The part of a chat request the chat APIs share (Anthropic Messages, OpenAI chat and
+Responses): render the conversation, tokenize it so the session's prefix keeps matching,
+check it fits, and turn the engine's text into reasoning, text and tool-call events.
 
     body -> parse_chat(API parse) -> ChatRequest -> prepare_chat() -> ChatRun
     ChatRun.events(): ChatEvent (Reasoning | TextEvent | ToolCall), then the turn is recorded
     (the API's response module formats the events; pipeline.serve drives the steps)
 
-tool_choice is applied here, the same way for both APIs: "none" leaves calls as text;
+tool_choice is applied here, the same way for every API: "none" leaves calls as text;
 "required" or a named tool appends the start of a call to the prompt (the parser's
 `opening`) and a grammar holds the rest to the tool's schema, so the answer is a call;
 without parallel calls the answer ends at the first call.

@@ -240,6 +240,11 @@ class Metrics:
             "documents, server tool results, ...) replaced by a text placeholder, by type; "
             "a block resent in each turn of a conversation counts each time",
             ["type"], registry=r)
+        self.client_sessions = Counter(
+            "deepinfer_client_session_requests", "Responses API requests by where their "
+            "session id came from (prompt_cache_key, the session-id header, or none: a "
+            "digest of the conversation's start stands for it)", ["api", "source"],
+            registry=r)
         self.prefix_breaks = Counter(
             "deepinfer_prefix_breaks", "Prompts that did not extend their session's previous "
             "prompt plus output (see the prefix_break log lines)", registry=r)

@@ -1,5 +1,5 @@
 """One request pipeline for every generating endpoint (/v1/messages,
-/v1/chat/completions, /v1/completions):
+/v1/chat/completions, /v1/completions, /v1/responses):
 
     admit (key, gate) -> read the body -> parse it in the endpoint's API
     -> scheduling headers -> the engine is there -> start (render, tokenize, a run)

@@ -257,6 +257,28 @@ def openai_readable(messages: Any) -> tuple[Any, list[Replaced]]:
     return out, replaced
 
 
+def responses_part(part: Any, where: str, replaced: list[Replaced]) -> Any:
+    """A Responses API content part, its media replaced as a chat part's would be:
+    `input_image` {image_url | file_id} and `input_file` {file_data | file_id | file_url}
+    become placeholder text parts; anything else is left for the converter."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "input_image":
+        url, file_id = part.get("image_url"), part.get("file_id")
+        if isinstance(file_id, str) and not isinstance(url, str):
+            replaced.append(Replaced("image", f"'{where}'", True))
+            return {"type": "text", "text": reference_text("image", "file", file_id)}
+        part = {"type": "image_url", "image_url": {"url": url}}
+    elif kind == "input_file":
+        fields = {k: part[k] for k in ("file_data", "file_id") if isinstance(part.get(k), str)}
+        if not fields and isinstance(part.get("file_url"), str):
+            replaced.append(Replaced("file", f"'{where}'", True))
+            return {"type": "text", "text": reference_text("file", "url", part["file_url"])}
+        part = {"type": "file", "file": fields}
+    else:
+        return part
+    return _openai_part(part, where, replaced)
+
+
 def _openai_part(part: Any, where: str, replaced: list[Replaced]) -> Any:
     kind = part.get("type") if isinstance(part, dict) else None
     if not isinstance(kind, str) or kind in OPENAI_TEXT:

@@ -4,6 +4,7 @@ them, for a router that routes by prefix (SMG, llm-d's endpoint picker).
     POST /v1/chat/completions/render   an OpenAI chat body
     POST /v1/completions/render        an OpenAI completions body
     POST /v1/messages/render           an Anthropic Messages body
+    POST /v1/responses/render          an OpenAI Responses body
     -> {"token_ids": [...]}
 
 A router that tokenizes on its own, with another template or without our rewrites
@@ -25,6 +26,7 @@ from orchestrator.shim.admission import admit, read_json_object, scheduling_hint
 from orchestrator.shim.anthropic_request import parse_messages_request
 from orchestrator.shim.chat import parse_chat, render_chat, spliced_token_ids
 from orchestrator.shim.openai_request import parse_chat_request, parse_completion_body
+from orchestrator.shim.responses_response import parse_body as parse_responses_body
 from orchestrator.shim.state import ServerState, shim_state
 
 
@@ -53,3 +55,10 @@ async def completions(request: Request) -> Response:
     state, _, body = await _body(request)
     generate, _ = await parse_completion_body(state, body, request.headers)
     return JSONResponse({"token_ids": generate.prompt_token_ids})
+
+
+async def responses(request: Request) -> Response:
+    state, tenant, body = await _body(request)
+    parsed = await parse_responses_body(state, body, request.headers)
+    req, _, text = await render_chat(state, parsed.chat, scheduling_hints(request, state, tenant))
+    return JSONResponse({"token_ids": await spliced_token_ids(state, req.session, text)})

@@ -13,7 +13,9 @@ salted with its key's tenant (`tenants`).
 
 Endpoints: POST /v1/messages and /v1/messages/count_tokens (Anthropic,
 `anthropic_request` and `anthropic_response`), POST /v1/chat/completions and
-POST /v1/completions (OpenAI, `openai_request` and `openai_response`), each through one
+POST /v1/completions (OpenAI, `openai_request` and `openai_response`), POST /v1/responses
+(OpenAI's Responses API, for Codex CLI: `responses_request` and `responses_response`), each
+through one
 pipeline (`pipeline.serve`); their prompts' token ids at .../render (`render`, for a
 router); GET /v1/models, /health, /metrics here.
 
@@ -46,7 +48,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tokenizers import Tokenizer
 
-from orchestrator.shim import anthropic_response, openai_response, render
+from orchestrator.shim import anthropic_response, openai_response, render, responses_response
 from orchestrator.shim.admission import (
     HeaderLimit,
     admit,
@@ -212,12 +214,14 @@ def build_app(
             Route("/v1/completions", openai_response.completions, methods=["POST"]),
             Route("/v1/chat/completions", openai_response.chat_completions,
                   methods=["POST"]),
+            Route("/v1/responses", responses_response.responses, methods=["POST"]),
             Route("/v1/messages", anthropic_response.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic_response.count_tokens,
                   methods=["POST"]),
             Route("/v1/chat/completions/render", render.chat_completions, methods=["POST"]),
             Route("/v1/completions/render", render.completions, methods=["POST"]),
             Route("/v1/messages/render", render.messages, methods=["POST"]),
+            Route("/v1/responses/render", render.responses, methods=["POST"]),
         ],
         middleware=[Middleware(HeaderLimit, limit=options.max_header_bytes)],
         exception_handlers={

@@ -175,6 +175,8 @@ def headers(draw: st.DrawFn, path: str) -> dict[str, str]:
         h["anthropic-version"] = draw(VERSIONS)
     if draw(st.booleans()):
         h["x-claude-code-session-id"] = draw(SESSION_IDS)
+    if path == "/v1/responses" and draw(st.booleans()):
+        h["session-id"] = draw(SESSION_IDS)
     return h
 
 
@@ -324,6 +326,69 @@ COMPLETION_OPTIONAL = {
 def completion_request() -> st.SearchStrategy[Request]:
     return request("/v1/completions", {"model": "fuzz", "prompt": PROMPTS,
                                        "max_tokens": MAX_TOKENS}, COMPLETION_OPTIONAL)
+
+
+# --- OpenAI Responses ------------------------------------------------------------------------
+
+RESPONSES_PARTS = st.lists(mostly(
+    st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "text"]),
+                           "text": texts}, optional={"annotations": json_values}),
+    st.one_of(st.sampled_from([
+        {"type": "input_image", "image_url": "data:image/png;base64,AAAA"},
+        {"type": "input_image", "file_id": "file-1"}, {"type": "input_image"},
+        {"type": "input_file", "file_data": "AAAA"}, {"type": "refusal", "refusal": "no"},
+        {"type": "input_audio"}, {"type": 3}]), json_values)), max_size=3)
+RESPONSES_ITEM = st.one_of(
+    st.fixed_dictionaries(
+        {"type": st.just("message"),
+         "role": mostly(st.sampled_from(["developer", "system", "user", "assistant"]),
+                        st.sampled_from(["tool", "", "critic"])),
+         "content": st.one_of(texts, RESPONSES_PARTS)},
+        optional={"id": small_texts, "status": small_texts, "phase": json_values}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": tool_ids,
+                           "name": tool_names, "arguments": ARGUMENTS},
+                          optional={"id": small_texts, "namespace": small_texts}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": tool_ids,
+                           "output": st.one_of(texts, RESPONSES_PARTS, json_values)}),
+    st.fixed_dictionaries({"type": st.just("reasoning")}, optional={
+        "summary": st.one_of(st.lists(st.fixed_dictionaries(
+            {"type": st.just("summary_text"), "text": texts}), max_size=2), json_values),
+        "content": st.lists(st.fixed_dictionaries({"type": st.just("reasoning_text"),
+                                                   "text": texts}), max_size=2),
+        "encrypted_content": small_texts}),
+    st.sampled_from([{"type": "item_reference", "id": "x"}, {"type": "web_search_call"},
+                     {"role": "user", "content": "short form"}]))
+RESPONSES_TOOL = st.one_of(
+    st.fixed_dictionaries({"type": st.just("function"), "name": tool_names},
+                          optional={"parameters": schemas(), "description": texts,
+                                    "strict": st.booleans()}),
+    st.fixed_dictionaries({"type": st.just("namespace"), "name": small_texts,
+                           "description": texts, "tools": st.lists(st.fixed_dictionaries(
+                               {"type": st.sampled_from(["function", "custom"]),
+                                "name": tool_names}, optional={"parameters": schemas()}),
+                               max_size=2)}),
+    st.sampled_from([{"type": "web_search"}, {"type": "teleport"}]))
+RESPONSES_OPTIONAL = {
+    **{k: SAMPLING[k] for k in ("temperature", "top_p", "stream")},
+    "instructions": texts, "tools": st.lists(RESPONSES_TOOL, max_size=3),
+    "tool_choice": st.sampled_from(["auto", "none", "required",
+                                    {"type": "function", "name": "Bash"}]),
+    "parallel_tool_calls": st.booleans(), "store": st.booleans(),
+    "prompt_cache_key": small_texts, "cache_salt": small_texts,
+    "reasoning": st.just({"summary": "auto"}), "include": st.just(["reasoning.encrypted_content"]),
+    "previous_response_id": small_texts,
+    "text": st.one_of(st.just({"format": {"type": "json_object"}}),
+                      st.fixed_dictionaries({"format": st.fixed_dictionaries(
+                          {"type": st.just("json_schema"), "name": small_texts,
+                           "schema": schemas()})})),
+}
+
+
+def responses_request() -> st.SearchStrategy[Request]:
+    return request("/v1/responses", {
+        "model": "codex-fuzz", "max_output_tokens": MAX_TOKENS,
+        "input": st.one_of(texts, st.lists(mostly(RESPONSES_ITEM, json_values), min_size=1,
+                                           max_size=4))}, RESPONSES_OPTIONAL)
 
 
 # --- anything at all -------------------------------------------------------------------------
