@@ -59,7 +59,9 @@ class Child:
     proc: subprocess.Popen
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """`deepinfer-run`'s flags and its `serve` command's: the one place that knows them
+    (tests/orchestrator/test_startup_flags.py starts each of them)."""
     p = argparse.ArgumentParser(prog="deepinfer-run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc-per-node", type=int, default=1,
@@ -83,6 +85,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "retry-after meanwhile. One node only")
     sub = p.add_subparsers(dest="command", required=True)
     add_serve_arguments(sub.add_parser("serve", help="serve the model over HTTP"))
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.restart < 0:
         p.error("--restart must be >= 0")

@@ -137,8 +137,8 @@ def test_two_nodes_talk_over_curve_and_nobody_else_does(default_model: Path,
                              env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "needs --master-port" in refused.stderr
     master_port, port = free_port(span=3), free_port()  # the head binds master_port + 1, + 2
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-port", str(master_port),
-              "--secret-file", str(secret)]
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+              "--master-port", str(master_port), "--secret-file", str(secret)]
     nodes = [launcher(*common, "--node-rank", str(r), "--run-dir", str(tmp_path / f"run{r}"),
                       *serve, "--port", str(port), log=tmp_path / f"node{r}.log")
              for r in (0, 1)]
