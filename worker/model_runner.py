@@ -133,7 +133,7 @@ class ModelRunner:
         # the null model attends to nothing: no backend (nor its compiled kernel) to load
         self.attn: AttentionBackend | None = None if isinstance(m, NullModel) else create_backend(
             config.attention_backend, m.num_heads, m.num_kv_heads, m.head_dim,
-            config.block_size, self.dtype, device,
+            config.block_size, self.dtype, device, m.kernel_choice,
         )
         self.block_tables = BlockTables(max_cols=-(-self.max_model_len // config.block_size))
         self.sampling: dict[int, tuple[SamplingParams, int]] = {}
