@@ -31,7 +31,7 @@ DECODE_LENS = [(1, 2048)] * 4  # the agents' decode batch
 STREAM_BYTES = 64 << 20
 ELEMENTWISE_ROWS = (16, 256)  # a decode step's and a prefill chunk's tokens
 RACE_ROUNDS = 9
-RACE_SECONDS = 0.2  # per verdict, after the warm-up; at least two rounds
+RACE_SECONDS = 0.15  # per verdict, after the warm-up; at least two rounds
 
 Piece = Callable[[], object]
 

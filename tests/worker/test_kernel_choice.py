@@ -170,6 +170,20 @@ def test_where_there_is_no_kernel_not_even_forcing_takes_one():
     assert measure.asked == []
 
 
+def test_kernels_off_choose_torch_everywhere_without_measuring(monkeypatch):
+    """DEEPINFER_CPU_KERNELS=0 still turns every kernel off: nothing measured, nothing
+    cached, and the log says why."""
+    from worker import cpu_kernels
+
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    with capture_logs() as logs:
+        choice = kernel_choice.choose(F32, never)
+    assert not any(choice.uses(name) for name in VERDICTS)
+    [event] = [e for e in logs if e["event"] == "kernel_choice"]
+    assert event["cache"] is None
+    assert event["prefill"] == "torch (no kernel; DEEPINFER_CPU_KERNELS=0)"
+
+
 def test_the_real_measurement_times_both_paths():
     """measure_model runs the engine's two paths for each verdict (only that they ran is
     checked: which one is faster is this machine's business)."""
