@@ -7,7 +7,8 @@ GEMMs run on AMX tiles through oneDNN, while their decode attention stayed 3-6x 
 it: no one answer holds for every CPU, dtype and shape. So each path is decided once per
 rank start -- prefill attention, decode attention (worker/attention/torch_backend.py), the
 few-row linear layer at 1, 4 and 16 rows (worker/linear.py) and the elementwise passes
-(worker/elementwise.py):
+(worker/elementwise.py: the norms and SiLU measured, the rotary-and-store pass going with
+them):
 
 1. where no kernel exists for the dtype or shape, torch;
 2. where the instruction set decides, by it: bf16 prefill on a CPU with `amx_bf16` goes
