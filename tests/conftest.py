@@ -32,6 +32,11 @@ settings.register_profile("ci", derandomize=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# Tests run the compiled CPU kernels on every path, as they did before the rank's kernel
+# choice (worker/kernel_choice.py) measured which paths beat torch: which path a test runs
+# must not depend on timings (their own rank processes inherit it). Its own tests set it.
+os.environ.setdefault("DEEPINFER_KERNEL_CHOICE", "kernels")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`cuda`-marked tests are skipped, cleanly, where torch sees no GPU."""

@@ -50,6 +50,8 @@ SOURCES = [CSRC / name
 HEADERS = [CSRC / "kernels.h", CSRC / "kv_rows.h", CSRC / "vec_math.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 ENV_SWITCH = "DEEPINFER_CPU_KERNELS"
+# The head dims paged_prefill is built for (others prefill in torch).
+PREFILL_KERNEL_HEAD_DIMS = (32, 64, 128)
 
 log = structlog.get_logger("deepinfer.worker")
 _lock = threading.Lock()

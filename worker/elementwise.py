@@ -19,8 +19,10 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class Elementwise:
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
-        kernels = cpu_kernels.load() if device.type == "cpu" else None
+    def __init__(self, device: torch.device, dtype: torch.dtype, use_kernels: bool = True) -> None:
+        """`use_kernels=False`: plain torch (where the rank's kernel choice found it faster,
+        worker/kernel_choice.py)."""
+        kernels = cpu_kernels.load() if device.type == "cpu" and use_kernels else None
         self.kernels = kernels if dtype in KERNEL_DTYPES else None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -88,7 +88,8 @@ class ModelForward:
         self.device = model.device
         self.block_size = block_size
         self.attn = create_backend(attention_backend, model.num_heads, model.num_kv_heads,
-                                   model.head_dim, block_size, model.dtype, model.device)
+                                   model.head_dim, block_size, model.dtype, model.device,
+                                   model.kernel_choice)
         # seq id -> (its sampling parameters, its seed): the runner's, kept by its plans
         self.sampling = sampling
         self._end: torch.cuda.Event | None = None  # recorded after a CUDA launch

@@ -17,9 +17,11 @@ from worker.attention import AttentionBackend
 from worker.distributed import TensorParallelGroup
 from worker.elementwise import Elementwise
 from worker.gguf import open_checkpoint
+from worker.kernel_choice import KernelChoice, ModelShapes, choose
+from worker.kernel_measure import measure_model
 from worker.kv_cache import KVCache
 from worker.layers import ParallelLMHead, Rotary, VocabParallelEmbedding, rms_norm
-from worker.linear import Linear
+from worker.linear import SMALL_ROWS, Linear
 from worker.model_config import ModelConfig
 from worker.moe import MoEWeights, fused_names, load_moe_weights, moe_forward
 from worker.weights import CheckpointReader
@@ -56,6 +58,9 @@ class LlamaModel:
         self.rotary = Rotary(inv_freq, device, scaling, config.dynamic_rope)
         self.linear = Linear(device)  # the few-row CPU kernel where it pays, else torch
         self.elementwise = Elementwise(device, dtype)  # fused norms and SiLU on CPU
+        # which of those compiled CPU kernels (and the attention's) beat torch here: once
+        # the weights are loaded (worker/kernel_choice.py)
+        self.kernel_choice: KernelChoice | None = None
         self.layers: list[LayerWeights] = []
 
     # --- loading ---------------------------------------------------------------
@@ -73,6 +78,23 @@ class LlamaModel:
         self.norm = self._dev(reader.full("model.norm.weight"))
         self.layers = [self._load_layer(reader, i) for i in range(cfg.num_layers)]
         reader.close()
+        if self.device.type == "cpu":
+            self._choose_kernels()
+
+    def _choose_kernels(self) -> None:
+        """Each compiled kernel only where it beats torch on this machine, at this rank's
+        thread count: decided by the instruction set or measured on the model's shapes
+        (read from the cache beside the kernel build after the first start)."""
+        layers = [[w for w in (layer.qkv, layer.o, layer.gate_up, layer.down) if w is not None]
+                  for layer in self.layers]
+        intermediate = next((w.down.shape[1] for w in self.layers if w.down is not None), 0)
+        shapes = ModelShapes(self.dtype, self.num_heads, self.num_kv_heads, self.head_dim,
+                             self.config.hidden_size, intermediate,
+                             tuple((w.shape[0], w.shape[1]) for w in layers[0]))
+        self.kernel_choice = choose(shapes, measure_model(shapes, layers, self._eps))
+        self.linear.kernel_rows = self.kernel_choice.linear_rows(SMALL_ROWS)
+        if not self.kernel_choice.uses("elementwise"):
+            self.elementwise = Elementwise(self.device, self.dtype, use_kernels=False)
 
     def _load_layer(self, reader: CheckpointReader, i: int) -> LayerWeights:
         cfg, r, d = self.config, self.tp.rank, self.head_dim

@@ -49,6 +49,8 @@ from tests.orchestrator.test_security_e2e import listening_addresses
 from tests.scheduler.kv_event_subscriber import Subscriber
 from tools import inspector
 from tools.harness.served import wait_healthy
+from wire import codec
+from wire.config import CONFIG_FILE, EngineConfig
 
 KEY = "startup-operator-key-0123"
 TENANTS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-0123456789abcdef00"}
@@ -114,9 +116,10 @@ class Launched:
     def run_dir(self) -> Path:
         return Path(self.events("engine_started")[0]["run_dir"])
 
-    def config(self) -> dict[str, Any]:
-        """The EngineConfig the launcher handed to every process (run dir's config.json)."""
-        return json.loads((self.run_dir() / "config.json").read_text())
+    def config(self) -> EngineConfig:
+        """The EngineConfig the launcher handed to every process (the run directory's
+        codec frame)."""
+        return codec.read_file(self.run_dir() / CONFIG_FILE, EngineConfig)
 
     def wait_for(self, what: str, predicate: Callable[[], Any], timeout_s: float = 30) -> Any:
         deadline = time.monotonic() + timeout_s
@@ -357,8 +360,8 @@ def engine_options_reach_every_process(e: Launched) -> None:
     """Options with nothing to see from outside in a short run: the config every process
     got, and a request served under them (a failing full check stops the engine)."""
     config = e.config()
-    assert (config["full_cache_check_every"], config["step_timeout_s"], config["seed"],
-            config["attention_backend"], config["async_scheduling"]) == (1, 60, 7, "torch", False)
+    assert (config.full_cache_check_every, config.step_timeout_s, config.seed,
+            config.attention_backend, config.async_scheduling) == (1, 60, 7, "torch", False)
     serves(e)
 
 

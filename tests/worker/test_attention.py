@@ -15,6 +15,7 @@ import torch
 
 from worker import cpu_kernels
 from worker.attention import AttentionMetadata, create_backend
+from worker.kernel_choice import ENV_CHOICE
 
 PAGE = 16
 CASES = [
@@ -26,14 +27,23 @@ CASES = [
 ]
 
 
-@pytest.fixture(params=["kernel", "gathered"])
+# The rank's kernel choice (worker/kernel_choice.py) forced one way or the other: the
+# torch paths by choice, and one kernel with the other path in torch in the same step.
+FORCED_CHOICES = {"torch": "torch", "prefill-kernel": "prefill=kernels,decode=torch",
+                  "decode-kernel": "prefill=torch,decode=kernels"}
+
+
+@pytest.fixture(params=["kernel", "gathered", *FORCED_CHOICES])
 def torch_path(request, monkeypatch):
     """The torch backend both ways: decodes through the compiled CPU kernel, and through
-    the plain-torch gather + SDPA (DEEPINFER_CPU_KERNELS=0)."""
+    the plain-torch gather + SDPA (DEEPINFER_CPU_KERNELS=0); and as the kernel choice
+    forces it (DEEPINFER_KERNEL_CHOICE): torch, or one of the two attention kernels."""
     if request.param == "gathered":
         monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
     elif cpu_kernels.load() is None:
         pytest.skip("no C++ compiler: the CPU kernel cannot be built here")
+    elif request.param in FORCED_CHOICES:
+        monkeypatch.setenv(ENV_CHOICE, FORCED_CHOICES[request.param])
     return request.param
 
 
@@ -146,10 +156,13 @@ def test_torch_backend_takes_the_fused_kernel(torch_path):
     # one call for the plain prefill; in plain torch two for the 12 queries behind a cached
     # prefix (over the prefix, then causal over its own keys) and one for the three
     # batched decodes; the decode kernel takes both of those (12 rows: a verify's size),
-    # the prefill kernel the plain prefill
+    # the prefill kernel the plain prefill. With one of them only, one call: the decodes'
+    # (the 12 rows, past torch's 8 for decodes, go to the prefill kernel), or the plain
+    # prefill's.
     assert [e.count for e in prof.key_averages()
             if e.key == "aten::_scaled_dot_product_flash_attention_for_cpu"] == (
-                [] if torch_path == "kernel" else [4])
+                [] if torch_path == "kernel" else
+                {"prefill-kernel": [1], "decode-kernel": [1]}.get(torch_path, [4]))
 
 
 @pytest.mark.parametrize("lens", [[(3, 21)], [(1, 21)], [(1, 40), (1, 21)]])

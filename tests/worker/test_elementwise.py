@@ -108,13 +108,14 @@ def test_refuses_what_it_cannot_compute(kernels):
         kernels.silu_mul(torch.randn(2, 7))
 
 
-@pytest.mark.parametrize("switch", ["1", "0"])
+@pytest.mark.parametrize("switch", ["1", "0", "torch by choice"])
 def test_elementwise_both_ways_equals_torch(switch, monkeypatch):
-    """worker.elementwise with the kernels and without (DEEPINFER_CPU_KERNELS=0): the
-    same results, and the residual summed in place both ways."""
-    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, switch)
-    ops = Elementwise(CPU, torch.float32)
-    assert (ops.kernels is None) == (switch == "0" or cpu_kernels.load() is None)
+    """worker.elementwise with the kernels and without (DEEPINFER_CPU_KERNELS=0, or the
+    rank's kernel choice: `use_kernels=False`): the same results, and the residual summed
+    in place both ways."""
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0" if switch == "0" else "1")
+    ops = Elementwise(CPU, torch.float32, use_kernels=switch != "torch by choice")
+    assert (ops.kernels is None) == (switch != "1" or cpu_kernels.load() is None)
     g = torch.Generator().manual_seed(2)
     h, delta = torch.randn(9, 64, generator=g), torch.randn(9, 64, generator=g)
     w = torch.rand(64, generator=g)

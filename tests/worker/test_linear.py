@@ -82,3 +82,26 @@ def test_linear_takes_the_kernel_for_few_rows_and_torch_beyond(kernels, monkeypa
 def test_linear_without_the_kernels_is_torch(monkeypatch):
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
     assert Linear(torch.device("cpu")).kernels is None
+
+
+def test_linear_takes_the_kernel_only_at_the_chosen_rows(kernels):
+    """The rank's kernel choice (worker/kernel_choice.py) names the row counts where the
+    kernel beat torch's GEMM on this machine; the others, and every count with none
+    chosen, run in torch, with the same results."""
+    calls = []
+    real = kernels.small_linear
+
+    class Spy:
+        def small_linear(self, x, w):
+            calls.append(x.shape[0])
+            return real(x, w)
+
+    w = torch.randn(40, 32)
+    for rows, expected in (({1, *range(5, SMALL_ROWS + 1)}, [1, 5, SMALL_ROWS]), (set(), [])):
+        calls.clear()
+        linear = Linear(torch.device("cpu"), kernel_rows=rows)
+        linear.kernels = Spy()
+        for m in (1, 4, 5, SMALL_ROWS, SMALL_ROWS + 1):
+            x = torch.randn(m, 32)
+            torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+        assert calls == expected

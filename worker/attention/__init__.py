@@ -5,15 +5,24 @@ CUDA libraries are imported inside the factory, only when that backend is chosen
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from worker.attention.base import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from worker.kernel_choice import KernelChoice
 
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def create_backend(name: str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                   page_size: int, dtype: torch.dtype, device: torch.device) -> AttentionBackend:
+                   page_size: int, dtype: torch.dtype, device: torch.device,
+                   kernel_choice: KernelChoice | None = None) -> AttentionBackend:
+    """`kernel_choice`: which compiled CPU kernels the torch backend uses (the rank's,
+    worker/kernel_choice.py); without one, the kernels unless DEEPINFER_KERNEL_CHOICE
+    forces torch."""
     if name == "auto":
         # FlashInfer's kernels take 16-bit queries and KV only; float32 on CUDA (the
         # exactness checks against the CPU) runs the torch backend there.
@@ -32,9 +41,13 @@ def create_backend(name: str, num_qo_heads: int, num_kv_heads: int, head_dim: in
     if name == "torch":
         from worker import cpu_kernels
         from worker.attention.torch_backend import TorchAttentionBackend
+        from worker.kernel_choice import unmeasured
 
         kernels = cpu_kernels.load() if device.type == "cpu" else None
-        return TorchAttentionBackend(num_qo_heads, num_kv_heads, head_dim, device, kernels)
+        choice = kernel_choice or unmeasured()
+        return TorchAttentionBackend(num_qo_heads, num_kv_heads, head_dim, device, kernels,
+                                     prefill_kernel=choice.uses("prefill"),
+                                     decode_kernel=choice.uses("decode"))
     raise ValueError(f"unknown attention backend {name!r}")
 
 

@@ -24,8 +24,11 @@ Where the compiled CPU kernels are there (`cpu_kernels`, on CPU tensors), the st
 skips the gathers and SDPA instead: `paged_decode` takes the decodes (and short chunks
 behind a prefix), `paged_prefill` every other chunk (head dims 32, 64, 128), each reading
 the pages in place and writing its sequences' rows of the output; in bfloat16 the
-prefill kernel's dot products run at about twice SDPA's rate. The plain-torch paths stay
-the reference the kernels are tested against.
+prefill kernel's dot products run at about twice SDPA's rate where the CPU has AVX512_BF16
+and no AMX. Each kernel is used where the rank's kernel choice found it faster on this
+machine (worker/kernel_choice.py: `prefill_kernel`, `decode_kernel`), the other path runs
+in torch in the same step. The plain-torch paths stay the reference the kernels are
+tested against.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.attention.base import AttentionMetadata
+from worker.cpu_kernels import PREFILL_KERNEL_HEAD_DIMS
 
 
 @dataclass
@@ -94,8 +98,6 @@ class _KernelBatch:
 # one decode per query row.
 MAX_ROWS_AS_DECODES = 8
 MAX_ROWS_IN_KERNEL = 16
-# The head dims the compiled prefill kernel is built for (others prefill in torch).
-PREFILL_KERNEL_HEAD_DIMS = (32, 64, 128)
 
 
 def _pages(indices: list[int], device: torch.device) -> _Pages:
@@ -107,7 +109,8 @@ def _pages(indices: list[int], device: torch.device) -> _Pages:
 
 class TorchAttentionBackend:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                 device: torch.device | None = None, kernels: ModuleType | None = None) -> None:
+                 device: torch.device | None = None, kernels: ModuleType | None = None,
+                 prefill_kernel: bool = True, decode_kernel: bool = True) -> None:
         self.device = device or torch.device("cpu")
         self.kernels = kernels if self.device.type == "cpu" else None
         self.num_qo_heads = num_qo_heads
@@ -118,8 +121,9 @@ class TorchAttentionBackend:
         self._decode: _Decode | None = None
         self._kernel_decode: _KernelBatch | None = None
         self._kernel_prefill: _KernelBatch | None = None
-        self._prefill_in_kernel = (self.kernels is not None
+        self._prefill_in_kernel = (self.kernels is not None and prefill_kernel
                                    and head_dim in PREFILL_KERNEL_HEAD_DIMS)
+        self._decode_in_kernel = self.kernels is not None and decode_kernel
 
     def plan(self, meta: AttentionMetadata) -> None:
         qo = meta.qo_indptr.tolist()
@@ -133,7 +137,7 @@ class TorchAttentionBackend:
         # the kernels': one per sequence, (first row, query rows, first page, keys)
         grouped: list[tuple[int, int, int, int]] = []
         kernel_prefills: list[tuple[int, int, int, int]] = []
-        max_rows = MAX_ROWS_IN_KERNEL if self.kernels is not None else MAX_ROWS_AS_DECODES
+        max_rows = MAX_ROWS_IN_KERNEL if self._decode_in_kernel else MAX_ROWS_AS_DECODES
         for i in range(meta.num_seqs):
             q_len, kv_len = qo[i + 1] - qo[i], kv_lens[i]
             assert 0 < q_len <= kv_len, f"seq {i}: {q_len} queries over {kv_len} keys"
@@ -150,10 +154,10 @@ class TorchAttentionBackend:
                 qo[i], q_len, kv_len, _pages(indices[kv[i] : kv[i + 1]], self.device)))
         self._decode, self._kernel_decode, self._kernel_prefill = None, None, None
         kv_indices = (meta.kv_indices.to(torch.int32).contiguous()
-                      if grouped or kernel_prefills else None)
+                      if (grouped and self._decode_in_kernel) or kernel_prefills else None)
         if kernel_prefills:
             self._kernel_prefill = _kernel_batch(kernel_prefills, kv_indices)
-        if self.kernels is not None and grouped:
+        if self._decode_in_kernel and grouped:
             self._kernel_decode = _kernel_batch(grouped, kv_indices)
         else:
             self._decode = self._plan_decode(decodes, indices, page)
@@ -201,14 +205,18 @@ class TorchAttentionBackend:
 
     def _forward_with_kernels(self, q: torch.Tensor, k_cache: torch.Tensor,
                               v_cache: torch.Tensor) -> torch.Tensor:
-        """Each kernel writes the rows of its own sequences; prefills of a head dim the
-        prefill kernel lacks run in torch. (Decodes reach here only with the kernels:
-        without them there is no kernel batch.)"""
+        """Each kernel writes the rows of its own sequences; the prefills and decodes whose
+        kernel is not used (a head dim the prefill kernel lacks, the kernel choice) run in
+        torch."""
         assert self.kernels is not None
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         scale = 1.0 / math.sqrt(self.head_dim)
         for p in self._prefills:
             out[p.start : p.start + p.q_len] = self._run_prefill(p, q, k_cache, v_cache)
+        d = self._decode
+        if d is not None:
+            rows = slice(0, d.num) if d.rows is None else d.rows
+            out[rows] = self._run_decode(q[rows], k_cache, v_cache)
         for run, b in ((self.kernels.paged_prefill, self._kernel_prefill),
                        (self.kernels.paged_decode, self._kernel_decode)):
             if b is not None:
