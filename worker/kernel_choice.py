@@ -201,8 +201,19 @@ def decide(shapes: ModelShapes, key: str, flags: set[str], measure: Measure,
         verdicts[name] = Verdict(t_ms >= TIE * k_ms, by, kernel_ms=k_ms, torch_ms=t_ms)
         figures[name] = {"kernel_ms": k_ms, "torch_ms": t_ms}
     if cache is not None and any(v.by == "measured" for v in verdicts.values()):
-        _write_cache(cache, key, figures)
+        if machine_busy():  # used for this start, measured again at the next
+            log.info("kernel_choice_not_cached", why="the machine was busy",
+                     load_average=round(os.getloadavg()[0], 2), cores=os.cpu_count())
+        else:
+            _write_cache(cache, key, figures)
     return KernelChoice({name: verdicts[name] for name in VERDICTS})
+
+
+def machine_busy() -> bool:
+    """Whether other work held every core (the load average over a minute at least the
+    core count): figures measured then say more about that work than about the paths,
+    and a cached verdict would outlive it."""
+    return os.getloadavg()[0] >= (os.cpu_count() or 1)
 
 
 def _read_cache(path: Path) -> dict[str, dict[str, dict[str, float]]]:

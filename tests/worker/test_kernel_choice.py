@@ -31,6 +31,7 @@ ZEN4 = {"avx2", "fma", "avx512f", "avx512_bf16"}  # bf16 dot products, no AMX
 XEON_AMX = ZEN4 | {"amx_tile", "amx_bf16"}
 AVX2_ONLY = {"avx2", "fma"}
 MEASURE_ALL = dict.fromkeys(kernel_choice.PATHS, "measure")
+MACHINE_BUSY = kernel_choice.machine_busy  # the real one, before any test patches it
 
 
 class FakeMeasure:
@@ -53,6 +54,12 @@ def never(name: str) -> tuple[float, float]:
 TIMES = {"prefill": (0.010, 0.030), "decode": (0.002, 0.010), "small_linear_1": (0.001, 0.002),
          "small_linear_4": (0.004, 0.002), "small_linear_16": (0.003, 0.005),
          "elementwise": (0.002, 0.001)}
+
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """The machine counts as idle (what is measured is cached) whatever its load here."""
+    monkeypatch.setattr(kernel_choice, "machine_busy", lambda: False)
 
 
 def test_the_faster_path_wins_per_kernel():
@@ -102,6 +109,26 @@ def test_a_damaged_cache_is_measured_again(tmp_path):
     decide(F32, "key", ZEN4, measure, cache, MEASURE_ALL)
     assert sorted(measure.asked) == sorted(VERDICTS)
     assert set(json.loads(cache.read_text())) == {"key"}
+
+
+def test_figures_measured_on_a_busy_machine_are_used_but_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernel_choice, "machine_busy", lambda: True)
+    cache = tmp_path / "kernel_choice.json"
+    choice = decide(F32, "key", ZEN4, FakeMeasure(TIMES), cache, MEASURE_ALL)
+    assert {v.by for v in choice.verdicts.values()} == {"measured"}
+    assert not choice.uses("small_linear_4") and not cache.exists()
+    measure = FakeMeasure(TIMES)  # the next start measures again
+    decide(F32, "key", ZEN4, measure, cache, MEASURE_ALL)
+    assert sorted(measure.asked) == sorted(VERDICTS)
+
+
+def test_busy_means_every_core_held(monkeypatch):
+    monkeypatch.setattr(kernel_choice, "machine_busy", MACHINE_BUSY)
+    monkeypatch.setattr(kernel_choice.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(kernel_choice.os, "getloadavg", lambda: (1.9, 0.0, 0.0))
+    assert not kernel_choice.machine_busy()
+    monkeypatch.setattr(kernel_choice.os, "getloadavg", lambda: (2.0, 0.0, 0.0))
+    assert kernel_choice.machine_busy()
 
 
 def test_the_key_holds_everything_the_figures_depend_on():
