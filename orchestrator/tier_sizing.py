@@ -17,6 +17,8 @@ from pathlib import Path
 
 import structlog
 
+from wire.config import is_disk_records_file
+
 log = structlog.get_logger()
 
 # The disk tier takes half of the free space at its directory: the rest stays for
@@ -40,7 +42,7 @@ class NodeRoom:
     """What this node has free for the tiers, measured once at launch."""
 
     directory: Path  # the disk tier's
-    free_disk_bytes: int  # there, counting the files the tier already holds (reused)
+    free_disk_bytes: int  # there, counting the tier's own record files (reused)
     free_memory_bytes: int  # the RAM available (MemAvailable)
     num_local_ranks: int  # the ranks on this node share both
 
@@ -78,15 +80,17 @@ def available_memory_bytes() -> int:
 
 
 def tier_files_bytes(directory: Path) -> int:
-    """The disk space the files in `directory` take (allocated blocks: a tier's file is
-    sparse until its records are written)."""
-    return sum(p.stat().st_blocks * 512 for p in directory.iterdir() if p.is_file())
+    """The disk space the tier's own record files in `directory` take (allocated blocks:
+    a record file is sparse until its records are written). Only those: anything else
+    kept there is someone else's and not free."""
+    return sum(p.stat().st_blocks * 512 for p in directory.iterdir()
+               if p.is_file() and is_disk_records_file(p.name))
 
 
 def measure_room(directory: Path, num_local_ranks: int) -> NodeRoom:
-    """The room at `directory` (an existing one) and in RAM. The files already in the
-    directory count as free: they are this tier's (the directory is private to it), and
-    a restart reuses them, so a second launch sizes the tier as the first did."""
+    """The room at `directory` (an existing one) and in RAM. The tier's record files
+    already there count as free: a restart reuses them, so a second launch sizes the
+    tier as the first did."""
     free = shutil.disk_usage(directory).free + tier_files_bytes(directory)
     return NodeRoom(directory, free, available_memory_bytes(), max(1, num_local_ranks))
 

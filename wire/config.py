@@ -9,6 +9,15 @@ SPECULATIVE_METHODS = ("ngram",)
 # In the run directory: the launcher writes the EngineConfig there and the scheduler reads
 # it, a codec frame (wire/codec.py write_file / read_file) like every message between them.
 CONFIG_FILE = "config.msgpack"
+# A rank's disk-tier records in --disk-cache-dir (worker/disk_store.py writes them; the
+# launcher counts them as the tier's own room when it sizes the tier).
+DISK_RECORDS_FILE = "rank{rank}.kv"
+
+
+def is_disk_records_file(name: str) -> bool:
+    prefix, _, suffix = DISK_RECORDS_FILE.partition("{rank}")
+    middle = name.removeprefix(prefix).removesuffix(suffix)
+    return name == prefix + middle + suffix and middle.isdigit()
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,8 @@ from pathlib import Path
 import numpy as np
 import structlog
 
+from wire.config import DISK_RECORDS_FILE
+
 MAGIC = b"DIKVREC1"
 VERSION = 1
 _HEADER = struct.Struct("<8sHHI16sQQ16s")
@@ -165,7 +167,7 @@ class DiskStore:
         self.num_slots = max(0, budget_bytes // self.record_bytes)
         self.stats = DiskStoreStats()
         self.directory = prepare_directory(directory)
-        self.path = self.directory / f"rank{identity.rank}.kv"
+        self.path = self.directory / DISK_RECORDS_FILE.format(rank=identity.rank)
         self._check_identity()
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         # Exactly the budget: a larger file from a bigger budget before is cut, its

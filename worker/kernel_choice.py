@@ -44,9 +44,10 @@ import structlog
 import torch
 
 from worker import cpu_kernels
-from worker.budget import cpu_flags
+from worker.budget import BF16_FLAGS, cpu_flags
 from worker.cpu_kernels import PREFILL_KERNEL_HEAD_DIMS
-from worker.linear import KERNEL_DTYPES
+from worker.elementwise import KERNEL_DTYPES as ELEMENTWISE_DTYPES
+from worker.linear import KERNEL_DTYPES as LINEAR_DTYPES
 
 ENV_CHOICE = "DEEPINFER_KERNEL_CHOICE"
 MODES = ("kernels", "torch", "measure")
@@ -56,7 +57,6 @@ PATHS = ("prefill", "decode", "small_linear", "elementwise")
 LINEAR_ROWS = (1, 4, 16)
 # What each verdict is named in the log and the cache: prefill, decode, small_linear_1, ...
 VERDICTS = ("prefill", "decode", *(f"small_linear_{m}" for m in LINEAR_ROWS), "elementwise")
-BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # worker/budget.py cpu_bf16_flags()'s
 CACHE_FILE = "kernel_choice.json"
 # torch is taken only where it is faster by more than this: within it the two are a tie,
 # and the kernel stays (the path every earlier measurement and reference test ran). On a
@@ -148,7 +148,8 @@ def rule(name: str, shapes: ModelShapes, flags: set[str]) -> Verdict | None:
     """The verdict where there is no kernel or the instruction set decides; None where
     only a measurement can."""
     path, dtype = _path(name), shapes.dtype
-    if path in ("small_linear", "elementwise") and dtype not in KERNEL_DTYPES:
+    kernel_dtypes = {"small_linear": LINEAR_DTYPES, "elementwise": ELEMENTWISE_DTYPES}
+    if path in kernel_dtypes and dtype not in kernel_dtypes[path]:
         return Verdict(False, "no kernel", f"none for {str(dtype).removeprefix('torch.')}")
     if path == "prefill" and shapes.head_dim not in PREFILL_KERNEL_HEAD_DIMS:
         return Verdict(False, "no kernel", f"none for head dim {shapes.head_dim}")

@@ -1,7 +1,7 @@
-"""The sampling fields of an OpenAI body, read by one function for both endpoints
-(`/v1/chat/completions` and `/v1/completions`): the same fields, the same limits, the same
-errors. The limits are OpenAI's: temperature in [0, 2], top_p in (0, 1], the penalties in
-[-2, 2]; top_k (-1 or 0: off) and seed as vLLM takes them.
+"""The sampling fields of an OpenAI body, read by one function for every OpenAI endpoint
+(`/v1/chat/completions`, `/v1/completions` and `/v1/responses`): the same fields, the same
+limits, the same errors. The limits are OpenAI's: temperature in [0, 2], top_p in (0, 1],
+the penalties in [-2, 2]; top_k (-1 or 0: off) and seed as vLLM takes them.
 
 The engine applies no presence or frequency penalty and no logit bias. Their defaults (0,
 and an empty or null map: what SDKs and frameworks send when not told otherwise) are
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from orchestrator.shim.errors import ApiError
-from orchestrator.shim.validate import describe, is_finite_number, is_int64
+from orchestrator.shim.validate import describe, is_int64, number
 from wire.client import SamplingParams
 
 TEMPERATURE_MAX = 2.0
@@ -72,12 +72,7 @@ def _check_logit_bias(body: dict[str, Any]) -> None:
 def _number(body: dict[str, Any], name: str, default: float) -> float:
     """body[name]: a finite JSON number (an integer stays one, for the messages), or
     `default` where absent or null."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if not is_finite_number(value):
-        raise ApiError(f"'{name}' must be a finite number, got {describe(value)}", param=name)
-    return value
+    return number(body, name, default, "'{name}' must be a finite number, got {value}")
 
 
 def _integer(body: dict[str, Any], name: str) -> int | None:

@@ -120,6 +120,16 @@ def test_the_tiers_own_files_count_as_free(tmp_path: Path) -> None:
     assert (1 << 20) <= tier_files_bytes(tmp_path) < (2 << 20)
 
 
+def test_other_files_in_the_directory_are_not_free(tmp_path: Path) -> None:
+    """A directory that holds other things too: only the tier's record files are its own
+    (a folder of 300 GB of checkpoints must not size a tier past the real free space)."""
+    for name in ("checkpoint.bin", "rank0.kv.bak", "rankA.kv", "identity-rank0.json"):
+        (tmp_path / name).write_bytes(b"\1" * (1 << 20))
+    assert tier_files_bytes(tmp_path) == 0
+    (tmp_path / "rank12.kv").write_bytes(b"\1" * (1 << 20))
+    assert (1 << 20) <= tier_files_bytes(tmp_path) < (2 << 20)
+
+
 # --- through the command line -----------------------------------------------------------
 
 
