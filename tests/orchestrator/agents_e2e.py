@@ -8,7 +8,7 @@ For each agent (Claude Code, Codex CLI, opencode):
 2. holds ONE session of `--turns` turns (three by default) against the engine, each turn
    a separate CLI run that continues the session (`claude -p --continue`, `codex exec
    resume --last`, `opencode run --continue`), with a scratch HOME holding the agent's
-   config and nothing reaching the internet;
+   config, and every connection but the engine's sent to a dead proxy;
 3. reads the engine's own log (the shim's `request_done` lines) and prints, per request,
    the turn, prompt tokens, cached tokens and the cached share, and any `prefix_break`.
 
@@ -47,6 +47,7 @@ CONTEXT = 65536
 MAX_OUTPUT_TOKENS = 16
 CLI_TIMEOUT_S = 1500
 MIN_CACHED_SHARE = 0.95
+DEAD_PROXY = "http://127.0.0.1:9"  # the discard port: nothing listens there
 PROMPTS = [
     "Say hello in one short sentence.",
     "Now say it in French.",
@@ -195,6 +196,12 @@ def run_session(agent: Agent, cli: list[str], url: str, scratch: Path, log_path:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ANTHROPIC_", "OPENAI_", "CODEX_", "OPENCODE_"))}
     env.update(HOME=str(home), NO_COLOR="1", **agent.configure(home, url))
+    # Nothing but the engine: whatever else an agent reaches for (opencode installs
+    # @opencode-ai/plugin from npm into its config folder at start) goes through a proxy
+    # on a closed port and fails at once, as it would offline.
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        env[name] = env[name.lower()] = DEAD_PROXY
+    env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
     _, offset = log_events(log_path, 0)
     for number, prompt in enumerate(PROMPTS[:turns], 1):
         print(f"[{agent.name}] turn {number}: {agent.bin} "
