@@ -113,8 +113,8 @@ def codex_env(home: Path, url: str) -> dict[str, str]:
 
 
 def codex_command(turn: int, prompt: str) -> list[str]:
-    # outside a git repository, never asking for approval (nothing to approve: the
-    # random model's text holds no valid tool call, and the sandbox stays read-only)
+    # The scratch folder is no git repository. `exec` never stops for an approval, and a
+    # read-only sandbox keeps whatever the random model might run from changing anything.
     flags = ["--skip-git-repo-check", "--sandbox", "read-only", "--color", "never"]
     return ["exec", *flags, prompt] if turn == 1 else ["exec", "resume", "--last",
                                                         "--skip-git-repo-check", prompt]
