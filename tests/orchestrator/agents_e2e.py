@@ -108,7 +108,9 @@ def codex_env(home: Path, url: str) -> dict[str, str]:
         'wire_api = "responses"\n'
         'env_key = "DEEPINFER_API_KEY"\n'
         "\n[features]\n"
-        "plugins = false\n")
+        "plugins = false\n"
+        "\n[analytics]\n"  # else each run exports metrics to ab.chatgpt.com
+        "enabled = false\n")
     return {"DEEPINFER_API_KEY": "dummy", "CODEX_HOME": str(config.parent)}
 
 
@@ -136,7 +138,9 @@ def opencode_env(home: Path, url: str) -> dict[str, str]:
         "autoupdate": False, "share": "disabled"}, indent=2))
     off = ("MODELS_FETCH", "AUTOUPDATE", "DEFAULT_PLUGINS", "LSP_DOWNLOAD", "SHARE",
            "CLAUDE_CODE", "EXTERNAL_SKILLS")
-    return {f"OPENCODE_DISABLE_{name}": "1" for name in off}
+    # At start opencode installs @opencode-ai/plugin from npm into its config folder (in the
+    # background; a failure is a warning): npm's own offline switch keeps it off the registry.
+    return {"npm_config_offline": "true", **{f"OPENCODE_DISABLE_{name}": "1" for name in off}}
 
 
 def opencode_command(turn: int, prompt: str) -> list[str]:
@@ -196,9 +200,9 @@ def run_session(agent: Agent, cli: list[str], url: str, scratch: Path, log_path:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ANTHROPIC_", "OPENAI_", "CODEX_", "OPENCODE_"))}
     env.update(HOME=str(home), NO_COLOR="1", **agent.configure(home, url))
-    # Nothing but the engine: whatever else an agent reaches for (opencode installs
-    # @opencode-ai/plugin from npm into its config folder at start) goes through a proxy
-    # on a closed port and fails at once, as it would offline.
+    # Nothing but the engine: whatever else an agent reaches for goes through a proxy on a
+    # closed port and fails at once, as it would offline (with the settings above, none of
+    # the three reaches for anything: Codex would export metrics, opencode install a package).
     for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
         env[name] = env[name.lower()] = DEAD_PROXY
     env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
