@@ -17,7 +17,7 @@ TORCH_CPU := torch==2.13.0+cpu
 PYTEST_ARGS ?=
 
 .PHONY: install cpu-kernels test lint serve serve-replicas bench-routing bench bench-worker bench-engine bench-agents bench-index \
-	simulate clean e2e-claude-code soak fuzz gpu-check gpu-wheels gpu-carry bench-vs-vllm bench-overhead bench-spec bench-moe \
+	simulate clean e2e-agents e2e-claude-code soak fuzz gpu-check gpu-wheels gpu-carry bench-vs-vllm bench-overhead bench-spec bench-moe \
 	bench-disk
 
 install: $(INSTALLED) $(TINY)/deepinfer_tiny.json $(TINY_MOE) $(SMOLLM2) cpu-kernels
@@ -173,9 +173,14 @@ fuzz: install
 			tests/orchestrator/test_detokenizer.py || exit 1; \
 	done
 
-# The Claude Code CLI (npm) against the engine; needs npm and network. Not in `make test`.
+# Coding agents (npm: Claude Code, Codex CLI, opencode, into .venv/agents/) holding one
+# session each against the engine, every later request >= 95% cached; needs npm and network
+# for the install. Not in `make test`. `make e2e-claude-code` runs Claude Code alone.
+e2e-agents: install
+	$(PY) -m tests.orchestrator.agents_e2e
+
 e2e-claude-code: install
-	$(PY) -m tests.orchestrator.claude_code_e2e
+	$(PY) -m tests.orchestrator.agents_e2e --agent claude-code
 
 # On a CUDA machine: install FlashInfer and what else is missing from wheels/, run the
 # cuda-marked tests and the GPU benchmarks (results in gpu-results/). Without CUDA the
