@@ -44,7 +44,7 @@ from orchestrator.config import (
 from orchestrator.gguf_tokenizer import write_tokenizer_dir
 from orchestrator.shim.options import API_KEY_ENV
 from wire import codec
-from wire.config import CONFIG_FILE
+from wire.config import CONFIG_FILE, ConfigError
 from wire.control_server import CONTROL_DIR_ENV, control_address
 from wire.log import configure_logging
 from wire.security import SECRET_FILE_ENV
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     world_size = args.nproc_per_node * args.nnodes
     try:  # a flag the config refuses: its reason, not a traceback
         config, serve = build_config(args, world_size, args.nproc_per_node)
-    except ValueError as exc:
+    except ConfigError as exc:
         raise SystemExit(f"deepinfer-run serve: {exc}") from None
     multi_node = args.nnodes > 1
     os.environ.update(secret_file_env(args.secret_file, multi_node))  # for every child

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import structlog
 
-from wire.config import is_disk_records_file
+from wire.config import ConfigError, is_disk_records_file
 
 log = structlog.get_logger()
 
@@ -60,10 +60,10 @@ def prepare_disk_dir(directory: str | Path) -> Path:
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
-        raise ValueError(f"--disk-cache-dir {directory}: cannot create it ({exc.strerror})"
+        raise ConfigError(f"--disk-cache-dir {directory}: cannot create it ({exc.strerror})"
                          ) from None
     if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"--disk-cache-dir {directory}: not writable by this user")
+        raise ConfigError(f"--disk-cache-dir {directory}: not writable by this user")
     return path
 
 
@@ -105,17 +105,17 @@ def size_disk_tiers(disk_cache_size: int | None, host_cache_memory: int | None,
                                  DISK_MAX_PER_RANK, f"free space at {room.directory}",
                                  "--disk-cache-size")
     elif disk_cache_size <= 0:
-        raise ValueError("--disk-cache-size must be > 0 with --disk-cache-dir (leave it out "
+        raise ConfigError("--disk-cache-size must be > 0 with --disk-cache-dir (leave it out "
                          "to size the disk tier from the free space)")
     elif disk_cache_size * ranks > room.free_disk_bytes:
-        raise ValueError(f"--disk-cache-size {disk_cache_size} bytes per rank, for {ranks} "
+        raise ConfigError(f"--disk-cache-size {disk_cache_size} bytes per rank, for {ranks} "
                          f"rank(s) on this node, is more than the {room.free_disk_bytes} "
                          f"bytes free at {room.directory}")
     if host_cache_memory is None:
         host_cache_memory = _share("host", room.free_memory_bytes, HOST_SHARE, ranks,
                                    HOST_MAX_PER_RANK, "free RAM", "--host-cache-memory")
     elif host_cache_memory <= 0:
-        raise ValueError("the disk tier is fed from the host tier: --host-cache-memory 0 "
+        raise ConfigError("the disk tier is fed from the host tier: --host-cache-memory 0 "
                          "turns it off (give it bytes, or leave it out to size it from the "
                          "free RAM)")
     return TierSizes(disk_cache_size, host_cache_memory)
@@ -127,7 +127,7 @@ def _share(tier: str, free: int, share: float, ranks: int, cap: int, of_what: st
     refused below MIN_PER_RANK. Logged, with the figures it came from."""
     size = min(int(free * share) // ranks, cap) // GRANULE * GRANULE
     if size < MIN_PER_RANK:
-        raise ValueError(f"the {tier} tier would get {size} bytes per rank ({share:.0%} of "
+        raise ConfigError(f"the {tier} tier would get {size} bytes per rank ({share:.0%} of "
                          f"the {free} bytes of {of_what}, for {ranks} rank(s)), less than "
                          f"{MIN_PER_RANK}: give {flag} BYTES")
     log.info(f"{tier}_tier_sized", bytes_per_rank=size, share=share, free_bytes=free,

@@ -20,6 +20,12 @@ def is_disk_records_file(name: str) -> bool:
     return name == prefix + middle + suffix and middle.isdigit()
 
 
+class ConfigError(ValueError):
+    """A setting the engine refuses, with the reason a user can act on (the launcher prints
+    it in one line; any other exception while building the config is a bug and keeps its
+    traceback)."""
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding, as vLLM's `--speculative-config` JSON names it. Only prompt
@@ -34,14 +40,14 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative method {self.method!r}: only "
+            raise ConfigError(f"speculative method {self.method!r}: only "
                              f"{', '.join(SPECULATIVE_METHODS)} is supported")
         if not 1 <= self.num_speculative_tokens <= 64:
-            raise ValueError("num_speculative_tokens must be between 1 and 64")
+            raise ConfigError("num_speculative_tokens must be between 1 and 64")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+            raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.prompt_lookup_max > 64:
-            raise ValueError("prompt_lookup_max must be <= 64")
+            raise ConfigError("prompt_lookup_max must be <= 64")
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -49,20 +55,20 @@ class SpeculativeConfig:
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+            raise ConfigError(f"--speculative-config is not JSON: {exc}") from None
         if not isinstance(raw, dict):
-            raise ValueError("--speculative-config must be a JSON object")
+            raise ConfigError("--speculative-config must be a JSON object")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ValueError(f"--speculative-config: unknown field(s) {', '.join(unknown)} "
+            raise ConfigError(f"--speculative-config: unknown field(s) {', '.join(unknown)} "
                              f"(known: {', '.join(sorted(known))})")
         if "method" not in raw:
-            raise ValueError('--speculative-config needs "method" (e.g. "ngram")')
+            raise ConfigError('--speculative-config needs "method" (e.g. "ngram")')
         for name, value in raw.items():
             want = str if name == "method" else int
             if type(value) is not want:  # noqa: E721  (bool is not an int here)
-                raise ValueError(f"--speculative-config: {name} must be {want.__name__}")
+                raise ConfigError(f"--speculative-config: {name} must be {want.__name__}")
         return cls(**raw)
 
 
@@ -137,34 +143,34 @@ class EngineConfig:
             raise TypeError(f"speculative must be a SpeculativeConfig or None, not "
                             f"{type(self.speculative).__name__}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"unknown dtype {self.dtype!r}")
+            raise ConfigError(f"unknown dtype {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"unknown device {self.device!r}")
+            raise ConfigError(f"unknown device {self.device!r}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
-            raise ValueError(f"unknown attention backend {self.attention_backend!r}")
+            raise ConfigError(f"unknown attention backend {self.attention_backend!r}")
         if self.step_channel not in ("auto", "zmq", "shm"):
-            raise ValueError(f"unknown step channel {self.step_channel!r}")
+            raise ConfigError(f"unknown step channel {self.step_channel!r}")
         if not 0.0 <= self.max_retained_fraction <= 1.0:
-            raise ValueError("max_retained_fraction must be between 0 and 1")
+            raise ConfigError("max_retained_fraction must be between 0 and 1")
         if self.kv_write_policy not in ("write_back", "write_through"):
-            raise ValueError(f"unknown KV write policy {self.kv_write_policy!r}")
+            raise ConfigError(f"unknown KV write policy {self.kv_write_policy!r}")
         if (self.disk_cache_size > 0) != bool(self.disk_cache_dir):
-            raise ValueError("--disk-cache-dir and --disk-cache-size go together")
+            raise ConfigError("--disk-cache-dir and --disk-cache-size go together")
         if self.disk_cache_size and not self.host_cache_memory:
-            raise ValueError("the disk tier is fed from the host tier: set --host-cache-memory")
+            raise ConfigError("the disk tier is fed from the host tier: set --host-cache-memory")
         if self.disk_cache_size < 0 or self.disk_max_queued_writes < 1:
-            raise ValueError("disk_cache_size must be >= 0 and disk_max_queued_writes >= 1")
+            raise ConfigError("disk_cache_size must be >= 0 and disk_max_queued_writes >= 1")
         if self.world_size < 1:
-            raise ValueError("world_size must be >= 1")
+            raise ConfigError("world_size must be >= 1")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError("block_size must be a power of two")
+            raise ConfigError("block_size must be a power of two")
         if self.max_queued_requests < 1 or self.max_queued_tokens < 0:
-            raise ValueError("max_queued_requests must be >= 1 and max_queued_tokens >= 0")
+            raise ConfigError("max_queued_requests must be >= 1 and max_queued_tokens >= 0")
         if self.step_timeout_s <= 0:
-            raise ValueError("step_timeout_s must be > 0")
+            raise ConfigError("step_timeout_s must be > 0")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
-            raise ValueError("a KV-event replay endpoint needs --kv-events-endpoint")
+            raise ConfigError("a KV-event replay endpoint needs --kv-events-endpoint")
         if self.null_model_forward_ms is not None and not self.null_model_forward_ms >= 0:
-            raise ValueError("null_model_forward_ms must be >= 0")
+            raise ConfigError("null_model_forward_ms must be >= 0")

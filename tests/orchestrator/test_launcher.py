@@ -21,6 +21,7 @@ from orchestrator.launcher import (
     parse_args,
     stop_in_order,
 )
+from wire.config import ConfigError
 
 
 def test_restart_is_refused_where_it_cannot_work(capsys) -> None:
@@ -49,6 +50,24 @@ def test_a_flag_the_config_refuses_stops_the_launch_with_its_reason(default_mode
         assert r.stderr.strip().splitlines()[-1].startswith("deepinfer-run serve: ")
         assert reason in r.stderr
         assert not (tmp_path / "run").exists()
+
+
+def test_only_a_refused_setting_loses_its_traceback(monkeypatch, tmp_path) -> None:
+    """A ConfigError is the user's to fix: one line. Any other exception while building
+    the config is a bug in it and keeps its traceback."""
+    def refuse(*_args):
+        raise ConfigError("--flag: refused")
+
+    monkeypatch.setattr(launcher, "build_config", refuse)
+    with pytest.raises(SystemExit, match="^deepinfer-run serve: --flag: refused$"):
+        launcher.main(["--run-dir", str(tmp_path / "run"), "serve"])
+
+    def bug(*_args):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(launcher, "build_config", bug)
+    with pytest.raises(ValueError, match="a bug"):
+        launcher.main(["--run-dir", str(tmp_path / "run"), "serve"])
 
 
 def sleeper(name: str, seconds: str = "60") -> Child:
