@@ -23,7 +23,7 @@ import json
 from typing import Any
 
 from orchestrator.shim.chat import ChatRequest, ToolChoice, session_key, tool_choice
-from orchestrator.shim.chat_template import Message, join_text, strip_billing_header
+from orchestrator.shim.chat_template import Message, join_text, split_billing_header
 from orchestrator.shim.generation import Delivery
 from orchestrator.shim.placeholders import anthropic_readable
 from orchestrator.shim.retention import marks as retention_marks
@@ -72,15 +72,17 @@ def _block_type(block: Any, where: str) -> str:
     return block["type"]
 
 
-def system_messages(system: Any) -> list[Message]:
+def system_messages(system: Any) -> tuple[list[Message], str]:
+    """The system prompt as messages, without Claude Code's billing header, and the header
+    ("" where there is none; `--billing-header keep` puts it back, chat.normalise)."""
     if system is None:
-        return []
+        return [], ""
     if isinstance(system, str):
         texts = [system]
     else:
         texts = _texts(system, "system")
-    texts = strip_billing_header(texts)
-    return [{"role": "system", "content": join_text(texts)}] if texts else []
+    texts, header = split_billing_header(texts)
+    return ([{"role": "system", "content": join_text(texts)}] if texts else []), header
 
 
 def _user_messages(content: Any, where: str) -> list[Message]:
@@ -264,7 +266,7 @@ def parse_messages_request(body: dict[str, Any], headers: Any, *,
         if not is_positive_int64(max_tokens):
             raise invalid(f"max_tokens: must be a positive integer, got {describe(max_tokens)}",
                        "max_tokens")
-    system = system_messages(body.get("system"))
+    system, billing_header = system_messages(body.get("system"))
     messages = system + convert_messages(body.get("messages"))
     # cache_control: how much of the prompt to keep cached (never part of the prompt)
     marks = retention_marks(body, body["messages"], len(system),
@@ -308,6 +310,7 @@ def parse_messages_request(body: dict[str, Any], headers: Any, *,
         cache_salt=cache_salt(body, "cache_salt: Input should be a non-empty string of at most "
                                     "{limit} characters, got {value}"),
         replaced=replaced,
+        billing_header=billing_header,
     )
 
 

@@ -46,6 +46,7 @@ from orchestrator.shim.chat import (
     ChatEvent,
     ChatRequest,
     ChatRun,
+    normalise,
     parse_chat,
     prepare_chat,
     render_prompt,
@@ -252,6 +253,7 @@ async def count_tokens(request: Request) -> Response:
     check_counts(body, state)
     req = parse_messages_request(body, request.headers, count_only=True)
     check_replaced(state, req.replaced, req.session)  # the same prompt as /v1/messages
+    req = normalise(state, req)
     text = await render_prompt(state, req)
     ids = await tokenize(state.tokenizer, text, add_special_tokens=False)
     return JSONResponse({"input_tokens": len(ids)})

@@ -23,6 +23,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import structlog
+
 from orchestrator.shim.admission import SchedulingHints, check_counts
 from orchestrator.shim.chat_template import Message
 from orchestrator.shim.errors import ApiError
@@ -36,6 +38,8 @@ from orchestrator.shim.structured_output import after_reasoning, tool_call_gramm
 from orchestrator.shim.tenants import salted, tenant_session
 from orchestrator.shim.tool_parsers import TextEvent, ToolCall, ToolParser, make_tool_parser
 from wire.client import GenerateRequest, Retention, SamplingParams, ThinkingSpan
+
+log = structlog.get_logger()
 
 NO_HINTS = SchedulingHints()
 ChatEvent = TextEvent | ToolCall | Reasoning  # what a chat answer is made of, in order
@@ -85,6 +89,7 @@ class ChatRequest:
     enable_thinking: bool | None = None  # to the chat template; None: its default
     thinking_budget: int | None = None  # reasoning tokens before the span is ended
     retention_marks: list[RetentionMark] = field(default_factory=list)  # cache_control
+    billing_header: str = ""  # Claude Code's, taken out of the system prompt (normalise)
 
 
 def session_key(explicit: str | None, model: str, messages: list[Message],
@@ -302,6 +307,30 @@ class ChatRun:
         self.gen.log_done(finish_reason=finish_reason, error=error)
 
 
+def normalise(state: ServerState, req: ChatRequest) -> ChatRequest:
+    """What the engine changes in a prompt so that sessions share their prefix, each
+    change logged (prompt_normalised) and counted, and each behind a flag: Claude Code's
+    billing header, different in every session, is left out of the prompt unless
+    `--billing-header keep` (then it is rendered where the client sent it, first in the
+    system prompt)."""
+    if not req.billing_header:
+        return req
+    if state.options.billing_header == "keep":
+        messages = list(req.messages)
+        if messages and messages[0]["role"] == "system":
+            messages[0] = {**messages[0],
+                           "content": f"{req.billing_header}\n{messages[0]['content']}"}
+        else:  # the header was the whole system prompt: its own message, marks after it
+            messages.insert(0, {"role": "system", "content": req.billing_header})
+            req = replace(req, retention_marks=[
+                replace(m, num_messages=m.num_messages + 1) for m in req.retention_marks])
+        return replace(req, messages=messages)
+    state.metrics.prompt_normalised.labels(what="billing_header").inc()
+    log.info("prompt_normalised", session=req.session, dropped="billing_header",
+             text=req.billing_header[:120])
+    return req
+
+
 def parse_chat(parse: Callable[[dict[str, Any], Any], ChatRequest]) -> Parse[ChatRequest]:
     """A chat API's `parse(body, headers)` as the pipeline's parse step: --max-messages
     and --max-tools are checked first, before any work is spent on the lists; then
@@ -311,7 +340,7 @@ def parse_chat(parse: Callable[[dict[str, Any], Any], ChatRequest]) -> Parse[Cha
         check_counts(body, state)
         req = parse(body, headers)
         check_replaced(state, req.replaced, req.session)
-        return req
+        return normalise(state, req)
 
     return parse_body
 

@@ -46,17 +46,23 @@ def join_text(parts: list[str]) -> str:
     return "\n".join(parts)
 
 
-def strip_billing_header(texts: list[str]) -> list[str]:
-    """System texts without Claude Code's billing header (a block, or a first line)."""
-    out = []
+def split_billing_header(texts: list[str]) -> tuple[list[str], str]:
+    """System texts without Claude Code's billing header (a block, or a first line), and
+    the header ("" where there is none)."""
+    out, header = [], ""
     for i, text in enumerate(texts):
         if i == 0 and text.lstrip().startswith(BILLING_HEADER_PREFIX):
-            rest = text.lstrip().partition("\n")[2]
+            header, _, rest = text.lstrip().partition("\n")
             if not rest.strip():
                 continue
             text = rest
         out.append(text)
-    return out
+    return out, header
+
+
+def strip_billing_header(texts: list[str]) -> list[str]:
+    """System texts without Claude Code's billing header."""
+    return split_billing_header(texts)[0]
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,

@@ -245,6 +245,10 @@ class Metrics:
             "session id came from (prompt_cache_key, the session-id header, or none: a "
             "digest of the conversation's start stands for it)", ["api", "source"],
             registry=r)
+        self.prompt_normalised = Counter(
+            "deepinfer_prompt_normalised", "Prompts the engine changed so that sessions share "
+            "their prefix, by what it changed (billing_header: Claude Code's per-session "
+            "header left out; --billing-header keep turns it off)", ["what"], registry=r)
         self.prefix_breaks = Counter(
             "deepinfer_prefix_breaks", "Prompts that did not extend their session's previous "
             "prompt plus output (see the prefix_break log lines)", registry=r)

@@ -18,6 +18,7 @@ DEFAULT_MAX_TOOLS = 512
 DEFAULT_MAX_MESSAGES = 100_000  # agent sessions run to thousands of turns
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 ON_IMAGE = ("placeholder", "reject")  # what an image, document, audio or file part becomes
+BILLING_HEADER = ("drop", "keep")  # Claude Code's per-session billing header
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class ShimOptions:
     max_messages: int = DEFAULT_MAX_MESSAGES
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     on_image: str = "placeholder"
+    billing_header: str = "drop"
     cache_salt_per_api_key: str = ""  # the tenants' keys file (tenants.py); "": none
 
     def __post_init__(self) -> None:
@@ -48,6 +50,9 @@ class ShimOptions:
             raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}")
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"unknown --reasoning-parser {self.reasoning_parser!r}")
+        if self.billing_header not in BILLING_HEADER:
+            raise ValueError(f"--billing-header must be one of {', '.join(BILLING_HEADER)}, "
+                             f"got {self.billing_header!r}")
         if self.on_image not in ON_IMAGE:
             raise ValueError(f"--on-image must be one of {', '.join(ON_IMAGE)}, got "
                              f"{self.on_image!r}")
@@ -125,6 +130,12 @@ def add_shim_arguments(p: argparse.ArgumentParser) -> None:
                         "replaces it with a short stable text naming its type, media type, "
                         "size and digest (a session with a screenshot in its history keeps "
                         "working, and hitting the cache); 'reject' answers 400")
+    p.add_argument("--billing-header", default=ShimOptions.billing_header,
+                   choices=BILLING_HEADER,
+                   help="Claude Code's first system block, 'x-anthropic-billing-header: ...', "
+                        "differs in every session: 'drop' (the default) takes it out of the "
+                        "prompt, so that new sessions share the system prompt's cache (each "
+                        "drop logged, prompt_normalised, and counted); 'keep' renders it")
     p.add_argument("--cache-salt-per-api-key", metavar="KEYS_FILE", type=_absolute,
                    default=ShimOptions.cache_salt_per_api_key,
                    help="accept the keys of this file (mode 0600; one 'TENANT KEY' a line, # "

@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
+from structlog.testing import capture_logs
 
+from orchestrator.shim.options import ShimOptions
 from orchestrator.shim.server import build_app
 from tests.orchestrator.claude_code_body import claude_code_request
 from tests.orchestrator.scripted_engine import ScriptedEngine
@@ -85,6 +87,36 @@ def test_claude_code_sessions_render_as_they_prefill(client, engine) -> None:
         second = render_then_prefill(client, engine, "/v1/messages", body2, headers2)
         assert second[:len(firsts[-1])] == firsts[-1]  # the turn extends the last prompt
     assert firsts[0] == firsts[1]  # sessions share the prefix: no billing header in it
+
+
+def test_the_billing_header_is_dropped_counted_and_kept_on_request(
+        client, engine, tiny_tokenizer, tiny_template) -> None:
+    """Leaving the header out changes the prompt: each time is logged and counted, and
+    `--billing-header keep` renders it, first in the system prompt, as the client sent it
+    (and /v1/messages/count_tokens counts the same prompt)."""
+    body, headers = claude_code_request("3f2a9c1e-0000-4000-8000-000000000001", stream=False)
+    header = body["system"][0]["text"]
+    assert header.startswith("x-anthropic-billing-header:")
+    with capture_logs() as logs:
+        dropped = render_then_prefill(client, engine, "/v1/messages", body, headers)
+    # once for the render, once for the request sent
+    drops = [e["dropped"] for e in logs if e["event"] == "prompt_normalised"]
+    assert drops == ["billing_header"] * 2
+    assert 'deepinfer_prompt_normalised_total{what="billing_header"} 2.0' in client.get(
+        "/metrics").text
+    app = build_app(engine, tiny_tokenizer, model_name="tiny", chat_template=tiny_template,
+                    options=ShimOptions(billing_header="keep"))
+    with TestClient(app, raise_server_exceptions=False) as keep:
+        with capture_logs() as logs:
+            kept = render_then_prefill(keep, engine, "/v1/messages", body, headers)
+        assert not [e for e in logs if e["event"] == "prompt_normalised"]
+        text = tiny_tokenizer.decode(kept)
+        assert header in text and text.index(header) < text.index(body["system"][1]["text"])
+        assert tiny_tokenizer.decode(dropped) == text.replace(header + "\n", "", 1)
+        counted = keep.post("/v1/messages/count_tokens", json=body, headers=headers).json()
+        assert counted["input_tokens"] == len(kept)
+        assert 'deepinfer_prompt_normalised_total{what="billing_header"}' not in keep.get(
+            "/metrics").text
 
 
 def test_render_errors_are_the_apis(client, engine) -> None:

@@ -290,6 +290,19 @@ def images_are_refused(e: Launched) -> None:
     assert r.status_code == 400 and "--on-image reject" in r.text, r.text
 
 
+def billing_header_is_rendered(e: Launched) -> None:
+    """`--billing-header keep`: Claude Code's per-session header is counted as prompt."""
+    def count(system: list[dict[str, str]]) -> int:
+        r = e.post("/v1/messages/count_tokens", {
+            "model": "m", "system": system, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+        return r.json()["input_tokens"]
+
+    prompt = {"type": "text", "text": "You are a coding agent."}
+    header = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=ab12;"}
+    assert count([header, prompt]) > count([prompt])
+
+
 # --- probes: the engine launch (two ranks, the cache and the engine's options) -------
 
 
@@ -518,6 +531,7 @@ ROWS = [
     Row("agent", ("--max-messages", "4"), many_messages_are_400),
     Row("agent", ("--max-header-bytes", "8192"), big_headers_are_431),
     Row("agent", ("--on-image", "reject"), images_are_refused),
+    Row("agent", ("--billing-header", "keep"), billing_header_is_rendered),
 
     Row("engine", ("--model", TINY, "--port", "{port}", "--dtype", "float32"),
         two_ranks_in_the_run_dir, launcher=("--nproc-per-node", "2", "--run-dir", "{tmp}/run")),
