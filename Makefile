@@ -131,8 +131,21 @@ $(PEER_INSTALLED):
 	$(PEER_VENV)/bin/python -c "import transformers, vllm.entrypoints.openai.api_server"
 	touch $@
 
-bench-vs-vllm: install $(PEER_INSTALLED)
+# Two loads: agents' short histories (VS_VLLM_MODEL), then long ones -- 12 steps of
+# 1,000-token tool results, prompts growing to ~15K tokens -- on a tiny Llama with 16K
+# positions (LONG_HISTORY_ARGS; made once, deterministic).
+TINY_16K := models/tiny-llama-16k
+LONG_HISTORY_ARGS ?= --steps 12 --tool-result-tokens 1000 --max-tokens 32
+
+$(TINY_16K)/deepinfer_tiny.json: $(TINY)/deepinfer_tiny.json tools/tiny_models/make.py \
+		tools/tiny_models/spec.py
+	$(PY) -m tools.tiny_models.make --out $(TINY_16K) --max-position-embeddings 16384 \
+		--tokenizer-from $(TINY)
+
+bench-vs-vllm: install $(PEER_INSTALLED) $(TINY_16K)/deepinfer_tiny.json
 	$(PY) -m tools.benchmarks.vs_vllm --model $(VS_VLLM_MODEL) \
+		--peer-python $(PEER_VENV)/bin/python --peer-dir $(PEER) $(VS_VLLM_ARGS)
+	$(PY) -m tools.benchmarks.vs_vllm --model $(TINY_16K) $(LONG_HISTORY_ARGS) \
 		--peer-python $(PEER_VENV)/bin/python --peer-dir $(PEER) $(VS_VLLM_ARGS)
 
 # Speculative decoding on the real model: an edit and a free-text answer, decode tok/s and
