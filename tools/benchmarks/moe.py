@@ -113,8 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rank-args", help=argparse.SUPPRESS)  # internal: run as one rank
     ns = ap.parse_args(argv)
     if ns.rank_args:
-        raw = json.loads(ns.rank_args)
-        rank_main(BenchArgs(**dict(raw, batch_sizes=tuple(raw["batch_sizes"]))))
+        rank_main(BenchArgs.from_json(ns.rank_args))
         return
     args = BenchArgs(model=str(Path(ns.model).resolve()), dtype=ns.dtype,
                      prompt_len=ns.prompt_len, chunk=ns.prompt_len, decode_prompt_len=32,

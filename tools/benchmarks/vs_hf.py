@@ -83,8 +83,7 @@ def hf_main(args: BenchArgs) -> None:
 
 def run_hf(args: BenchArgs, timeout: float) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "tools.benchmarks.vs_hf", "--hf-args",
-         json.dumps({**vars(args), "batch_sizes": list(args.batch_sizes)})],
+        [sys.executable, "-m", "tools.benchmarks.vs_hf", "--hf-args", args.to_json()],
         capture_output=True, text=True, timeout=timeout, env=repo_env())
     for line in out.stdout.splitlines():
         if line.startswith(MARKER):
@@ -152,8 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hf-args", help=argparse.SUPPRESS)  # internal: the transformers side
     ns = ap.parse_args(argv)
     if ns.hf_args:
-        raw = json.loads(ns.hf_args)
-        hf_main(BenchArgs(**dict(raw, batch_sizes=tuple(raw["batch_sizes"]))))
+        hf_main(BenchArgs.from_json(ns.hf_args))
         return
 
     from tqdm import tqdm

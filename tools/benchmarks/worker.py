@@ -267,8 +267,7 @@ def run_world(args: BenchArgs, world_size: int, timeout: float,
     that prints its result after the same MARKER), wait for all, return rank 0's result."""
     port = free_port()
     env = repo_env()
-    cmd = [sys.executable, "-m", module, "--rank-args",
-           json.dumps(dataclasses.asdict(args))]
+    cmd = [sys.executable, "-m", module, "--rank-args", args.to_json()]
     procs, logs = [], []
     for r in range(world_size):
         # Files, not pipes: a rank blocked on a full pipe would stall the collectives.
@@ -366,8 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rank-args", help=argparse.SUPPRESS)  # internal: run as one rank
     ns = ap.parse_args(argv)
     if ns.rank_args:
-        raw = json.loads(ns.rank_args)
-        rank_main(BenchArgs(**dict(raw, batch_sizes=tuple(raw["batch_sizes"]))))
+        rank_main(BenchArgs.from_json(ns.rank_args))
         return
 
     from tqdm import tqdm

@@ -4,7 +4,8 @@ results table."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 
 BLOCK_SIZE = 16  # EngineConfig's default, which the ranks use
 
@@ -37,6 +38,15 @@ class BenchArgs:
         if self.shared_prefix_len < 0 or self.shared_prefix_len % BLOCK_SIZE:
             # a partly filled last prefix block would be written by every sequence
             raise ValueError(f"shared_prefix_len must be a multiple of {BLOCK_SIZE}")
+
+    def to_json(self) -> str:
+        """For a child's command line (`--rank-args`, `--hf-args`)."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> BenchArgs:
+        raw = json.loads(text)
+        return cls(**dict(raw, batch_sizes=tuple(raw["batch_sizes"])))
 
     @property
     def decode_len(self) -> int:
