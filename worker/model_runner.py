@@ -71,7 +71,8 @@ class ModelRunner:
         # checks against rank 0's (StepResult.sampled_digest).
         self.every_rank_samples = config.async_scheduling and tp.world_size > 1
         # seq id -> (its sampling parameters, its seed), from the plan that opens it until
-        # the launch of the plan that closes it
+        # the launch of the plan that closes it; the forward pass holds this same dict
+        # (changed in place, never rebound)
         self.sampling: dict[int, tuple[SamplingParams, int]] = {}
         # The model, and the forward pass that launches and finishes each step's forward
         # (worker/forward.py): the model's on its device, or the null model, which is its
@@ -87,7 +88,6 @@ class ModelRunner:
             self.model.load(config.model, show_progress=tp.rank == 0)
             self.forward_pass = ModelForward(self.model, config.attention_backend,
                                              config.block_size, self.sampling)
-        self.attn: AttentionBackend | None = self.forward_pass.attn
 
         m = self.model
         block_bytes = KVCache.bytes_per_block(
@@ -178,6 +178,11 @@ class ModelRunner:
             step.timing.gap_s = t3 - self._last_forward_end
         step.launched_at = t3
         self.forward_pass.launch(step, self._resolve_pending(step), self.kv, return_logits)
+
+    @property
+    def attn(self) -> AttentionBackend | None:
+        """The forward pass's attention backend (None: the null model attends to nothing)."""
+        return self.forward_pass.attn
 
     def forward_in_flight(self) -> bool:
         """Whether the forward just launched still runs beside this core (a GPU's, or the
