@@ -54,6 +54,7 @@ class _Seq:
     num_registered: int  # leading blocks already through `commit` (hits included)
     last_commit_step: int = -1
     retain: tuple[tuple[int, float], ...] = ()  # (prompt tokens, TTL s): marked at free
+    held: bool = False  # its table is the cached prefix of a waiting sequence (`hold`)
 
 
 def _as_array(blocks: array) -> np.ndarray:
@@ -81,6 +82,7 @@ class KVCacheManager:
                        if config.record_events and config.enable_prefix_caching else None)
         self.disk_flow = DiskFlow(self.host, self.disk, config.num_ranks, self.stats,
                                   self.events)
+        self.num_held_blocks = 0  # blocks held for waiting sequences (`hold`)
 
     # --- queries --------------------------------------------------------------------
 
@@ -139,6 +141,8 @@ class KVCacheManager:
         if seq is None:
             return self._allocate_first(seq_id, token_ids, num_tokens, extra_key, chain,
                                         count_hit, budget)
+        if seq.held:
+            return self._admit_held(seq_id, token_ids, num_tokens, count_hit, budget)
         assert budget is None, "a budget applies to a sequence's first allocation"
         assert seq.extra_key == extra_key, "extra_key changed for a live sequence"
         need = -(-num_tokens // self.block_size) - len(seq.blocks)
@@ -149,6 +153,62 @@ class KVCacheManager:
         blocks = self._take_fresh(need)
         seq.blocks.extend(blocks.tolist())
         return blocks.tolist()
+
+    def hold(self, seq_id: int, token_ids: Sequence[int], extra_key: bytes,
+             chain: BlockHashChain | None, *, reserve: int = 0) -> PrefixHit | None:
+        """Take the cached prefix of a sequence that waits in the queue, before it runs:
+        its device hits referenced (no longer evictable), its host hits copied into fresh
+        device blocks now (queued swap_ins), its disk hits read (as `allocate` starts
+        them: None is returned, and a later call takes them). A coding agent's next turn
+        waits behind other sessions' prefills; unheld, its history is what their new
+        blocks evict, and it then recomputes what it had cached. The sequence's first
+        `allocate` later takes the held table as its hit (`_admit_held`). None, and
+        nothing changed, when the hold would leave fewer than ``reserve`` blocks
+        allocatable, or its disk reads are in flight. Counted in the stats at admission."""
+        assert seq_id not in self._seqs, f"seq {seq_id} already holds blocks"
+        if not self.config.enable_prefix_caching:
+            return None
+        table = self._allocate_first(seq_id, token_ids, len(token_ids), extra_key, chain,
+                                     count_hit=False, budget=0, reserve=reserve)
+        if table is None:
+            return None
+        seq = self._seqs[seq_id]
+        seq.held = True
+        self.num_held_blocks += len(seq.blocks)
+        return seq.hit
+
+    def _admit_held(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
+                    count_hit: bool, budget: int | None) -> list[int] | None:
+        """The first `allocate` of a sequence that held its prefix while it waited: the
+        held table is its hit, and fresh blocks follow for ``num_tokens`` (capped at
+        ``budget`` past the hit). If more of the prompt is cached now than when it was
+        held (another request registered it meanwhile), the hold is let go and the
+        prefix taken afresh."""
+        seq = self._seqs[seq_id]
+        n_held = len(seq.blocks)
+        m = match_prefix(self.device, self.host, self.disk, token_ids, seq.chain)
+        if m.num_blocks > n_held:
+            self.release_hold(seq_id)
+            return self._allocate_first(seq_id, token_ids, num_tokens, seq.extra_key,
+                                        seq.chain, count_hit, budget)
+        if budget is not None:
+            num_tokens = min(num_tokens, n_held * self.block_size + budget)
+        need = max(0, -(-num_tokens // self.block_size) - n_held)
+        if need > self.num_allocatable_blocks():
+            return None
+        seq.blocks.extend(self._take_fresh(need).tolist())
+        seq.held = False
+        self.num_held_blocks -= n_held
+        if count_hit:
+            self._count_hit(len(token_ids), seq.hit)
+        return seq.blocks.tolist()
+
+    def release_hold(self, seq_id: int) -> None:
+        """Let a waiting sequence's held prefix go back to the cache (evictable again)."""
+        seq = self._seqs.pop(seq_id)
+        assert seq.held, f"seq {seq_id} holds no prefix"
+        self.num_held_blocks -= len(seq.blocks)
+        self.device.unref(_as_array(seq.blocks)[::-1])
 
     def grow(self, needs: Sequence[tuple[int, int]]) -> list[list[int]] | None:
         """`allocate` for several live sequences at once, all or nothing: ``needs`` are
@@ -303,6 +363,9 @@ class KVCacheManager:
         assert seq.last_commit_step != step, (
             f"seq {seq_id} closed in step {step}, the step that runs it; "
             "close it with the next step's plan")
+        if seq.held:
+            self.release_hold(seq_id)
+            return
         del self._seqs[seq_id]
         blocks = _as_array(seq.blocks)
         for num_tokens, ttl_s in seq.retain:
@@ -438,7 +501,8 @@ class KVCacheManager:
 
     def _allocate_first(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
                         extra_key: bytes, chain: BlockHashChain | None,
-                        count_hit: bool, budget: int | None = None) -> list[int] | None:
+                        count_hit: bool, budget: int | None = None,
+                        reserve: int = 0) -> list[int] | None:
         if self.config.enable_prefix_caching:
             chain = self._chain_for(extra_key, chain)
             if not self.disk_flow.settle(seq_id):
@@ -464,7 +528,7 @@ class KVCacheManager:
         # Hits on cached blocks take them out of the evictable set (busy ones never were).
         lru = self.device.lru
         hit_evictable = int((lru.present[dev_hits] & ~self.device.busy[dev_hits]).sum())
-        if n_fresh > self.num_allocatable_blocks() - hit_evictable:
+        if n_fresh > self.num_allocatable_blocks() - hit_evictable - reserve:
             return None  # nothing changed yet
 
         # Order matters: take the hits (and pin the host sources) before evicting for
@@ -499,11 +563,14 @@ class KVCacheManager:
         hit = self._hit_of(m, read_back)
         self._seqs[seq_id] = _Seq(extra_key, chain, array("i", table.tobytes()), hit, n_hit)
         if count_hit:
-            self.stats.num_queried_tokens += len(token_ids)
-            self.stats.num_device_hit_tokens += hit.num_device_tokens
-            self.stats.num_host_hit_tokens += hit.num_host_tokens
-            self.stats.num_disk_hit_tokens += hit.num_disk_tokens
+            self._count_hit(len(token_ids), hit)
         return table.tolist()
+
+    def _count_hit(self, num_queried: int, hit: PrefixHit) -> None:
+        self.stats.num_queried_tokens += num_queried
+        self.stats.num_device_hit_tokens += hit.num_device_tokens
+        self.stats.num_host_hit_tokens += hit.num_host_tokens
+        self.stats.num_disk_hit_tokens += hit.num_disk_tokens
 
     def _take_fresh(self, k: int) -> np.ndarray:
         """``k`` blocks with refcount 1, evicting (and writing back) cached ones if needed."""

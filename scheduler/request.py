@@ -42,6 +42,7 @@ class Sequence:
     num_pending: int = 0
     block_ids: list[int] = field(default_factory=list)  # the table as the scheduler has it
     opened: bool = False  # the ranks hold its block table
+    held: bool = False  # waiting, with its cached prefix held by the cache (`hold`)
     num_sent_blocks: int = 0  # leading `block_ids` the ranks hold (sent in plans)
     last_step: int = -1  # last step that ran this sequence's tokens
     num_emitted: int = 0  # output tokens already sent to the requester

@@ -99,6 +99,7 @@ class Scheduler:
         self._model_key = config.model
         self._sessions = SessionChains(config.block_size)
         self.disk_torn_at_start = 0  # disk blocks the ranks dropped at start-up
+        self._head_blocked = False  # this step, the queue's head found no room
         self._guides = GuideFactory(config.tokenizer_dir, limits.vocab_size,
                                     list(limits.eos_token_ids))
         self.speculative = config.speculative  # None: no drafts
@@ -147,6 +148,7 @@ class Scheduler:
             else:
                 self.queue.remove(request_id)
             self.cache.cancel_reads(seq.seq_id)  # its disk reads in flight, if any
+            self._release_hold(seq)
             del self._by_request[request_id]
             seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
             return seq.take_output()
@@ -187,6 +189,7 @@ class Scheduler:
         ranks hold open (running, or finished and waiting for their close). Raises
         cache.manager.CacheAccountingError."""
         live = {s.seq_id for s in self.running} | {s.seq_id for s in self._to_close}
+        live |= {s.seq_id for s in self.queue if s.held}
         self.cache.check_accounting(live)
 
     def sequence(self, request_id: str) -> Sequence | None:
@@ -273,8 +276,10 @@ class Scheduler:
         budget = self._run_running(plan, self.config.max_num_batched_tokens)
         # not in a step whose running set shrank (a preemption: blocks are short, and
         # admitting would only thrash)
+        self._head_blocked = False
         if len(self.running) == num_running:
             self._admit_waiting(plan, budget)
+        self._hold_waiting()
         return self._seal(plan)
 
     def _expire_and_close(self, plan: StepPlan) -> None:
@@ -307,6 +312,8 @@ class Scheduler:
             grown = self._grow(seq, num_new + len(drafts))
             if drafts and not grown:  # no room for the drafts: a plain decode
                 drafts, draft_masks = [], []
+                grown = self._grow(seq, num_new)
+            while not grown and self._release_last_hold():  # waiting ones give way first
                 grown = self._grow(seq, num_new)
             while not grown and self.running[-1] is not seq:
                 self._preempt(self.running[-1], plan)
@@ -345,8 +352,13 @@ class Scheduler:
                 break
             if seq.status is SeqStatus.FINISHED:  # its grammar failed: popped, ended
                 continue
-            if not self._admit(seq, budget):
+            admitted = self._admit(seq, budget)
+            while not admitted and not self.cache.reading(seq.seq_id) and (
+                    self._release_last_hold(keep=seq)):  # those behind it give way
+                admitted = self._admit(seq, budget)
+            if not admitted:
                 if not self.cache.reading(seq.seq_id):
+                    self._head_blocked = True  # no room for it: nothing behind it holds
                     break
                 self.queue.pop()  # its disk reads started: the next ones may come in
                 self._reading.append(seq)
@@ -516,7 +528,9 @@ class Scheduler:
         blocks = self.cache.allocate(seq.seq_id, tokens, len(tokens), seq.extra_key,
                                      seq.chain, count_hit=first, budget=budget)
         if blocks is None:
+            seq.held = self.cache.has_seq(seq.seq_id)  # a hold let go for a longer hit
             return False
+        seq.held = False
         took = self.cache.num_cached_tokens(seq.seq_id)
         seq.num_computed = took.num_tokens
         if first:  # accounting is for the prompt as first received
@@ -529,6 +543,42 @@ class Scheduler:
             self.cache.retain(seq.seq_id, [(r.num_tokens, r.ttl_s)
                                            for r in seq.request.retention])
         return True
+
+    def _hold_waiting(self) -> None:
+        """Hold the cached prefixes of waiting sequences, in queue order (cache `hold`),
+        while the device tier keeps room for the running sequences' next step: a turn
+        that waits behind other sessions' prefills keeps its history instead of having
+        it evicted by their new blocks. A hold is let go (`_release_last_hold`), the last
+        in the queue first, when a running sequence or the queue's head needs the blocks,
+        before any running sequence is preempted."""
+        if not self.config.enable_prefix_caching or not len(self.queue):
+            return
+        reserve = (-(-self.config.max_num_batched_tokens // self.block_size)
+                   + len(self.running) + 1)
+        for seq in self.queue:
+            if not (seq.held or seq.guide_pending is not None
+                    or self.cache.reading(seq.seq_id)):
+                if self.cache.hold(seq.seq_id, seq.tokens, seq.extra_key, seq.chain,
+                                   reserve=reserve) is not None:
+                    seq.held = True
+                elif not self.cache.reading(seq.seq_id):
+                    break  # no room: the ones after it wait unheld
+            if self._head_blocked:
+                break  # the head waits for blocks: none behind it may take them
+
+    def _release_last_hold(self, keep: Sequence | None = None) -> bool:
+        """Let go the held prefix of the last waiting sequence that holds one (not
+        `keep`); False if none does."""
+        for seq in reversed(list(self.queue)):
+            if seq.held and seq is not keep:
+                self._release_hold(seq)
+                return True
+        return False
+
+    def _release_hold(self, seq: Sequence) -> None:
+        if seq.held:
+            self.cache.release_hold(seq.seq_id)
+            seq.held = False
 
     def _grow_running(self, budget: int) -> None:
         """The running sequences' new blocks for this step in one allocation

@@ -38,6 +38,7 @@ class SimSeq:
     table: list[int] = field(default_factory=list)
     computed: int = 0
     scheduled_step: int = -1
+    held: bool = False  # waiting, its cached prefix held (`hold`), not admitted yet
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -113,7 +114,11 @@ class CacheMachine(RuleBasedStateMachine):
         return True
 
     def live_unscheduled(self) -> list[int]:
-        return sorted(s for s, q in self.seqs.items() if q.scheduled_step != self.step)
+        return sorted(s for s, q in self.seqs.items()
+                      if q.scheduled_step != self.step and not q.held)
+
+    def held_ids(self) -> list[int]:
+        return sorted(s for s, q in self.seqs.items() if q.held)
 
     # --- rules --------------------------------------------------------------------------
 
@@ -205,6 +210,86 @@ class CacheMachine(RuleBasedStateMachine):
         self.writes.append((sid, seq.computed, num_tokens))
         seq.computed = max(seq.computed, num_tokens)
         self.learn_hashes(seq, seq.computed)
+
+    @precondition(lambda self: len(self.seqs) < 8 and self.history)
+    @rule(data=st.data())
+    def hold_waiting(self, data) -> None:
+        """A returning turn waits in the queue: its cached prefix is held (device hits
+        referenced, host hits copied in now), or nothing changes."""
+        key, tokens = data.draw(st.sampled_from(self.history))
+        tokens = tokens + data.draw(st.lists(st.integers(0, 2), max_size=6))
+        sid, self.next_id = self.next_id, self.next_id + 1
+        hit = self.m.lookup(tokens, key)
+        reserve = data.draw(st.integers(0, 4))
+        before = self.snapshot()
+        ops_before = self.m.peek_ops()
+        got = self.m.hold(sid, tokens, key, None, reserve=reserve)
+        if got is None:
+            if self.m.reading(sid):
+                event("hold started disk reads")
+                self.m.cancel_reads(sid)  # the waiting request leaves
+            else:
+                event("hold refused")
+                assert self.snapshot() == before
+            return
+        event("held: " + ("host" if got.num_host_tokens else "device" if got.num_tokens
+                          else "nothing"))
+        assert got == hit and not hit.num_disk_tokens
+        assert self.m.num_allocatable_blocks() >= reserve
+        counted = ("num_queried_tokens", "num_device_hit_tokens", "num_host_hit_tokens",
+                   "num_disk_hit_tokens")
+        stats = self.m.stats.as_dict()
+        assert all(stats[k] == before[3][k] for k in counted), "counted at admission only"
+        loaded = self.m.peek_ops().swap_in[len(ops_before.swap_in):]
+        assert len(loaded) * self.bs == hit.num_host_tokens
+        seq = SimSeq(key, tokens, self.m.block_table(sid), hit.num_tokens, held=True)
+        assert len(seq.table) == hit.num_tokens // self.bs
+        self.seqs[sid] = seq
+        self.learn_hashes(seq, seq.computed)
+
+    @precondition(lambda self: self.held_ids())
+    @rule(data=st.data())
+    def admit_held(self, data) -> None:
+        """The held sequence's turn: its first chunk, the held prefix as its hit."""
+        sid = data.draw(st.sampled_from(self.held_ids()))
+        seq = self.seqs[sid]
+        budget = data.draw(st.integers(1, 12))
+        queried = self.m.stats.num_queried_tokens
+        blocks = self.m.allocate(sid, seq.tokens, len(seq.tokens), seq.key, budget=budget)
+        if blocks is None:
+            if not self.m.has_seq(sid):  # let go for a longer hit, which is on disk
+                event("held, then reads for a longer hit")
+                del self.seqs[sid]
+                self.m.cancel_reads(sid)
+            else:
+                event("held, no room to admit")
+            return
+        hit = self.m.num_cached_tokens(sid)
+        assert hit.num_tokens >= seq.computed
+        if hit.num_tokens == seq.computed:
+            assert blocks[:len(seq.table)] == seq.table
+        assert self.m.stats.num_queried_tokens == queried + len(seq.tokens)
+        n = min(len(seq.tokens), hit.num_tokens + budget)
+        seq.table, seq.held, seq.computed = list(blocks), False, hit.num_tokens
+        assert len(blocks) == max(hit.num_tokens // self.bs, -(-n // self.bs))
+        self.m.commit(sid, seq.tokens, n, self.step)
+        seq.scheduled_step = self.step
+        self.writes.append((sid, seq.computed, n))
+        seq.computed = n
+        self.learn_hashes(seq, n)
+
+    @precondition(lambda self: self.held_ids())
+    @rule(data=st.data())
+    def release_held(self, data) -> None:
+        """A held prefix gives way (a running sequence needs blocks), or the waiting
+        request is aborted."""
+        sid = data.draw(st.sampled_from(self.held_ids()))
+        if data.draw(st.booleans()):
+            self.m.release_hold(sid)
+        else:
+            self.m.free(sid, self.step)
+        del self.seqs[sid]
+        assert not self.m.has_seq(sid)
 
     @precondition(lambda self: self.live_unscheduled())
     @rule(data=st.data())
@@ -460,6 +545,7 @@ class CacheMachine(RuleBasedStateMachine):
         for sid in list(self.seqs):
             self.m.free(sid, self.step)
         self.seqs.clear()
+        assert self.m.num_held_blocks == 0
         for sid in list(self.waiting):  # aborted mid-read, then the reads land
             self.m.cancel_reads(sid)
         self.waiting.clear()
