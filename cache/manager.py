@@ -353,6 +353,17 @@ class KVCacheManager:
         sequence is freed, and refreshed by every later use of the blocks."""
         self._seqs[seq_id].retain = tuple((int(n), float(ttl)) for n, ttl in spans)
 
+    def release_retained(self, lo: np.ndarray, hi: np.ndarray) -> None:
+        """The blocks of these hashes (a chain's, head first), in either tier, are
+        retained no more: ordinary cached entries, evicted before any retained one (an
+        agent's turn that ended without a tool call: a finished sub-agent, a turn that
+        waits for its user). Blocks in use lose their mark before their next release."""
+        for pool in (self.device, self.host):
+            if pool.lru.max_retained == 0:
+                continue
+            ids = pool.index.find(lo[::-1], hi[::-1])  # tail first: least valuable first
+            pool.lru.release(ids[ids >= 0])
+
     def free(self, seq_id: int, step: int) -> None:
         """Close ``seq_id`` in the scheduler's step ``step``: release its blocks *to the
         cache* (full registered blocks stay hittable in the LRU; the rest return to the

@@ -89,6 +89,18 @@ class RetainingLru:
         self.ttl_s[dst] = src.ttl_s[src_ids]
         self.until[dst] = src.until[src_ids]
 
+    def release(self, ids: np.ndarray) -> None:
+        """``ids`` are retained no more (a session that ended its turn without a tool
+        call): cached ones move to the plain LRU as its most recent entries, ``ids[0]``
+        the least valuable; ones in use lose their mark before their next release."""
+        ids = np.asarray(ids, dtype=np.int32)
+        if self.max_retained == 0 or len(ids) == 0:
+            return
+        queued = ids[self.present[ids] & ~self.plain.present[ids]]  # in a retained queue
+        self.remove(queued)
+        self.clear(ids)
+        self.push(queued)
+
     def clear(self, ids: np.ndarray) -> None:
         """``ids`` are reused for other KV (evicted, or freed unregistered)."""
         self.ttl_s[ids] = 0

@@ -20,9 +20,11 @@ from orchestrator.tier_sizing import (
     HOST_MAX_PER_RANK,
     HOST_SHARE,
     NodeRoom,
+    available_memory_bytes,
     measure_room,
     prepare_disk_dir,
     size_disk_tiers,
+    size_host_tier,
 )
 from wire.config import EngineConfig, SpeculativeConfig
 from wire.security import (
@@ -89,13 +91,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="CUDA: size the device tier to this share of GPU memory, measured by "
                         "a profiling pass (overrides --kv-cache-memory)")
     p.add_argument("--host-cache-memory", type=int, default=None, metavar="BYTES",
-                   help="bytes per rank for the host KV tier (0, the default, disables it; "
-                        "with --disk-cache-dir, which it feeds, the default is "
+                   help="bytes per rank for the host KV tier (0 disables it). Default: on "
+                        "GPUs, and with --disk-cache-dir (which it feeds), "
                         f"{HOST_SHARE * 100:.0f}%% of the free RAM split among this node's "
-                        f"ranks, at most {HOST_MAX_PER_RANK >> 30} GiB each)")
+                        f"ranks, at most {HOST_MAX_PER_RANK >> 30} GiB each; on CPU without "
+                        "a disk tier, off (it would be the same memory as the device tier)")
     p.add_argument("--max-retained-fraction", type=float, default=d.max_retained_fraction,
                    help="of each KV tier, what prefixes a client marked for retention "
                         "(cache_control) may hold before the rest of them are plain LRU")
+    p.add_argument("--session-ttl", dest="session_ttl_s", type=float, default=d.session_ttl_s,
+                   metavar="SECONDS",
+                   help="how long a finished agent turn's blocks stay retained, evicted only "
+                        "after unretained ones (a tool runs, the agent comes back); a turn "
+                        "that ends without a tool call lets them go at once; 0: off")
     p.add_argument("--kv-write-policy", default=None,
                    choices=["write_back", "write_through"],
                    help="when device blocks are copied to the host tier: on eviction "
@@ -194,6 +202,16 @@ def default_write_policy(disk_cache_dir: str) -> str:
     return "write_through" if disk_cache_dir else EngineConfig(model="").kv_write_policy
 
 
+def on_cuda(device: str) -> bool:
+    """Whether the ranks will run on GPUs, without importing torch (the launcher starts in
+    a fraction of a second): asked for, or `auto` on a node with NVIDIA's driver loaded
+    and GPUs visible."""
+    if device != "auto":
+        return device == "cuda"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return Path("/proc/driver/nvidia/version").exists() and visible not in ("", "-1")
+
+
 def disk_tier_flags(args: argparse.Namespace, num_local_ranks: int,
                     measure: Callable[[Path, int], NodeRoom] = measure_room,
                     ) -> tuple[str, int, int]:
@@ -203,6 +221,10 @@ def disk_tier_flags(args: argparse.Namespace, num_local_ranks: int,
     EngineConfig to check (a size alone is refused there)."""
     disk_size, host_memory = args.disk_cache_size, args.host_cache_memory
     if not args.disk_cache_dir:
+        if host_memory is None and on_cuda(args.device):
+            # The host tier is another memory on a GPU node: on by default, a share of
+            # the free RAM (on CPU it would be the same memory as the device tier: off).
+            host_memory = size_host_tier(available_memory_bytes(), num_local_ranks)
         return "", disk_size or 0, host_memory or 0
     directory = prepare_disk_dir(args.disk_cache_dir)
     sizes = size_disk_tiers(disk_size, host_memory, measure(directory, num_local_ranks))

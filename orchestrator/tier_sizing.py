@@ -112,13 +112,27 @@ def size_disk_tiers(disk_cache_size: int | None, host_cache_memory: int | None,
                          f"rank(s) on this node, is more than the {room.free_disk_bytes} "
                          f"bytes free at {room.directory}")
     if host_cache_memory is None:
-        host_cache_memory = _share("host", room.free_memory_bytes, HOST_SHARE, ranks,
-                                   HOST_MAX_PER_RANK, "free RAM", "--host-cache-memory")
+        host_cache_memory = size_host_tier(room.free_memory_bytes, ranks, required=True)
     elif host_cache_memory <= 0:
         raise ConfigError("the disk tier is fed from the host tier: --host-cache-memory 0 "
                          "turns it off (give it bytes, or leave it out to size it from the "
                          "free RAM)")
     return TierSizes(disk_cache_size, host_cache_memory)
+
+
+def size_host_tier(free_memory_bytes: int, num_local_ranks: int, *,
+                   required: bool = False) -> int:
+    """The host tier's default size per rank: a share of the free RAM (logged). Too
+    little RAM: refused where the tier is `required` (it feeds the disk tier), else off
+    (0, logged)."""
+    try:
+        return _share("host", free_memory_bytes, HOST_SHARE, max(1, num_local_ranks),
+                      HOST_MAX_PER_RANK, "free RAM", "--host-cache-memory")
+    except ConfigError as exc:
+        if required:
+            raise
+        log.info("host_tier_off", reason=str(exc))
+        return 0
 
 
 def _share(tier: str, free: int, share: float, ranks: int, cap: int, of_what: str,

@@ -25,7 +25,7 @@ from scheduler.kv_events import KVEventPublisher
 from scheduler.scheduler import RequestRejected, Scheduler
 from scheduler.telemetry import Telemetry
 from wire import codec
-from wire.client import AbortRequest, GenerateRequest, RequestOutput, StatsRequest
+from wire.client import AbortRequest, GenerateRequest, RequestOutput, StatsRequest, TurnEnd
 from wire.config import CONFIG_FILE, EngineConfig
 from wire.control import PrefixBreak
 from wire.control_server import control_address
@@ -108,6 +108,8 @@ class SchedulerServer:
                 self._sock.send_multipart([identity, codec.encode(err)])
         elif isinstance(msg, PrefixBreak):
             self.telemetry.prefix_break(msg)
+        elif isinstance(msg, TurnEnd):
+            sched.end_turn(msg.request_id, msg.tool_call)
         elif isinstance(msg, AbortRequest):
             out = sched.abort_request(msg.request_id, msg.reason)
             if out is not None:

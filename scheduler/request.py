@@ -43,6 +43,7 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)  # the table as the scheduler has it
     opened: bool = False  # the ranks hold its block table
     held: bool = False  # waiting, with its cached prefix held by the cache (`hold`)
+    turn_ended: bool = False  # its answer ended without a tool call (`end_turn`)
     num_sent_blocks: int = 0  # leading `block_ids` the ranks hold (sent in plans)
     last_step: int = -1  # last step that ran this sequence's tokens
     num_emitted: int = 0  # output tokens already sent to the requester

@@ -11,12 +11,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from operator import itemgetter
 
 import numpy as np
 
-from cache.hashing import make_extra_key
+from cache.hashing import BlockHashChain, make_extra_key
 from cache.manager import CacheConfig, KVCacheManager
 from scheduler.guided import GrammarError, GuideFactory
 from scheduler.queue import QueueFullError, RequestQueue
@@ -39,6 +40,7 @@ from wire.step import (
 )
 
 GRAMMAR_WAIT_S = 0.05  # an idle step waits this long for the queue head's grammar
+CLOSED_CHAINS_KEPT = 1024  # closed requests a late TurnEnd can still find
 
 
 class Scheduler:
@@ -98,6 +100,8 @@ class Scheduler:
         self.overlap_hold_until = 0.0
         self._model_key = config.model
         self._sessions = SessionChains(config.block_size)
+        # the chains of recently closed sequences, for a TurnEnd that comes after the close
+        self._closed_chains: OrderedDict[str, BlockHashChain] = OrderedDict()
         self.disk_torn_at_start = 0  # disk blocks the ranks dropped at start-up
         self._head_blocked = False  # this step, the queue's head found no room
         self._guides = GuideFactory(config.tokenizer_dir, limits.vocab_size,
@@ -156,6 +160,24 @@ class Scheduler:
             self.running.remove(seq)
         self._finish(seq, reason)  # an awaiting one is closed already: its token is dropped
         return seq.take_output()
+
+    def end_turn(self, request_id: str, tool_call: bool) -> None:
+        """How a request's answer ended (the shim's TurnEnd). A tool call keeps its blocks
+        retained (`_finish` marked them); an answer without one lets them go: evicted
+        before any retained block, so a finished sub-agent goes before its parent, which
+        waits on a tool call. The client's own marks (cache_control) stay as they are."""
+        if tool_call:
+            return
+        seq = self._by_request.get(request_id)
+        if seq is not None:  # not closed yet: its blocks are not released with a mark
+            seq.turn_ended = True
+            if seq.status is SeqStatus.FINISHED and not seq.request.retention and (
+                    self.cache.has_seq(seq.seq_id)):
+                self.cache.retain(seq.seq_id, [])
+            return
+        chain = self._closed_chains.pop(request_id, None)
+        if chain is not None and chain.num_blocks:
+            self.cache.release_retained(*chain.keys())
 
     def _expire(self, now: float) -> None:
         """End every live request whose deadline has passed, through the abort path
@@ -227,6 +249,13 @@ class Scheduler:
         seq.finish_reason = reason
         if seq.chain is not None:
             self._sessions.remember(seq.session_id, seq.extra_key, seq.tokens, seq.chain)
+        if (self.config.session_ttl_s > 0 and reason in ("stop", "length")
+                and not seq.request.retention and not seq.turn_ended
+                and self.cache.has_seq(seq.seq_id)):
+            # An agent's turn: retained until its next one (a tool runs meanwhile), so the
+            # history outlives the plain LRU's one-offs (cache/retention.py). `end_turn`
+            # lets it go when the answer was not a tool call.
+            self.cache.retain(seq.seq_id, [(seq.num_tokens, self.config.session_ttl_s)])
         if seq.opened:
             self._to_close.append(seq)
         else:
@@ -261,6 +290,11 @@ class Scheduler:
         seq.opened = False
         seq.block_ids = []
         plan.close.append(seq.seq_id)
+        if (seq.status is SeqStatus.FINISHED and seq.chain is not None and not seq.turn_ended
+                and not seq.request.retention):  # a client's own marks stay its own
+            self._closed_chains[seq.request_id] = seq.chain
+            while len(self._closed_chains) > CLOSED_CHAINS_KEPT:
+                self._closed_chains.popitem(last=False)
         if seq.status is SeqStatus.FINISHED:
             self._by_request.pop(seq.request_id, None)
 

@@ -1,8 +1,8 @@
 """Messages between the shim and the scheduler: requests, their outputs, and the engine's
 counters for /metrics.
 
-    shim -> scheduler   GenerateRequest, AbortRequest, StatsRequest (and PrefixBreak,
-                        wire/control.py)
+    shim -> scheduler   GenerateRequest, AbortRequest, TurnEnd, StatsRequest (and
+                        PrefixBreak, wire/control.py)
     scheduler -> shim   RequestOutput (a stream per request), EngineStats
 
 The shim tokenizes, so a request is token ids; sampling parameters ride with it to the
@@ -69,6 +69,17 @@ class GenerateRequest:
     grammar: str | None = None  # llguidance grammar the output follows (scheduler/guided.py)
     thinking: ThinkingSpan | None = None  # counted, and capped if it has a budget
     retention: list[Retention] = field(default_factory=list)  # cache/retention.py
+
+
+@dataclass
+class TurnEnd:
+    """Shim -> scheduler: how an agent's answer ended. One that ends in a tool call keeps
+    its session's blocks retained (the agent comes back with the result within seconds);
+    one that does not lets them go to the plain LRU (a finished sub-agent, a turn that
+    waits for its user): scheduler `Scheduler.end_turn`."""
+
+    request_id: str
+    tool_call: bool
 
 
 @dataclass

@@ -100,6 +100,9 @@ class EngineConfig:
     disk_write_bytes_per_s: float = 0.0  # per rank; 0: no limit
     enable_prefix_caching: bool = True
     max_retained_fraction: float = 0.5  # of each tier, for retention hints (cache_control)
+    # a finished agent turn's blocks stay retained this long (0: off), unless the client
+    # marks its own (cache_control) or the turn ended without a tool call (TurnEnd)
+    session_ttl_s: float = 90.0
     max_model_len: int = 0  # 0: take the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -152,6 +155,8 @@ class EngineConfig:
             raise ConfigError(f"unknown step channel {self.step_channel!r}")
         if not 0.0 <= self.max_retained_fraction <= 1.0:
             raise ConfigError("max_retained_fraction must be between 0 and 1")
+        if self.session_ttl_s < 0:
+            raise ConfigError("session_ttl_s must be >= 0")
         if self.kv_write_policy not in ("write_back", "write_through"):
             raise ConfigError(f"unknown KV write policy {self.kv_write_policy!r}")
         if (self.disk_cache_size > 0) != bool(self.disk_cache_dir):

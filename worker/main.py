@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     log.info("worker_ready", device=str(device), threads=threads,
              num_device_blocks=runner.num_device_blocks, num_host_blocks=runner.num_host_blocks,
+             device_tokens=runner.num_device_blocks * config.block_size,
+             host_tokens=runner.num_host_blocks * config.block_size,
              step_channel=config.step_channel)
     control_dir = control_dir_for(args.scheduler)
     control = None

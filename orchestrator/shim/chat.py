@@ -297,6 +297,7 @@ class ChatRun:
         if self._recorded or self.gen.finish_reason not in ("stop", "length"):
             return
         self._recorded = True
+        self.state.engine.turn_end(self.gen.request_id, tool_call=self.num_tool_calls > 0)
         self.state.tracker.record(
             self.req.session, self.prompt.token_ids, self.prompt.text, self.gen.token_ids,
             output_sent_whole=self.gen.stop_string is None and not self.gen.ended_early)

@@ -11,6 +11,7 @@ Message flow:
     shim  <- RequestOutput(...)*           new tokens; the last has finished=True
     shim  -> AbortRequest(id, reason)      client gone ("abort") or stop string ("stop")
     shim  -> PrefixBreak(...)              a report for inspection (no answer)
+    shim  -> TurnEnd(id, tool_call)        how an answer ended: its session's retention
     shim  <- Shutdown(reason)              the engine is going away: every request fails
 
 One background task reads the socket and routes each RequestOutput to the queue of
@@ -36,7 +37,14 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from wire.client import AbortRequest, EngineStats, GenerateRequest, RequestOutput, StatsRequest
+from wire.client import (
+    AbortRequest,
+    EngineStats,
+    GenerateRequest,
+    RequestOutput,
+    StatsRequest,
+    TurnEnd,
+)
 from wire.codec import ProtocolError, decode, encode
 from wire.lifecycle import ClientHello, EngineInfo, Shutdown
 from wire.security import secure_connect
@@ -201,6 +209,11 @@ class EngineClient:
             timer.end(reason)
         if self._streams.pop(request_id, None) is not None:
             await self._send(AbortRequest(request_id=request_id, reason=reason))
+
+    def turn_end(self, request_id: str, tool_call: bool) -> None:
+        """Tell the scheduler how an answer ended: whether its session's blocks stay
+        retained (a tool call: the agent comes back) or not (scheduler `end_turn`)."""
+        self._send_nowait(TurnEnd(request_id=request_id, tool_call=tool_call))
 
     async def stats(self, timeout_s: float = 5.0) -> EngineStats:
         """A snapshot of the engine's counters (one question in flight at a time)."""

@@ -44,6 +44,7 @@ class ScriptedEngine:
     aborted: list[tuple[str, str]] = field(default_factory=list)
     scripts: list[Script] = field(default_factory=list)
     live: set[str] = field(default_factory=set)
+    turn_ends: list[tuple[str, bool]] = field(default_factory=list)  # (request id, tool call)
 
     @property
     def info(self) -> EngineInfo:
@@ -60,6 +61,9 @@ class ScriptedEngine:
 
     async def stats(self) -> EngineStats:
         raise RuntimeError("no stats here")
+
+    def turn_end(self, request_id: str, tool_call: bool) -> None:
+        self.turn_ends.append((request_id, tool_call))
 
     def script(self, text: str = "", *, eos: bool = True, **kwargs: object) -> Script:
         """Queue the answer to the next request: `text` one token per output."""

@@ -477,3 +477,15 @@ def test_internal_bug_is_500_api_error(client, engine, monkeypatch) -> None:
         raise RuntimeError("bug")
     monkeypatch.setattr("orchestrator.shim.anthropic_response.prepare_chat", broken)
     assert_error(post(client, {"messages": HELLO}), 500, "api_error")
+
+
+def test_the_engine_hears_how_each_answer_ended(client, engine) -> None:
+    """TurnEnd: an answer that ends in a tool call keeps its session's blocks retained
+    (the agent comes back with the result), one without lets them go (scheduler
+    `end_turn`); streamed or not."""
+    engine.script("Let me check.\n" + CALL)
+    post(client, {"messages": HELLO, "tools": TOOLS, "stream": True})
+    engine.script("Two files.")
+    post(client, {"messages": HELLO, "tools": TOOLS})
+    assert [tool for _, tool in engine.turn_ends] == [True, False]
+    assert [rid for rid, _ in engine.turn_ends] == [r.request_id for r in engine.requests]

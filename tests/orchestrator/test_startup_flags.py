@@ -364,6 +364,21 @@ def retained_share_is_capped(e: Launched) -> None:
     assert 0 < retained <= 128 // 4
 
 
+def turns_are_not_retained(e: Launched) -> None:
+    """--session-ttl 0: a finished turn's blocks are plain LRU (by default, retained for
+    the agent's next turn: `turns_are_retained_by_default`)."""
+    assert e.config().session_ttl_s == 0
+    e.complete(prompt=list(range(1000, 1064)), max_tokens=1)
+    assert e.metric("deepinfer_kv_blocks", tier="device", state="retained") == 0
+    assert e.metric("deepinfer_kv_blocks", tier="device", state="cached") >= 4
+
+
+def turns_are_retained_by_default(e: Launched) -> None:
+    assert e.config().session_ttl_s == 90
+    e.complete(prompt=list(range(3000, 3064)), max_tokens=1)
+    assert e.metric("deepinfer_kv_blocks", tier="device", state="retained") >= 4
+
+
 def long_prompt_is_400(e: Launched) -> None:
     r = e.post("/v1/completions", {"model": "m", "prompt": [7] * 2100, "max_tokens": 1})
     assert r.status_code == 400 and "2048" in r.text, r.text
@@ -548,6 +563,7 @@ ROWS = [
     Row("engine", ("--max-model-len", "2048", "--max-retained-fraction", "0.25"),
         retained_share_is_capped),
     Row("engine", (), long_prompt_is_400),  # the --max-model-len above
+    Row("engine", (), turns_are_retained_by_default),
     Row("engine", ("--full-cache-check-every", "1", "--step-timeout", "60", "--seed", "7",
                    "--attention-backend", "torch", "--no-async-scheduling"),
         engine_options_reach_every_process),
@@ -566,6 +582,7 @@ ROWS = [
     # dict), which no in-process test could see.
     Row("speculative", (*BASE, "--speculative-config",
                         '{"method": "ngram", "num_speculative_tokens": 4}'), drafts_are_made),
+    Row("speculative", ("--session-ttl", "0"), turns_are_not_retained),
     # The directory alone: the disk tier's size and the host tier that feeds it take
     # their defaults (it was refused, asking for --disk-cache-size and --host-cache-memory).
     Row("disk-dir-alone", (*BASE, "--disk-cache-dir", "{tmp}/disk"), disk_is_written),

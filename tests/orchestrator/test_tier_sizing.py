@@ -178,3 +178,20 @@ def test_the_command_line_refuses_what_cannot_work(default_model: Path, tmp_path
     with pytest.raises(ValueError, match="cannot create it"):
         engine_config("--model", str(default_model), "--disk-cache-dir",
                       str(tmp_path / "file" / "kv"))
+
+
+def test_on_gpus_the_host_tier_is_on_by_default(default_model: Path, monkeypatch) -> None:
+    """On a GPU node the host tier is another memory: a fifth of the free RAM, split among
+    the node's ranks. On CPU it would be the device tier's own memory: off."""
+    monkeypatch.setattr("orchestrator.config.available_memory_bytes", lambda: 40 * GiB)
+    config, asked = engine_config("--model", str(default_model), "--device", "cuda",
+                                  local_ranks=4)
+    assert asked == [] and config.host_cache_memory == 2 * GiB
+    config, _ = engine_config("--model", str(default_model), "--device", "cuda",
+                              "--host-cache-memory", "0")
+    assert config.host_cache_memory == 0  # asked for off
+    config, _ = engine_config("--model", str(default_model), "--device", "cpu")
+    assert config.host_cache_memory == 0
+    monkeypatch.setattr("orchestrator.config.available_memory_bytes", lambda: 1 << 20)
+    config, _ = engine_config("--model", str(default_model), "--device", "cuda")
+    assert config.host_cache_memory == 0  # too little RAM for a tier: off, not refused
