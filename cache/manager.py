@@ -35,12 +35,15 @@ from cache.block_pool import DevicePool
 from cache.disk_flow import DiskFlow
 from cache.disk_pool import DiskPool
 from cache.events import KVEventRecorder
+from cache.eviction_memory import EvictionMemory
 from cache.hashing import BlockHashChain
 from cache.host_pool import HostPool
 from cache.matching import Match, match_prefix
+from cache.miss_reasons import MissAttribution, PreviousPrompt
 from cache.retention import RetentionPolicy
 from cache.stats import CacheStats
 from cache.types import WRITE_POLICIES, CacheAccountingError, CacheConfig, CacheOps, PrefixHit
+from wire.client import UncachedTokens
 
 __all__ = ["WRITE_POLICIES", "CacheAccountingError", "CacheConfig", "CacheOps",
            "KVCacheManager", "PrefixHit"]
@@ -54,6 +57,7 @@ class _Seq:
     num_registered: int  # leading blocks already through `commit` (hits included)
     last_commit_step: int = -1
     retain: tuple[tuple[int, float], ...] = ()  # (prompt tokens, TTL s): marked at free
+    uncached: UncachedTokens | None = None  # why its first allocate missed the rest
 
 
 def _as_array(blocks: array) -> np.ndarray:
@@ -69,8 +73,14 @@ class KVCacheManager:
         retention = RetentionPolicy(config.max_retained_fraction, clock)
         self.device = DevicePool(config.num_device_blocks, retention)
         self.host = HostPool(config.num_host_blocks if config.host_enabled else 0, retention)
-        self.disk = DiskPool(config.num_disk_blocks if config.disk_enabled else 0,
-                             config.num_ranks)
+        num_disk_blocks = config.num_disk_blocks if config.disk_enabled else 0
+        # what the tiers let go, to tell why a prompt missed (cache/miss_reasons.py)
+        drops = EvictionMemory((config.num_device_blocks + self.host.num_slots
+                                + num_disk_blocks) if config.enable_prefix_caching else 0,
+                               clock)
+        self.disk = DiskPool(num_disk_blocks, config.num_ranks, drops)
+        self.misses = MissAttribution(self.device, self.host, self.disk, drops,
+                                      config.block_size, clock)
         self.stats = CacheStats()
         self._seqs: dict[int, _Seq] = {}
         self._ops = CacheOps()
@@ -80,7 +90,7 @@ class KVCacheManager:
         self.events = (KVEventRecorder(config.num_device_blocks, config.block_size)
                        if config.record_events and config.enable_prefix_caching else None)
         self.disk_flow = DiskFlow(self.host, self.disk, config.num_ranks, self.stats,
-                                  self.events)
+                                  self.events, drops)
 
     # --- queries --------------------------------------------------------------------
 
@@ -101,6 +111,11 @@ class KVCacheManager:
         """What the first `allocate` of ``seq_id`` took from each tier."""
         return self._seqs[seq_id].hit
 
+    def uncached_tokens(self, seq_id: int) -> UncachedTokens | None:
+        """Why the first `allocate` of ``seq_id`` left the rest of its tokens to compute
+        (cache/miss_reasons.py); None when it did not count its hit, or without caching."""
+        return self._seqs[seq_id].uncached
+
     def block_table(self, seq_id: int) -> list[int]:
         return self._seqs[seq_id].blocks.tolist()
 
@@ -115,7 +130,8 @@ class KVCacheManager:
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
                  extra_key: bytes, chain: BlockHashChain | None = None, *,
-                 count_hit: bool = True, budget: int | None = None) -> list[int] | None:
+                 count_hit: bool = True, budget: int | None = None,
+                 previous: PreviousPrompt | None = None) -> list[int] | None:
         """Give ``seq_id`` enough device blocks for its first ``num_tokens`` tokens.
 
         ``token_ids``: every known token of the sequence (prompt + generated so far).
@@ -134,11 +150,13 @@ class KVCacheManager:
         for min(num_tokens, hit + budget) tokens -- a step's token budget, applied to the
         hit this call finds, so the caller need not `lookup` the prefix first (a second
         walk of the index for every admission).
+        ``previous`` (first call only): the session's latest finished sequence, to tell
+        why the tokens past the hit missed (`uncached_tokens`, with count_hit).
         """
         seq = self._seqs.get(seq_id)
         if seq is None:
             return self._allocate_first(seq_id, token_ids, num_tokens, extra_key, chain,
-                                        count_hit, budget)
+                                        count_hit, budget, previous)
         assert budget is None, "a budget applies to a sequence's first allocation"
         assert seq.extra_key == extra_key, "extra_key changed for a live sequence"
         need = -(-num_tokens // self.block_size) - len(seq.blocks)
@@ -340,10 +358,14 @@ class KVCacheManager:
         """Forget every unreferenced cached block, host slot and committed disk slot.
         Returns how many."""
         dropped_device, dropped_host = self.device.drop_cached(), self.host.drop_cached()
+        dropped_disk = self.disk.drop_cached()
+        for tier, lo in (("device", dropped_device), ("host", dropped_host),
+                         ("disk", dropped_disk)):
+            self.misses.dropped(tier, lo, "reset")
         if self.events is not None:
             self.events.device_removed(dropped_device)
             self.events.host_removed(dropped_host)
-        return len(dropped_device) + len(dropped_host) + len(self.disk.drop_cached())
+        return len(dropped_device) + len(dropped_host) + len(dropped_disk)
 
     def report_disk_writes(self, rank: int, done: list[int], dropped: list[int],
                            read_done: Sequence[int] = (), read_bad: Sequence[int] = ()) -> None:
@@ -438,7 +460,8 @@ class KVCacheManager:
 
     def _allocate_first(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
                         extra_key: bytes, chain: BlockHashChain | None,
-                        count_hit: bool, budget: int | None = None) -> list[int] | None:
+                        count_hit: bool, budget: int | None = None,
+                        previous: PreviousPrompt | None = None) -> list[int] | None:
         if self.config.enable_prefix_caching:
             chain = self._chain_for(extra_key, chain)
             if not self.disk_flow.settle(seq_id):
@@ -466,6 +489,9 @@ class KVCacheManager:
         hit_evictable = int((lru.present[dev_hits] & ~self.device.busy[dev_hits]).sum())
         if n_fresh > self.num_allocatable_blocks() - hit_evictable:
             return None  # nothing changed yet
+        # why the rest missed, asked before this allocation evicts anything
+        uncached = (self.misses.attribute(token_ids, chain, n_hit, previous)
+                    if count_hit and chain is not None else None)
 
         # Order matters: take the hits (and pin the host sources) before evicting for
         # fresh blocks, so the eviction cannot reclaim the prefix being hit.
@@ -473,7 +499,7 @@ class KVCacheManager:
         self.host.lru.touch(host_hits)  # a use: a retained slot's TTL runs from now
         self.host.pin(host_hits[::-1])  # touched tail first: the chain's head stays longest
         read_back = self.disk_flow.take_read_back(seq_id)
-        fresh = self._take_fresh(n_fresh)
+        fresh = self._take_fresh(n_fresh, "admission")
         loaded = fresh[:len(host_hits)]
         table = np.empty(n_total, dtype=np.int32)
         if len(loaded):
@@ -497,19 +523,24 @@ class KVCacheManager:
             self.stats.num_swap_in_blocks += len(loaded)
 
         hit = self._hit_of(m, read_back)
-        self._seqs[seq_id] = _Seq(extra_key, chain, array("i", table.tobytes()), hit, n_hit)
+        self._seqs[seq_id] = _Seq(extra_key, chain, array("i", table.tobytes()), hit, n_hit,
+                                  uncached=uncached)
         if count_hit:
             self.stats.num_queried_tokens += len(token_ids)
             self.stats.num_device_hit_tokens += hit.num_device_tokens
             self.stats.num_host_hit_tokens += hit.num_host_tokens
             self.stats.num_disk_hit_tokens += hit.num_disk_tokens
+        if uncached is not None:
+            self.misses.count(self.stats, uncached)
         return table.tolist()
 
-    def _take_fresh(self, k: int) -> np.ndarray:
-        """``k`` blocks with refcount 1, evicting (and writing back) cached ones if needed."""
+    def _take_fresh(self, k: int, cause: str = "growth") -> np.ndarray:
+        """``k`` blocks with refcount 1, evicting (and writing back) cached ones if needed.
+        ``cause``: what they are for, `admission` or `growth` (cache/eviction_memory.py)."""
         # An evicted block may become, this very step, a swap_in target or get new KV:
         # safe only because workers apply its swap_out (queued below) before both.
         blocks, evicted, lo, hi = self.device.take(k)
+        self.misses.dropped("device", lo, cause)
         if self.events is not None:
             self.events.device_removed(lo)
         self.stats.num_device_evictions += len(evicted)
@@ -530,6 +561,7 @@ class KVCacheManager:
         miss = self.host.find(lo, hi) < 0
         blocks, lo, hi = blocks[miss], lo[miss], hi[miss]
         slots, evicted, evicted_lo = self.host.take(len(blocks))
+        self.misses.dropped("host", evicted_lo, self.config.write_policy)
         if self.events is not None:
             self.events.host_removed(evicted_lo)
         self.stats.num_host_evictions += len(evicted)
