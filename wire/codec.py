@@ -115,7 +115,18 @@ def _encoder(tp: Any) -> Converter:
             get = lambda v: (one(v),)  # noqa: E731
         if all(c is None for c in convs):
             return get  # a tuple: msgpack packs it as an array
-        pairs = list(enumerate(convs))
+        pairs = [(i, c) for i, c in enumerate(convs) if c is not None]
+        if len(pairs) == 1:  # e.g. RequestOutput: one optional part, None on most outputs
+            (j, one_conv), = pairs
+
+            def encode_one(value: Any) -> Any:
+                out = get(value)
+                if out[j] is None:
+                    return out
+                out = list(out)
+                out[j] = one_conv(out[j])
+                return out
+            return encode_one
 
         def encode_fields(value: Any) -> list[Any]:
             out = list(get(value))
