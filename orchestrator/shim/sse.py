@@ -10,7 +10,7 @@ proxies and clients with read timeouts. However the stream ends, its source is c
 
     opening (Anthropic message_start; OpenAI chat's role chunk; nothing for completions)
     chunks per output, a ping per quiet interval
-    trailer (a comment: the cache report, cache_report.py)
+    trailer (the OpenAI streams: the cache report as a comment, cache_report.py)
     closing (the finish reason, usage, the end marker)   or   error
 """
 
