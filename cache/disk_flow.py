@@ -27,6 +27,7 @@ import numpy as np
 
 from cache.disk_pool import DiskPool
 from cache.events import KVEventRecorder
+from cache.eviction_memory import EvictionMemory
 from cache.host_pool import HostPool
 from cache.stats import CacheStats
 
@@ -42,8 +43,9 @@ class _Staged:
 
 class DiskFlow:
     def __init__(self, host: HostPool, disk: DiskPool, num_ranks: int, stats: CacheStats,
-                 events: KVEventRecorder | None) -> None:
+                 events: KVEventRecorder | None, drops: EvictionMemory | None = None) -> None:
         self.host, self.disk, self.stats, self.events = host, disk, stats, events
+        self.drops = drops  # told of the host slots a read evicts (cache/miss_reasons.py)
         n = host.num_slots
         self._all_ranks = np.uint64((1 << num_ranks) - 1)
         # per host slot, the read filling it: its id (generation * n + slot), the ranks
@@ -84,6 +86,8 @@ class DiskFlow:
         assert seq_id not in self._staged, f"seq {seq_id} already has reads in flight"
         slots, evicted, evicted_lo = self.host.take(len(disk_slots))
         assert len(slots) == len(disk_slots), "no host slot for a disk hit"
+        if self.drops is not None:
+            self.drops.add("host", evicted_lo, "disk_read")
         if self.events is not None:
             self.events.host_removed(evicted_lo)
         self.stats.num_host_evictions += len(evicted)

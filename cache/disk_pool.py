@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cache.eviction_memory import EvictionMemory
 from cache.tier import PinnedTier
 
 MAX_RANKS = 64  # the ranks that answered for a write are bits of a uint64
@@ -50,9 +51,11 @@ class PlannedWrites:
 
 
 class DiskPool(PinnedTier):
-    def __init__(self, num_slots: int, num_ranks: int = 1) -> None:
+    def __init__(self, num_slots: int, num_ranks: int = 1,
+                 drops: EvictionMemory | None = None) -> None:
         assert num_slots >= 0 and 1 <= num_ranks <= MAX_RANKS
         super().__init__(num_slots)
+        self.drops = drops  # told of every hash this tier lets go (cache/miss_reasons.py)
         self.num_slots = num_slots
         self.num_ranks = num_ranks
         self._all_ranks = np.uint64((1 << num_ranks) - 1)
@@ -120,6 +123,8 @@ class DiskPool(PinnedTier):
         if len(slots) < len(want):
             busy = self.pinned | (self.reading > 0)
             evicted = self.lru.pop(len(want) - len(slots), skip=busy if busy.any() else None)
+            if self.drops is not None:
+                self.drops.add("disk", self.index.keys_of(evicted)[0], "disk_write")
             self.index.remove(evicted)
             self.num_evictions += len(evicted)
             slots = np.concatenate([slots, evicted]).astype(np.int32)
@@ -188,6 +193,8 @@ class DiskPool(PinnedTier):
         drop = np.unique(slots[bad])
         drop = drop[self.lru.present[drop]]
         if len(drop):
+            if self.drops is not None:
+                self.drops.add("disk", self.index.keys_of(drop)[0], "bad_read")
             self.index.remove(drop)
             self.lru.remove(drop)
             self.doomed[drop] = True

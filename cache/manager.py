@@ -35,12 +35,15 @@ from cache.block_pool import DevicePool
 from cache.disk_flow import DiskFlow
 from cache.disk_pool import DiskPool
 from cache.events import KVEventRecorder
+from cache.eviction_memory import EvictionMemory
 from cache.hashing import BlockHashChain
 from cache.host_pool import HostPool
 from cache.matching import Match, match_prefix
+from cache.miss_reasons import MissAttribution, PreviousPrompt
 from cache.retention import RetentionPolicy
 from cache.stats import CacheStats
 from cache.types import WRITE_POLICIES, CacheAccountingError, CacheConfig, CacheOps, PrefixHit
+from wire.client import UncachedTokens
 
 __all__ = ["WRITE_POLICIES", "CacheAccountingError", "CacheConfig", "CacheOps",
            "KVCacheManager", "PrefixHit"]
@@ -55,6 +58,7 @@ class _Seq:
     last_commit_step: int = -1
     retain: tuple[tuple[int, float], ...] = ()  # (prompt tokens, TTL s): marked at free
     held: bool = False  # its table is the cached prefix of a waiting sequence (`hold`)
+    uncached: UncachedTokens | None = None  # why its first allocate missed the rest
 
 
 def _as_array(blocks: array) -> np.ndarray:
@@ -70,8 +74,14 @@ class KVCacheManager:
         retention = RetentionPolicy(config.max_retained_fraction, clock)
         self.device = DevicePool(config.num_device_blocks, retention)
         self.host = HostPool(config.num_host_blocks if config.host_enabled else 0, retention)
-        self.disk = DiskPool(config.num_disk_blocks if config.disk_enabled else 0,
-                             config.num_ranks)
+        num_disk_blocks = config.num_disk_blocks if config.disk_enabled else 0
+        # what the tiers let go, to tell why a prompt missed (cache/miss_reasons.py)
+        drops = EvictionMemory((config.num_device_blocks + self.host.num_slots
+                                + num_disk_blocks) if config.enable_prefix_caching else 0,
+                               clock)
+        self.disk = DiskPool(num_disk_blocks, config.num_ranks, drops)
+        self.misses = MissAttribution(self.device, self.host, self.disk, drops,
+                                      config.block_size, clock)
         self.stats = CacheStats()
         self._seqs: dict[int, _Seq] = {}
         self._ops = CacheOps()
@@ -81,7 +91,7 @@ class KVCacheManager:
         self.events = (KVEventRecorder(config.num_device_blocks, config.block_size)
                        if config.record_events and config.enable_prefix_caching else None)
         self.disk_flow = DiskFlow(self.host, self.disk, config.num_ranks, self.stats,
-                                  self.events)
+                                  self.events, drops)
         self.num_held_blocks = 0  # blocks held for waiting sequences (`hold`)
 
     # --- queries --------------------------------------------------------------------
@@ -103,6 +113,11 @@ class KVCacheManager:
         """What the first `allocate` of ``seq_id`` took from each tier."""
         return self._seqs[seq_id].hit
 
+    def uncached_tokens(self, seq_id: int) -> UncachedTokens | None:
+        """Why the first `allocate` of ``seq_id`` left the rest of its tokens to compute
+        (cache/miss_reasons.py); None when it did not count its hit, or without caching."""
+        return self._seqs[seq_id].uncached
+
     def block_table(self, seq_id: int) -> list[int]:
         return self._seqs[seq_id].blocks.tolist()
 
@@ -117,7 +132,8 @@ class KVCacheManager:
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
                  extra_key: bytes, chain: BlockHashChain | None = None, *,
-                 count_hit: bool = True, budget: int | None = None) -> list[int] | None:
+                 count_hit: bool = True, budget: int | None = None,
+                 previous: PreviousPrompt | None = None) -> list[int] | None:
         """Give ``seq_id`` enough device blocks for its first ``num_tokens`` tokens.
 
         ``token_ids``: every known token of the sequence (prompt + generated so far).
@@ -136,13 +152,16 @@ class KVCacheManager:
         for min(num_tokens, hit + budget) tokens -- a step's token budget, applied to the
         hit this call finds, so the caller need not `lookup` the prefix first (a second
         walk of the index for every admission).
+        ``previous`` (first call only): the session's latest finished sequence, to tell
+        why the tokens past the hit missed (`uncached_tokens`, with count_hit).
         """
         seq = self._seqs.get(seq_id)
         if seq is None:
             return self._allocate_first(seq_id, token_ids, num_tokens, extra_key, chain,
-                                        count_hit, budget)
+                                        count_hit, budget, previous)
         if seq.held:
-            return self._admit_held(seq_id, token_ids, num_tokens, count_hit, budget)
+            return self._admit_held(seq_id, token_ids, num_tokens, count_hit, budget,
+                                    previous)
         assert budget is None, "a budget applies to a sequence's first allocation"
         assert seq.extra_key == extra_key, "extra_key changed for a live sequence"
         need = -(-num_tokens // self.block_size) - len(seq.blocks)
@@ -155,7 +174,8 @@ class KVCacheManager:
         return blocks.tolist()
 
     def hold(self, seq_id: int, token_ids: Sequence[int], extra_key: bytes,
-             chain: BlockHashChain | None, *, reserve: int = 0) -> PrefixHit | None:
+             chain: BlockHashChain | None, *, reserve: int = 0,
+             previous: PreviousPrompt | None = None, first: bool = True) -> PrefixHit | None:
         """Take the cached prefix of a sequence that waits in the queue, before it runs:
         its device hits referenced (no longer evictable), its host hits copied into fresh
         device blocks now (queued swap_ins), its disk hits read (as `allocate` starts
@@ -164,12 +184,15 @@ class KVCacheManager:
         blocks evict, and it then recomputes what it had cached. The sequence's first
         `allocate` later takes the held table as its hit (`_admit_held`). None, and
         nothing changed, when the hold would leave fewer than ``reserve`` blocks
-        allocatable, or its disk reads are in flight. Counted in the stats at admission."""
+        allocatable, or its disk reads are in flight. Counted in the stats at admission,
+        with why the rest missed (asked now, before anything evicts: ``previous`` and
+        ``first`` as `allocate`'s ``previous`` and ``count_hit``)."""
         assert seq_id not in self._seqs, f"seq {seq_id} already holds blocks"
         if not self.config.enable_prefix_caching:
             return None
         table = self._allocate_first(seq_id, token_ids, len(token_ids), extra_key, chain,
-                                     count_hit=False, budget=0, reserve=reserve)
+                                     count_hit=False, budget=0, previous=previous,
+                                     reserve=reserve, attribute=first)
         if table is None:
             return None
         seq = self._seqs[seq_id]
@@ -178,7 +201,8 @@ class KVCacheManager:
         return seq.hit
 
     def _admit_held(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
-                    count_hit: bool, budget: int | None) -> list[int] | None:
+                    count_hit: bool, budget: int | None,
+                    previous: PreviousPrompt | None) -> list[int] | None:
         """The first `allocate` of a sequence that held its prefix while it waited: the
         held table is its hit, and fresh blocks follow for ``num_tokens`` (capped at
         ``budget`` past the hit). If more of the prompt is cached now than when it was
@@ -190,17 +214,17 @@ class KVCacheManager:
         if m.num_blocks > n_held:
             self.release_hold(seq_id)
             return self._allocate_first(seq_id, token_ids, num_tokens, seq.extra_key,
-                                        seq.chain, count_hit, budget)
+                                        seq.chain, count_hit, budget, previous)
         if budget is not None:
             num_tokens = min(num_tokens, n_held * self.block_size + budget)
         need = max(0, -(-num_tokens // self.block_size) - n_held)
         if need > self.num_allocatable_blocks():
             return None
-        seq.blocks.extend(self._take_fresh(need).tolist())
+        seq.blocks.extend(self._take_fresh(need, "admission").tolist())
         seq.held = False
         self.num_held_blocks -= n_held
         if count_hit:
-            self._count_hit(len(token_ids), seq.hit)
+            self._count_hit(len(token_ids), seq.hit, seq.uncached)
         return seq.blocks.tolist()
 
     def release_hold(self, seq_id: int) -> None:
@@ -414,10 +438,14 @@ class KVCacheManager:
         """Forget every unreferenced cached block, host slot and committed disk slot.
         Returns how many."""
         dropped_device, dropped_host = self.device.drop_cached(), self.host.drop_cached()
+        dropped_disk = self.disk.drop_cached()
+        for tier, lo in (("device", dropped_device), ("host", dropped_host),
+                         ("disk", dropped_disk)):
+            self.misses.dropped(tier, lo, "reset")
         if self.events is not None:
             self.events.device_removed(dropped_device)
             self.events.host_removed(dropped_host)
-        return len(dropped_device) + len(dropped_host) + len(self.disk.drop_cached())
+        return len(dropped_device) + len(dropped_host) + len(dropped_disk)
 
     def report_disk_writes(self, rank: int, done: list[int], dropped: list[int],
                            read_done: Sequence[int] = (), read_bad: Sequence[int] = ()) -> None:
@@ -513,7 +541,8 @@ class KVCacheManager:
     def _allocate_first(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
                         extra_key: bytes, chain: BlockHashChain | None,
                         count_hit: bool, budget: int | None = None,
-                        reserve: int = 0) -> list[int] | None:
+                        previous: PreviousPrompt | None = None, reserve: int = 0,
+                        attribute: bool | None = None) -> list[int] | None:
         if self.config.enable_prefix_caching:
             chain = self._chain_for(extra_key, chain)
             if not self.disk_flow.settle(seq_id):
@@ -541,6 +570,11 @@ class KVCacheManager:
         hit_evictable = int((lru.present[dev_hits] & ~self.device.busy[dev_hits]).sum())
         if n_fresh > self.num_allocatable_blocks() - hit_evictable - reserve:
             return None  # nothing changed yet
+        # why the rest missed, asked before this allocation evicts anything
+        if attribute is None:
+            attribute = count_hit
+        uncached = (self.misses.attribute(token_ids, chain, n_hit, previous)
+                    if attribute and chain is not None else None)
 
         # Order matters: take the hits (and pin the host sources) before evicting for
         # fresh blocks, so the eviction cannot reclaim the prefix being hit.
@@ -548,7 +582,7 @@ class KVCacheManager:
         self.host.lru.touch(host_hits)  # a use: a retained slot's TTL runs from now
         self.host.pin(host_hits[::-1])  # touched tail first: the chain's head stays longest
         read_back = self.disk_flow.take_read_back(seq_id)
-        fresh = self._take_fresh(n_fresh)
+        fresh = self._take_fresh(n_fresh, "admission")
         loaded = fresh[:len(host_hits)]
         table = np.empty(n_total, dtype=np.int32)
         if len(loaded):
@@ -572,22 +606,28 @@ class KVCacheManager:
             self.stats.num_swap_in_blocks += len(loaded)
 
         hit = self._hit_of(m, read_back)
-        self._seqs[seq_id] = _Seq(extra_key, chain, array("i", table.tobytes()), hit, n_hit)
+        self._seqs[seq_id] = _Seq(extra_key, chain, array("i", table.tobytes()), hit, n_hit,
+                                  uncached=uncached)
         if count_hit:
-            self._count_hit(len(token_ids), hit)
+            self._count_hit(len(token_ids), hit, uncached)
         return table.tolist()
 
-    def _count_hit(self, num_queried: int, hit: PrefixHit) -> None:
+    def _count_hit(self, num_queried: int, hit: PrefixHit,
+                   uncached: UncachedTokens | None) -> None:
         self.stats.num_queried_tokens += num_queried
         self.stats.num_device_hit_tokens += hit.num_device_tokens
         self.stats.num_host_hit_tokens += hit.num_host_tokens
         self.stats.num_disk_hit_tokens += hit.num_disk_tokens
+        if uncached is not None:
+            self.misses.count(self.stats, uncached)
 
-    def _take_fresh(self, k: int) -> np.ndarray:
-        """``k`` blocks with refcount 1, evicting (and writing back) cached ones if needed."""
+    def _take_fresh(self, k: int, cause: str = "growth") -> np.ndarray:
+        """``k`` blocks with refcount 1, evicting (and writing back) cached ones if needed.
+        ``cause``: what they are for, `admission` or `growth` (cache/eviction_memory.py)."""
         # An evicted block may become, this very step, a swap_in target or get new KV:
         # safe only because workers apply its swap_out (queued below) before both.
         blocks, evicted, lo, hi = self.device.take(k)
+        self.misses.dropped("device", lo, cause)
         if self.events is not None:
             self.events.device_removed(lo)
         self.stats.num_device_evictions += len(evicted)
@@ -608,6 +648,7 @@ class KVCacheManager:
         miss = self.host.find(lo, hi) < 0
         blocks, lo, hi = blocks[miss], lo[miss], hi[miss]
         slots, evicted, evicted_lo = self.host.take(len(blocks))
+        self.misses.dropped("host", evicted_lo, self.config.write_policy)
         if self.events is not None:
             self.events.host_removed(evicted_lo)
         self.stats.num_host_evictions += len(evicted)

@@ -23,6 +23,16 @@ class CacheStats:
     # retained ones fit under --max-retained-fraction of the tier.
     num_device_retained_evictions: int = 0
     num_host_retained_evictions: int = 0
+    # Of the prompt tokens of new sequences, those not served, by why they were computed
+    # (cache/miss_reasons.py; wire/client.py UNCACHED_REASONS): with prefix caching on they
+    # add up to the queried tokens minus the hits.
+    num_uncached_evicted_tokens: int = 0
+    num_uncached_diverged_tokens: int = 0
+    num_uncached_compaction_tokens: int = 0
+    num_uncached_salt_tokens: int = 0
+    num_uncached_no_room_tokens: int = 0
+    num_uncached_new_tokens: int = 0
+    num_uncached_block_remainder_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -15,11 +15,13 @@ from collections import defaultdict
 from scheduler.request import Sequence
 from scheduler.scheduler import Scheduler
 from scheduler.telemetry import Telemetry
+from wire.client import UNCACHED_REASONS
 from wire.control import (
     CacheRequest,
     CacheView,
     ControlError,
     QueuedRequest,
+    RequestRecord,
     RunningSeq,
     SchedulerSnapshot,
     SeqRequest,
@@ -175,7 +177,7 @@ class SchedulerControl:
             usage=cache.usage(), sessions=top,
             prefix_breaks=list(self.telemetry.prefix_breaks), recent=last[-10:],
             num_disk_hit_tokens=sum(r.num_disk_cached_tokens for r in last),
-            disk=self._disk_counters())
+            disk=self._disk_counters(), **_miss_totals(last))
 
     def _disk_counters(self) -> dict[str, int]:
         disk = self.scheduler.cache.disk
@@ -187,6 +189,21 @@ class SchedulerControl:
                 "bad_reads": disk.num_bad_reads,
                 "found_after_restart": disk.num_found_at_start,
                 "dropped_at_restart": self.scheduler.disk_torn_at_start}
+
+
+def _miss_totals(records: list[RequestRecord]) -> dict[str, dict[str, int]]:
+    """CacheView's uncached tokens by reason over `records`, and how many of them had
+    each reason as their main one."""
+    tokens = dict.fromkeys(UNCACHED_REASONS, 0)
+    requests = dict.fromkeys(UNCACHED_REASONS, 0)
+    for r in records:
+        if r.uncached is None:
+            continue
+        for reason, n in r.uncached.by_reason().items():
+            tokens[reason] += n
+        if r.uncached.main_reason:
+            requests[r.uncached.main_reason] += 1
+    return {"uncached": tokens, "uncached_requests": requests}
 
 
 def _running(seq: Sequence, now: float) -> RunningSeq:

@@ -11,7 +11,7 @@ from cache.hashing import BlockHashChain
 from scheduler.guided import Guide
 from scheduler.speculation import NgramIndex
 from scheduler.thinking import ThinkingBudget
-from wire.client import GenerateRequest, RequestOutput
+from wire.client import GenerateRequest, RequestOutput, UncachedTokens
 
 
 class SeqStatus(enum.Enum):
@@ -51,6 +51,8 @@ class Sequence:
     num_device_cached: int = 0
     num_host_cached: int = 0
     num_disk_cached: int = 0
+    uncached: UncachedTokens | None = None  # why the rest of its prompt was computed
+    uncached_told: bool = False  # an output carried `uncached` (its first after admission)
     first_token_time: float | None = None
     num_preemptions: int = 0
     error: str | None = None  # why it ended, when it ended with an error
@@ -123,11 +125,14 @@ class Sequence:
         self.num_emitted = len(output)
         request = self.request
         if self.status is not SeqStatus.FINISHED:
+            # why its prompt missed: with its first output only (then known for good)
+            uncached = None if self.uncached_told else self.uncached
+            self.uncached_told = True
             return RequestOutput(
                 request.request_id, new, False, None, len(request.prompt_token_ids),
                 self.num_device_cached, self.num_host_cached, None, None,
                 self.thinking.num_tokens if self.thinking is not None else 0,
-                self.num_disk_cached)
+                self.num_disk_cached, uncached)
         return RequestOutput(
             request_id=request.request_id,
             token_ids=new,
@@ -140,4 +145,5 @@ class Sequence:
             error_type=self.error_type,
             num_reasoning_tokens=self.thinking.num_tokens if self.thinking is not None else 0,
             num_disk_cached_tokens=self.num_disk_cached,
+            uncached=self.uncached,
         )

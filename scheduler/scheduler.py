@@ -558,9 +558,12 @@ class Scheduler:
         the blocks are not there."""
         tokens = seq.tokens
         first = seq.num_preemptions == 0  # a readmission hits its own blocks: not counted
-        # the whole prompt, capped at `budget` tokens past the hit the cache finds
+        # the whole prompt, capped at `budget` tokens past the hit the cache finds; the
+        # session's previous sequence tells why the rest missed (cache/miss_reasons.py)
+        previous = self._sessions.latest(seq.session_id) if first else None
         blocks = self.cache.allocate(seq.seq_id, tokens, len(tokens), seq.extra_key,
-                                     seq.chain, count_hit=first, budget=budget)
+                                     seq.chain, count_hit=first, budget=budget,
+                                     previous=previous)
         if blocks is None:
             seq.held = self.cache.has_seq(seq.seq_id)  # a hold let go for a longer hit
             return False
@@ -571,6 +574,7 @@ class Scheduler:
             seq.num_device_cached = took.num_device_tokens
             seq.num_host_cached = took.num_host_tokens
             seq.num_disk_cached = took.num_disk_tokens
+            seq.uncached = self.cache.uncached_tokens(seq.seq_id)
         seq.block_ids = blocks
         seq.status = SeqStatus.RUNNING
         if seq.request.retention:  # again after a preemption: the blocks are new
@@ -592,8 +596,11 @@ class Scheduler:
         for seq in self.queue:
             if not (seq.held or seq.guide_pending is not None
                     or self.cache.reading(seq.seq_id)):
+                first = seq.num_preemptions == 0
                 if self.cache.hold(seq.seq_id, seq.tokens, seq.extra_key, seq.chain,
-                                   reserve=reserve) is not None:
+                                   reserve=reserve, first=first, previous=(
+                                       self._sessions.latest(seq.session_id) if first
+                                       else None)) is not None:
                     seq.held = True
                 elif not self.cache.reading(seq.seq_id):
                     break  # no room: the ones after it wait unheld

@@ -6,6 +6,10 @@ costs ~30 ms of blake2b in CPython; starting from the previous turn's chain and
 hashing only the new blocks costs a few ms. The shared prefix is found by comparing
 token ids (a vectorised compare, well under a millisecond), never assumed, so a
 session whose history was edited still gets correct hashes.
+
+The latest sequence of each session, whatever its cache key, is also what a miss is
+measured against (`latest`, cache/miss_reasons.py: an edited history, a compaction,
+another salt).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections import OrderedDict
 import numpy as np
 
 from cache.hashing import BlockHashChain
+from cache.miss_reasons import PreviousPrompt
 
 
 class SessionChains:
@@ -23,6 +28,7 @@ class SessionChains:
         self.max_sessions = max_sessions
         self._last: OrderedDict[tuple[bytes, str], tuple[np.ndarray, BlockHashChain]] = (
             OrderedDict())
+        self._latest_key: dict[str, bytes] = {}  # session -> key of its latest sequence
 
     def chain_for(self, session: str | None, extra_key: bytes,
                   tokens: list[int]) -> BlockHashChain:
@@ -47,5 +53,16 @@ class SessionChains:
         key = (extra_key, session)
         self._last[key] = (np.asarray(tokens, dtype=np.int64), chain)
         self._last.move_to_end(key)
+        self._latest_key[session] = extra_key
         while len(self._last) > self.max_sessions:
-            self._last.popitem(last=False)
+            (old_key, old_session), _ = self._last.popitem(last=False)
+            if self._latest_key.get(old_session) == old_key:
+                del self._latest_key[old_session]
+
+    def latest(self, session: str | None) -> PreviousPrompt | None:
+        """The session's latest finished sequence, under whichever cache key it had."""
+        key = self._latest_key.get(session) if session else None
+        if key is None:
+            return None
+        tokens, chain = self._last[(key, session)]
+        return PreviousPrompt(tokens, chain)

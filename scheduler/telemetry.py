@@ -4,7 +4,8 @@
   summarised, in a ring (`deepinfer-inspect trace`), and whether a step is in flight;
 - histograms of queue wait, step time and tokens per step (`/metrics`);
 - every request from arrival to its end, logged once at its end with its token
-  counts, cached tokens per tier and latencies, and kept in a ring for `inspect cache`;
+  counts, cached tokens per tier, why the rest was computed (uncached tokens by reason,
+  cache/miss_reasons.py) and latencies, and kept in a ring for `inspect cache`;
 - the prefix breaks the shim reports.
 """
 
@@ -19,7 +20,7 @@ import structlog
 
 from scheduler.executor import ExchangeTiming
 from scheduler.request import Sequence
-from wire.client import HistogramData, RequestOutput
+from wire.client import HistogramData, RequestOutput, UncachedTokens
 from wire.control import ChunkSummary, PlanSummary, PrefixBreak, RequestRecord
 from wire.step import RankTiming, StepPlan
 
@@ -146,7 +147,7 @@ class Telemetry:
             num_host_cached_tokens=seq.num_host_cached,
             queue_s=(tracked.admitted or now) - seq.arrival,
             ttft_s=(first - seq.arrival) if first else 0.0, e2e_s=now - seq.arrival,
-            num_disk_cached_tokens=seq.num_disk_cached)
+            num_disk_cached_tokens=seq.num_disk_cached, uncached=seq.uncached)
         self.recent.append(record)
         itl = (now - first) / (num_out - 1) if first and num_out > 1 else 0.0
         log = self.log.warning if out.finish_reason == "error" else self.log.info
@@ -157,7 +158,7 @@ class Telemetry:
             disk_cached_tokens=record.num_disk_cached_tokens,
             preemptions=seq.num_preemptions, queue_s=round(record.queue_s, 4),
             ttft_s=round(record.ttft_s, 4), itl_s=round(itl, 5), e2e_s=round(record.e2e_s, 4),
-            **({"error": out.error} if out.error else {}))
+            **_miss_fields(seq.uncached), **({"error": out.error} if out.error else {}))
 
     def prefix_break(self, report: PrefixBreak) -> None:
         report.time = report.time or time.time()
@@ -165,6 +166,23 @@ class Telemetry:
         self.log.info("prefix_break", session=report.session, request_id=report.request_id,
                       common_tokens=report.num_common_tokens,
                       prompt_tokens=report.num_prompt_tokens, reason=report.reason)
+
+
+def _miss_fields(uncached: UncachedTokens | None) -> dict[str, object]:
+    """The request_done fields that say why its uncached prompt tokens were computed:
+    the main reason, the tokens of each reason that has some (uncached_<reason>), and
+    the first evicted block's tier, age and cause, or where the prompt diverged."""
+    if uncached is None:  # never admitted, or prefix caching off
+        return {}
+    fields: dict[str, object] = {"uncached_tokens": uncached.num_tokens,
+                                 "miss_reason": uncached.main_reason or None}
+    fields.update({f"uncached_{reason}": n for reason, n in uncached.by_reason().items() if n})
+    if uncached.evicted:
+        fields.update(evicted_tier=uncached.evicted_tier, evicted_age_s=uncached.evicted_age_s,
+                      evicted_by=uncached.evicted_by)
+    if uncached.diverged_at >= 0:
+        fields["diverged_at"] = uncached.diverged_at
+    return fields
 
 
 def summarize(plan: StepPlan) -> PlanSummary:

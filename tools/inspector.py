@@ -4,7 +4,8 @@
       ranks            one row per rank and one for the scheduler
       check            ranks vs each other and the scheduler; exit 1 naming what differs
       seq ID           one sequence (seq id, or request id) as every process sees it
-      cache [--last N] prefix-cache hit ratios, top sessions, evictions, prefix breaks
+      cache [--last N] prefix-cache hit ratios, why the rest was computed, top sessions,
+                       evictions, prefix breaks
       queue            waiting requests: age, size, and why they wait
       trace [--steps N]  the last step plans as the scheduler sent them
       stacks [--all-threads]  every process's main-thread Python stack (for a hang)
@@ -35,8 +36,10 @@ from tools.inspection.client import (
     find_run_dir,
     load_engine,
 )
+from wire.client import UncachedTokens
 from wire.control import (
     CacheRequest,
+    CacheView,
     SeqRequest,
     SnapshotRequest,
     StacksRequest,
@@ -160,8 +163,37 @@ def cmd_cache(engine: EngineAddresses, args) -> tuple[Any, list, int]:
     for b in v.prefix_breaks[-10:]:
         breaks.add_row(b.session, b.request_id, str(b.num_common_tokens),
                        str(b.num_prompt_tokens), b.reason)
-    tables = [ratios, totals, usage, *([disk] if v.disk else []), sessions, breaks]
+    tables = [ratios, *_miss_tables(v), totals, usage, *([disk] if v.disk else []), sessions,
+              breaks]
     return _plain(v), tables, 0
+
+
+def _miss_tables(v: CacheView) -> list[Table]:
+    """Why the prompt tokens the cache did not serve were computed (cache/miss_reasons.py):
+    by reason over the last requests, then the latest requests' own reasons."""
+    total = max(1, sum(v.uncached.values()))
+    reasons = _table(f"computed prompt tokens by reason, last {v.num_requests} requests",
+                     "reason", "tokens", "share", "requests it led")
+    for reason, n in v.uncached.items():
+        reasons.add_row(reason, f"{n:,}", f"{n / total:.1%}",
+                        f"{v.uncached_requests.get(reason, 0):,}")
+    recent = _table("latest requests: computed tokens and why", "request", "computed",
+                    "reason", "detail")
+    for r in v.recent:
+        if r.uncached is not None:
+            recent.add_row(r.request_id, f"{r.uncached.num_tokens:,}",
+                           r.uncached.main_reason or "-", _miss_detail(r.uncached))
+    return [reasons, recent] if v.uncached else []
+
+
+def _miss_detail(u: UncachedTokens) -> str:
+    parts = [f"{reason} {n:,}" for reason, n in u.by_reason().items() if n]
+    if u.evicted:
+        parts.append(f"first evicted from {u.evicted_tier} {u.evicted_age_s:,.0f} s before "
+                     f"({u.evicted_by})")
+    if u.diverged_at >= 0:
+        parts.append(f"left the previous prompt at token {u.diverged_at:,}")
+    return "; ".join(parts)
 
 
 def cmd_queue(engine: EngineAddresses, args) -> tuple[Any, list, int]:

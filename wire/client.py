@@ -88,6 +88,47 @@ class AbortRequest:
     reason: str = "abort"  # "abort" (client gone) or "stop" (the shim matched a stop string)
 
 
+# Why a prompt token was computed rather than served from cache (cache/miss_reasons.py),
+# in the order that breaks a tie for a request's main reason: the one an operator can act on
+# first. block_remainder: the last partial block and the last token, never served.
+UNCACHED_REASONS = ("evicted", "diverged", "compaction", "salt", "no_room", "new",
+                    "block_remainder")
+
+
+@dataclass
+class UncachedTokens:
+    """A request's prompt tokens the cache did not serve, split by reason (they sum to the
+    prompt tokens minus the cached ones), as found at its first admission."""
+
+    evicted: int = 0  # cached once, then dropped by every tier that held it
+    diverged: int = 0  # the session's previous prompt had other tokens here (an edit)
+    compaction: int = 0  # a much shorter prompt after the session's long one (a summary)
+    salt: int = 0  # the session's previous request has these tokens under another salt
+    no_room: int = 0  # on disk, but no host slot was free to read them into
+    new: int = 0  # never cached, as far as the cache's memory of drops tells
+    block_remainder: int = 0  # the last partial block and the last token
+    # the first evicted block: the tier that dropped it last, how long before the
+    # admission, and what took its place (cache/eviction_memory.py CAUSES)
+    evicted_tier: str = ""
+    evicted_age_s: float = 0.0
+    evicted_by: str = ""
+    diverged_at: int = -1  # diverged, compaction: the first token unlike the previous prompt
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.by_reason().values())
+
+    def by_reason(self) -> dict[str, int]:
+        return {reason: getattr(self, reason) for reason in UNCACHED_REASONS}
+
+    @property
+    def main_reason(self) -> str:
+        """The reason with the most tokens ("" when every token was cached)."""
+        counts = self.by_reason()
+        best = max(UNCACHED_REASONS, key=lambda r: counts[r])  # the first of equals
+        return best if counts[best] else ""
+
+
 @dataclass
 class RequestOutput:
     """New tokens of one request since its last output; the last one has finished=True."""
@@ -104,6 +145,9 @@ class RequestOutput:
     error_type: str | None = None
     num_reasoning_tokens: int = 0  # output tokens inside the thinking span so far
     num_disk_cached_tokens: int = 0  # prompt tokens served from the disk tier
+    # why the rest of the prompt was computed: on the request's first output after its
+    # admission, and on its last (None on the others, and when prefix caching is off)
+    uncached: UncachedTokens | None = None
 
 
 @dataclass

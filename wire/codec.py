@@ -44,7 +44,9 @@ SCHEMA_VERSION = 14  # 2: WorkerConnect carries pid and host_id; 3: guided decod
 # StepResult.disk_read_done/disk_read_bad); 10: CacheView.disk (deepinfer-inspect cache);
 # 11: guided drafts (ScheduledChunk.draft_allowed: a mask per draft row); 12: plain
 # decodes column by column (StepPlan.decodes, DecodeBatch); 13: RankTiming.cpu_s,
-# EngineConfig.step_channel; 14: session retention (TurnEnd, EngineConfig.session_ttl_s)
+# EngineConfig.step_channel; 14: session retention (TurnEnd, EngineConfig.session_ttl_s),
+# why a prompt missed the cache (RequestOutput.uncached, UncachedTokens,
+# RequestRecord.uncached, CacheView.uncached / uncached_requests)
 
 
 class ProtocolError(ValueError):
@@ -114,7 +116,18 @@ def _encoder(tp: Any) -> Converter:
             get = lambda v: (one(v),)  # noqa: E731
         if all(c is None for c in convs):
             return get  # a tuple: msgpack packs it as an array
-        pairs = list(enumerate(convs))
+        pairs = [(i, c) for i, c in enumerate(convs) if c is not None]
+        if len(pairs) == 1:  # e.g. RequestOutput: one optional part, None on most outputs
+            (j, one_conv), = pairs
+
+            def encode_one(value: Any) -> Any:
+                out = get(value)
+                if out[j] is None:
+                    return out
+                out = list(out)
+                out[j] = one_conv(out[j])
+                return out
+            return encode_one
 
         def encode_fields(value: Any) -> list[Any]:
             out = list(get(value))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from wire.client import UncachedTokens
+
 # --- requests: inspect CLI -> a control socket -------------------------------------
 
 
@@ -205,6 +207,7 @@ class RequestRecord:
     ttft_s: float
     e2e_s: float
     num_disk_cached_tokens: int = 0
+    uncached: UncachedTokens | None = None  # why the rest of its prompt was computed
 
 
 @dataclass
@@ -243,6 +246,10 @@ class CacheView:
     # the disk tier's own counters since start (empty when it is off): writes committed,
     # dropped and pending, evictions, bad reads, blocks found / dropped at start-up
     disk: dict[str, int] = field(default_factory=dict)
+    # over the same requests: uncached prompt tokens by reason (wire/client.py
+    # UNCACHED_REASONS), and how many requests had each as their main reason
+    uncached: dict[str, int] = field(default_factory=dict)
+    uncached_requests: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -52,6 +52,7 @@ from orchestrator.shim.chat import (
     render_prompt,
 )
 from orchestrator.shim.errors import ApiError
+from orchestrator.shim.generation import Generation
 from orchestrator.shim.pipeline import Reply, serve
 from orchestrator.shim.placeholders import check_replaced
 from orchestrator.shim.reasoning import Reasoning
@@ -186,6 +187,10 @@ class MessageReply(Reply):
 
     def items(self) -> AsyncIterator[ChatEvent]:
         return self.run.events()
+
+    @property
+    def generation(self) -> Generation:
+        return self.run.gen
 
     def log_done(self, *, finish_reason: str | None = None, error: str | None = None) -> None:
         self.run.log_done(finish_reason=finish_reason, error=error)

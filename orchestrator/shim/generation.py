@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 from orchestrator.shim.detokenizer import Detokenizer, TextDelta
 from orchestrator.shim.engine_client import EngineUnavailableError
 from orchestrator.shim.errors import engine_error
-from wire.client import GenerateRequest
+from wire.client import GenerateRequest, UncachedTokens
 
 log = structlog.get_logger()
 
@@ -70,6 +70,9 @@ class Generation:
         self.num_host_cached = 0
         self.num_disk_cached = 0  # of the cached ones, read back from the disk tier
         self.num_reasoning_tokens = 0  # as the engine counts them (request.thinking)
+        # why the rest of the prompt was computed; None until the engine admitted it (or
+        # with prefix caching off)
+        self.uncached: UncachedTokens | None = None
         self.finish_reason: str | None = None
         self.ended_early = False  # end_here(): the client has not seen every token's text
         self.log_fields: dict[str, Any] = {}  # extra fields for the request_done line
@@ -116,6 +119,8 @@ class Generation:
                     self.num_disk_cached = out.num_disk_cached_tokens
                 self.num_reasoning_tokens = max(self.num_reasoning_tokens,
                                                 out.num_reasoning_tokens)
+                if out.uncached is not None:  # the same on each output that has it
+                    self.uncached = out.uncached
                 if out.finish_reason == "error":
                     raise engine_error(out.error_type, out.error)
                 if not out.token_ids and not out.finished:

@@ -21,7 +21,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
-from wire.client import EngineStats, HistogramData, RequestOutput
+from wire.client import UNCACHED_REASONS, EngineStats, HistogramData, RequestOutput
 from wire.control import PrefixBreak
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -77,6 +77,7 @@ class EngineCollector:
         hits.add_metric(["host"], s.cache.get("num_host_hit_tokens", 0))
         hits.add_metric(["disk"], s.cache.get("num_disk_hit_tokens", 0))
         yield hits
+        yield _uncached(s)
         evictions = CounterMetricFamily("deepinfer_kv_evictions",
                                         "Cached blocks reused for other data", labels=["tier"])
         evictions.add_metric(["device"], s.cache.get("num_device_evictions", 0))
@@ -157,6 +158,19 @@ def vllm_metrics(s: EngineStats, model_name: str, block_size: int):
     info.add_metric(["0", str(block_size), str(capacity),
                      str(s.usage.get("host", {}).get("capacity", 0))], 1.0)
     yield info
+
+
+def _uncached(s: EngineStats) -> CounterMetricFamily:
+    """Prompt tokens the cache did not serve, by why (cache/miss_reasons.py), counted by
+    the scheduler at each request's first admission -- so a request whose client left
+    counts too, and a preempted one once."""
+    family = CounterMetricFamily(
+        "deepinfer_prompt_tokens_uncached", "Prompt tokens computed rather than served from "
+        "the prefix cache, by reason (evicted, diverged, compaction, salt, no_room, new, "
+        "block_remainder)", labels=["reason"])
+    for reason in UNCACHED_REASONS:
+        family.add_metric([reason], s.cache.get(f"num_uncached_{reason}_tokens", 0))
+    return family
 
 
 def _disk_metrics(s: EngineStats):

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from orchestrator.shim.admission import SchedulingHints
+from orchestrator.shim.cache_report import cache_comment
 from orchestrator.shim.chat import ChatEvent, ChatRequest, ChatRun, parse_chat, prepare_chat
 from orchestrator.shim.errors import ApiError
 from orchestrator.shim.generation import Delivery, Generation, Piece
@@ -49,11 +50,15 @@ def usage(gen: Generation) -> dict[str, Any]:
 
 
 class OpenAIReply(Reply):
-    """What both OpenAI streams share: comments as keep-alives, an error as a data
-    event, [DONE] at the end either way."""
+    """What both OpenAI streams share: comments as keep-alives, the cache report as a
+    comment before the closing chunks (cache_report.py), an error as a data event,
+    [DONE] at the end either way."""
 
     def ping(self) -> str:
         return SSE_PING
+
+    def trailer(self) -> list[str]:
+        return cache_comment(self.generation)
 
     def error(self, err: ApiError) -> list[str]:
         return [sse(err.body()), SSE_DONE]
@@ -96,6 +101,10 @@ class ChatReply(OpenAIReply):
 
     def items(self) -> AsyncIterator[ChatEvent]:
         return self.run.events()
+
+    @property
+    def generation(self) -> Generation:
+        return self.run.gen
 
     def log_done(self, *, finish_reason: str | None = None, error: str | None = None) -> None:
         self.run.log_done(finish_reason=finish_reason, error=error)
@@ -178,6 +187,10 @@ class CompletionReply(OpenAIReply):
 
     def items(self) -> AsyncIterator[Piece]:
         return self.gen.pieces()
+
+    @property
+    def generation(self) -> Generation:
+        return self.gen
 
     def log_done(self, *, finish_reason: str | None = None, error: str | None = None) -> None:
         self.gen.log_done(finish_reason=finish_reason, error=error)

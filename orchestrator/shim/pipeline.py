@@ -3,7 +3,7 @@
 
     admit (key, gate) -> read the body -> parse it in the endpoint's API
     -> scheduling headers -> the engine is there -> start (render, tokenize, a run)
-    -> one JSON body, or an SSE stream (sse.py)
+    -> one JSON body, or an SSE stream (sse.py), with the cache report (cache_report.py)
 
 and the plumbing that ties a response's life to the client's connection: a client that
 leaves aborts its request, queued or streaming, and is logged as an abort.
@@ -27,8 +27,9 @@ from orchestrator.shim.admission import (
     require_engine,
     scheduling_hints,
 )
+from orchestrator.shim.cache_report import cache_headers
 from orchestrator.shim.errors import ApiError
-from orchestrator.shim.generation import Delivery
+from orchestrator.shim.generation import Delivery, Generation
 from orchestrator.shim.sse import SseStream, sse_stream
 from orchestrator.shim.state import ServerState, shim_state
 
@@ -41,6 +42,11 @@ class Reply(SseStream[Any]):
     if its `delivery` says stream, the SSE events of SseStream."""
 
     delivery: Delivery
+
+    @property
+    @abstractmethod
+    def generation(self) -> Generation:
+        """The request's run through the engine (its counts, the cache's report)."""
 
     @abstractmethod
     async def collect(self) -> dict[str, Any]:
@@ -63,9 +69,11 @@ async def serve(request: Request, parse: Parse[P], start: Start[P]) -> Response:
     require_engine(state)  # again: it may have gone while the body was read
     reply = await start(state, parsed, hints)
     if not reply.delivery.stream:
-        return await json_result(request, reply.collect(), reply.log_done)
+        return await json_result(request, reply.collect(), reply.log_done,
+                                 lambda: cache_headers(reply.generation, final=True))
     return await sse_response(request, sse_stream(reply, state.ping_interval_s),
-                              reply.log_done)
+                              reply.log_done,
+                              lambda: cache_headers(reply.generation, final=False))
 
 
 class ClientGone(Exception):
@@ -129,11 +137,12 @@ async def sse_response(
     request: Request,
     chunks: AsyncGenerator[str, None],
     on_end: Callable[..., None],
+    headers: Callable[[], dict[str, str]] = dict,
 ) -> Response:
     """Answer with an SSE stream, but only once its first chunk is ready: an error
     before it (an overloaded engine, a prompt the scheduler refuses) still gets its
     HTTP status, which is impossible once the stream has started. `on_end` is the
-    request's log_done."""
+    request's log_done; `headers` are asked for once the first chunk is ready."""
     try:
         first = await unless_disconnected(request, chunks.__anext__())
     except ClientGone:
@@ -145,12 +154,14 @@ async def sse_response(
         on_end(finish_reason="error", error=err.message)
         raise
     return ClosingStreamingResponse(prepend(first, chunks), media_type="text/event-stream",
-                                    headers={"cache-control": "no-cache"})
+                                    headers={"cache-control": "no-cache", **headers()})
 
 
 async def json_result(request: Request, work: Awaitable[dict[str, Any]],
-                      on_end: Callable[..., None]) -> Response:
-    """The non-streaming answer: `work`'s JSON, aborted if the client leaves first."""
+                      on_end: Callable[..., None],
+                      headers: Callable[[], dict[str, str]] = dict) -> Response:
+    """The non-streaming answer: `work`'s JSON, aborted if the client leaves first;
+    `headers` are asked for once it is done."""
     try:
         result = await unless_disconnected(request, work)
     except ClientGone:
@@ -160,4 +171,4 @@ async def json_result(request: Request, work: Awaitable[dict[str, Any]],
         on_end(finish_reason="error", error=err.message)
         raise
     on_end()
-    return JSONResponse(result)
+    return JSONResponse(result, headers=headers())

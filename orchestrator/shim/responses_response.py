@@ -36,8 +36,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from orchestrator.shim.admission import SchedulingHints, check_counts
+from orchestrator.shim.cache_report import cache_comment
 from orchestrator.shim.chat import ChatEvent, ChatRun, prepare_chat
 from orchestrator.shim.errors import ApiError
+from orchestrator.shim.generation import Generation
 from orchestrator.shim.pipeline import Reply, serve
 from orchestrator.shim.placeholders import check_replaced
 from orchestrator.shim.reasoning import Reasoning
@@ -194,6 +196,10 @@ class ResponsesReply(Reply):
     def items(self) -> AsyncIterator[ChatEvent]:
         return self.run.events()
 
+    @property
+    def generation(self) -> Generation:
+        return self.run.gen
+
     def log_done(self, *, finish_reason: str | None = None, error: str | None = None) -> None:
         self.run.log_done(finish_reason=finish_reason, error=error)
 
@@ -227,6 +233,9 @@ class ResponsesReply(Reply):
 
     def ping(self) -> str:
         return SSE_PING
+
+    def trailer(self) -> list[str]:  # a comment, as the keep-alives (cache_report.py)
+        return cache_comment(self.generation)
 
     def chunks(self, item: ChatEvent) -> list[str]:
         return [self._sse(e) for e in self.output.add(item)]

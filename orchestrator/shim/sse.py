@@ -10,6 +10,7 @@ proxies and clients with read timeouts. However the stream ends, its source is c
 
     opening (Anthropic message_start; OpenAI chat's role chunk; nothing for completions)
     chunks per output, a ping per quiet interval
+    trailer (the OpenAI streams: the cache report as a comment, cache_report.py)
     closing (the finish reason, usage, the end marker)   or   error
 """
 
@@ -52,6 +53,10 @@ class SseStream(ABC, Generic[T]):
     @abstractmethod
     def error(self, err: ApiError) -> list[str]: ...
 
+    def trailer(self) -> list[str]:
+        """Sent before the closing events (never after an error)."""
+        return []
+
     @abstractmethod
     def closing(self) -> list[str]: ...
 
@@ -88,7 +93,7 @@ async def sse_stream(stream: SseStream[T],
     if not started:  # no output and no keep-alive: the stream still opens
         for chunk in stream.opening():
             yield chunk
-    for chunk in stream.closing():
+    for chunk in [*stream.trailer(), *stream.closing()]:
         yield chunk
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 
 from scheduler.thinking import ThinkingBudget
-from wire.client import EngineStats, GenerateRequest, RequestOutput
+from wire.client import EngineStats, GenerateRequest, RequestOutput, UncachedTokens
 from wire.lifecycle import EngineInfo, EngineLimits
 
 EOS = 3  # <|im_end|> in the tiny model's tokenizer
@@ -32,6 +32,7 @@ class Script:
     error_after: int | None = None  # ... or after this many tokens
     delay_s: float = 0.0  # before each output
     per_output: int = 1  # tokens per output (several: as speculative decoding sends them)
+    uncached: UncachedTokens | None = None  # why the prompt missed: first and last output
 
 
 @dataclass
@@ -105,8 +106,9 @@ class ScriptedEngine:
                 reason = None
                 if last:
                     reason = s.finish_reason if len(ids) == len(s.token_ids) else "length"
+                told = i == 0 or last  # as the scheduler sends it (Sequence.take_output)
                 yield RequestOutput(token_ids=group, finished=last, finish_reason=reason,
-                                    **common)
+                                    uncached=s.uncached if told else None, **common)
             if not ids:
                 yield RequestOutput(finished=True, finish_reason="length", **common)
         finally:

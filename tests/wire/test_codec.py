@@ -8,9 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from wire import codec
-from wire.client import RequestOutput, SamplingParams
+from wire.client import RequestOutput, SamplingParams, UncachedTokens
 from wire.codec import SCHEMA_VERSION
 from wire.config import EngineConfig, SpeculativeConfig
+from wire.control import CacheView, RequestRecord
 from wire.digest import StateDigest
 from wire.step import (
     PENDING_TOKEN,
@@ -248,3 +249,18 @@ def test_digest_adds_a_plans_table_entries_as_one_by_one(opened, appended):
     assert whole.value == one_by_one.value and whole.tables() == one_by_one.tables()
     whole.apply(StepPlan(1, close=[s.seq_id for s in new_seqs]))
     assert whole.value == 0
+
+
+def test_why_a_prompt_missed_round_trips():
+    """RequestOutput.uncached (schema 14), on the output that carries it and as None."""
+    why = UncachedTokens(evicted=32, new=16, block_remainder=3, evicted_tier="host",
+                         evicted_age_s=12.5, evicted_by="write_back")
+    for msg in (RequestOutput("r", [1], False, None, 51, 0, 0, uncached=why),
+                RequestOutput("r", [2], False, None, 51),
+                RequestRecord("r", "s", "stop", 51, 2, 0, 0, 0.1, 0.2, 0.3, uncached=why),
+                CacheView(1, 51, 0, 0, uncached=why.by_reason(),
+                          uncached_requests={"evicted": 1})):
+        assert codec.decode(codec.encode(msg)) == msg
+    assert (why.num_tokens, why.main_reason) == (51, "evicted")
+    assert UncachedTokens(new=16, salt=16).main_reason == "salt"  # ties: the actionable one
+    assert UncachedTokens().main_reason == ""
