@@ -27,6 +27,8 @@ class Clock:
 
 def make(num_blocks: int = 64, num_host_blocks: int = 0, clock: Clock | None = None,
          **cfg) -> Scheduler:
+    # plain LRU (no session retention): which blocks other sessions evict is then known
+    cfg.setdefault("session_ttl_s", 0.0)
     config = EngineConfig(model="/models/m", **cfg)
     return Scheduler(config, EngineLimits(vocab_size=1000, max_model_len=512,
                                           eos_token_ids=(3,), num_device_blocks=num_blocks,

@@ -69,6 +69,9 @@ def test_a_waiting_turn_keeps_its_history_while_another_prefill_grows():
     assert s.cache.num_held_blocks == 4
     done = drain(s)
     assert done["a2"].num_device_cached_tokens == 64  # A's whole history, still cached
+    # why the rest was computed, found when the prefix was held: the new turn's tokens
+    u = done["a2"].uncached
+    assert u.num_tokens == len(a) + 20 - 64 and u.evicted == 0 and u.main_reason == "new"
     assert s.cache.num_held_blocks == 0 and s.cache.usage()["device"]["used"] == 0
     stats = s.cache.stats  # the hold is counted once, at admission
     assert stats.num_queried_tokens == 64 + 64 + 80 + len(a) + 20
@@ -93,6 +96,9 @@ def test_a_hold_gives_way_before_a_running_sequence_is_preempted():
     assert given_way
     done = drain(s)
     assert done["a2"].num_device_cached_tokens < 64  # its history made room for x
+    u = done["a2"].uncached  # found at its admission, after the hold gave way
+    assert u.evicted == 64 - done["a2"].num_device_cached_tokens
+    assert u.num_tokens == len(a) + 20 - done["a2"].num_device_cached_tokens
     assert s.cache.stats.num_queried_tokens == 64 + 64 + 80 + len(a) + 20  # x: once
     assert s.cache.usage()["device"]["used"] == 0
 
