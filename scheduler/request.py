@@ -54,6 +54,7 @@ class Sequence:
     uncached: UncachedTokens | None = None  # why the rest of its prompt was computed
     uncached_told: bool = False  # an output carried `uncached` (its first after admission)
     first_token_time: float | None = None
+    admitted_time: float | None = None  # its first admission (`Scheduler._start`)
     num_preemptions: int = 0
     error: str | None = None  # why it ended, when it ended with an error
     error_type: str | None = None
@@ -146,4 +147,7 @@ class Sequence:
             num_reasoning_tokens=self.thinking.num_tokens if self.thinking is not None else 0,
             num_disk_cached_tokens=self.num_disk_cached,
             uncached=self.uncached,
+            queue_s=self.admitted_time - self.arrival if self.admitted_time else 0.0,
+            prefill_s=(self.first_token_time - self.admitted_time
+                       if self.first_token_time and self.admitted_time else 0.0),
         )

@@ -419,6 +419,7 @@ class Scheduler:
     def _start(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
         """An admitted sequence runs its first chunk in `plan`; returns its tokens."""
         num_new = min(seq.num_tokens - seq.num_computed, budget)
+        seq.admitted_time = seq.admitted_time or time.monotonic()
         if seq.num_preemptions == 0 and seq.num_computed + num_new < seq.num_tokens:
             # a prefill of several steps: tell the requester its cached share now (an
             # output without tokens), not only with the first token

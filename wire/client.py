@@ -148,6 +148,10 @@ class RequestOutput:
     # why the rest of the prompt was computed: on the request's first output after its
     # admission, and on its last (None on the others, and when prefix caching is off)
     uncached: UncachedTokens | None = None
+    # where its time went in the engine, on its last output: waiting in the queue (arrival
+    # to its first admission), then its prefill (to its first token, swap-ins included)
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
 
 
 @dataclass

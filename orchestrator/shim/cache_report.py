@@ -19,7 +19,9 @@ if `ping_interval_s` passes first (pipeline.sse_response): it has them then, unl
 opened on a keep-alive while the request still waited in the queue -- and then it has no
 header rather than a guess. The OpenAI streams (chat, completions, Responses), whose
 keep-alives are SSE comments already, end with the same line as a comment before their
-closing events (`: x-deepinfer-cache: cached=...`), which SSE clients skip. An Anthropic
+closing events (`: x-deepinfer-cache: cached=...`), which SSE clients skip, and with
+`x-deepinfer-timing` (`queue_s=...; prefill_s=...; decode_s=...`: where the request's
+time went in the engine), which a JSON answer has as a header. An Anthropic
 stream carries no comment: its keep-alive is a `ping` event and strict parsers expect an
 `event:` line on every event; the scheduler's request_done line and `deepinfer-inspect
 cache` have the figures of every request. The `usage` objects keep the APIs' shapes.
@@ -30,6 +32,7 @@ from __future__ import annotations
 from orchestrator.shim.generation import Generation
 
 HEADER = "x-deepinfer-cache"
+TIMING_HEADER = "x-deepinfer-timing"
 
 
 def cache_report(gen: Generation, *, final: bool) -> str | None:
@@ -52,12 +55,31 @@ def cache_report(gen: Generation, *, final: bool) -> str | None:
     return "; ".join(parts)
 
 
+def timing_report(gen: Generation) -> str | None:
+    """`x-deepinfer-timing`: where an ended request's time went in the engine, in
+    seconds: waiting in the queue, its prefill (admission to first token, swap-ins of its
+    host and disk hits included), and its decode (first token to the end, as the shim
+    saw it). None until the request has ended."""
+    t = gen.timing
+    if t is None:
+        return None
+    return f"queue_s={t.queue_s:.3f}; prefill_s={t.prefill_s:.3f}; decode_s={t.decode_s:.3f}"
+
+
 def cache_headers(gen: Generation, *, final: bool) -> dict[str, str]:
     value = cache_report(gen, final=final)
-    return {HEADER: value} if value is not None else {}
+    headers = {HEADER: value} if value is not None else {}
+    timing = timing_report(gen) if final else None
+    if timing is not None:
+        headers[TIMING_HEADER] = timing
+    return headers
 
 
 def cache_comment(gen: Generation) -> list[str]:
-    """The report as an SSE comment, for the end of a stream."""
-    value = cache_report(gen, final=True)
-    return [f": {HEADER}: {value}\n\n"] if value is not None else []
+    """The reports as SSE comments, for the end of a stream."""
+    out = []
+    for name, value in ((HEADER, cache_report(gen, final=True)),
+                        (TIMING_HEADER, timing_report(gen))):
+        if value is not None:
+            out.append(f": {name}: {value}\n\n")
+    return out

@@ -41,6 +41,16 @@ class Piece:
     token_ids: list[int]  # the engine's new tokens (may run past a stop string)
 
 
+@dataclass
+class EngineTiming:
+    """Where an ended request's time went: the engine's queue and prefill, and the
+    decode as the shim saw it (first token to the end)."""
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+
+
 class Generation:
     """One request to the engine, from its GenerateRequest to text pieces and counts.
 
@@ -73,6 +83,8 @@ class Generation:
         # why the rest of the prompt was computed; None until the engine admitted it (or
         # with prefix caching off)
         self.uncached: UncachedTokens | None = None
+        self.timing: EngineTiming | None = None  # once it ended (cache_report.py)
+        self._first_token_at: float | None = None
         self.finish_reason: str | None = None
         self.ended_early = False  # end_here(): the client has not seen every token's text
         self.log_fields: dict[str, Any] = {}  # extra fields for the request_done line
@@ -121,6 +133,12 @@ class Generation:
                                                 out.num_reasoning_tokens)
                 if out.uncached is not None:  # the same on each output that has it
                     self.uncached = out.uncached
+                if out.token_ids and self._first_token_at is None:
+                    self._first_token_at = time.monotonic()
+                if out.finished:
+                    decode_s = (time.monotonic() - self._first_token_at
+                                if self._first_token_at is not None else 0.0)
+                    self.timing = EngineTiming(out.queue_s, out.prefill_s, decode_s)
                 if out.finish_reason == "error":
                     raise engine_error(out.error_type, out.error)
                 if not out.token_ids and not out.finished:

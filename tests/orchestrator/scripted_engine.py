@@ -33,6 +33,8 @@ class Script:
     delay_s: float = 0.0  # before each output
     per_output: int = 1  # tokens per output (several: as speculative decoding sends them)
     uncached: UncachedTokens | None = None  # why the prompt missed: first and last output
+    queue_s: float = 0.0  # the engine's timing, on the last output
+    prefill_s: float = 0.0
 
 
 @dataclass
@@ -107,8 +109,9 @@ class ScriptedEngine:
                 if last:
                     reason = s.finish_reason if len(ids) == len(s.token_ids) else "length"
                 told = i == 0 or last  # as the scheduler sends it (Sequence.take_output)
+                timing = dict(queue_s=s.queue_s, prefill_s=s.prefill_s) if last else {}
                 yield RequestOutput(token_ids=group, finished=last, finish_reason=reason,
-                                    uncached=s.uncached if told else None, **common)
+                                    uncached=s.uncached if told else None, **timing, **common)
             if not ids:
                 yield RequestOutput(finished=True, finish_reason="length", **common)
         finally:

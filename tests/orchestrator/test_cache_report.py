@@ -73,7 +73,7 @@ def test_a_stream_has_the_header_and_an_openai_one_ends_with_it(client, engine, 
     assert r.status_code == 200, r.text
     header = f"cached=16; recomputed={prompt_tokens(engine) - 16}; {REPORT}"
     assert r.headers["x-deepinfer-cache"] == header
-    comments = [line for line in r.text.split("\n") if line.startswith(": x-deepinfer")]
+    comments = [line for line in r.text.split("\n") if line.startswith(": x-deepinfer-cache")]
     if api == "messages":  # every Anthropic event has its event line: no comment there
         assert comments == []
         return
@@ -146,3 +146,32 @@ def test_metrics_count_the_uncached_tokens_by_reason():
                         "block_remainder"}
     assert got["new"] > 0 and got["diverged"] > 0 and got["evicted"] > 0
     assert sum(got.values()) == stats.num_queried_tokens - stats.num_device_hit_tokens
+
+
+@pytest.mark.parametrize("api", ["chat", "completions", "responses"])
+def test_where_the_time_went_ends_a_stream_and_heads_a_json_answer(client, engine, api):
+    """x-deepinfer-timing: the engine's queue and prefill seconds, and the decode as the
+    shim saw it (a trace benchmark's slow turns are split by it)."""
+    path, body = ENDPOINTS[api]
+    engine.script("Hello there.", queue_s=1.25, prefill_s=0.5)
+    r = client.post(path, json={**body, "stream": True})
+    [line] = [x for x in r.text.split("\n") if x.startswith(": x-deepinfer-timing: ")]
+    assert line.startswith(": x-deepinfer-timing: queue_s=1.250; prefill_s=0.500; decode_s=")
+    engine.script("Hello there.", queue_s=2.0, prefill_s=0.25)
+    r = client.post(path, json=body)
+    assert r.headers["x-deepinfer-timing"].startswith("queue_s=2.000; prefill_s=0.250; ")
+
+
+def test_the_engine_times_each_request_from_arrival_to_admission_and_first_token():
+    from wire.client import GenerateRequest
+
+    s = make(max_num_seqs=1)
+    s.add_request(GenerateRequest("a", list(range(10, 30)), 3))
+    s.add_request(GenerateRequest("b", list(range(40, 60)), 3))
+    outs = {}
+    while s.has_work():
+        plan = s.schedule()
+        outs.update({o.request_id: o for o in s.update(
+            plan, [(c.seq_id, 7) for c in plan.batch() if c.sample]) if o.finished})
+    assert outs["b"].queue_s > outs["a"].queue_s >= 0  # b waited for a's end
+    assert outs["a"].prefill_s > 0 and outs["b"].prefill_s > 0
