@@ -17,7 +17,7 @@ TORCH_CPU := torch==2.13.0+cpu
 PYTEST_ARGS ?=
 
 .PHONY: install cpu-kernels test lint serve serve-replicas bench-routing bench bench-worker bench-engine bench-agents bench-index \
-	simulate clean e2e-agents e2e-claude-code soak fuzz gpu-check gpu-wheels gpu-carry bench-vs-vllm bench-overhead bench-spec bench-moe \
+	simulate clean e2e-agents e2e-claude-code soak fuzz gpu-check gpu-wheels gpu-carry bench-vs-vllm bench-trace bench-overhead bench-spec bench-moe \
 	bench-disk
 
 install: $(INSTALLED) $(TINY)/deepinfer_tiny.json $(TINY_MOE) $(SMOLLM2) cpu-kernels
@@ -147,6 +147,16 @@ bench-vs-vllm: install $(PEER_INSTALLED) $(TINY_16K)/deepinfer_tiny.json
 		--peer-python $(PEER_VENV)/bin/python --peer-dir $(PEER) $(VS_VLLM_ARGS)
 	$(PY) -m tools.benchmarks.vs_vllm --model $(TINY_16K) $(LONG_HISTORY_ARGS) \
 		--peer-python $(PEER_VENV)/bin/python --peer-dir $(PEER) $(VS_VLLM_ARGS)
+
+# A trace-shaped coding-agent load (tools/benchmarks/trace_load.py: sessions that pause
+# log-normally, spawn sub-agents and title requests, compact near the context limit) against
+# vLLM-CPU, DeepInfer and DeepInfer with a host tier, each with the same KV memory, sized
+# so that the live context is 1.6x what it holds; rounds alternated, the idle engines held
+# with SIGSTOP. About 5 minutes a column on a quiet 2-core machine. Not part of `make test`.
+TRACE_ARGS ?=
+bench-trace: install $(PEER_INSTALLED) $(TINY_16K)/deepinfer_tiny.json
+	$(PY) -m tools.benchmarks.trace --model $(TINY_16K) \
+		--peer-python $(PEER_VENV)/bin/python --peer-dir $(PEER) $(TRACE_ARGS)
 
 # Speculative decoding on the real model: an edit and a free-text answer, decode tok/s and
 # acceptance with and without --speculative-config, side by side. A few minutes on a CPU.

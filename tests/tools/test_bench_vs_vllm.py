@@ -11,6 +11,7 @@ import httpx
 import pytest
 from rich.console import Console
 
+from tools.benchmarks import peers
 from tools.benchmarks import vs_vllm as bvv
 
 
@@ -158,10 +159,10 @@ def test_only_the_shared_memory_files_nobody_maps_are_removed(tmp_path):
     import mmap
 
     (tmp_path / "psm_old").write_bytes(b"x")  # there before the peer started: kept
-    before = bvv.shm_names(tmp_path)
+    before = peers.shm_names(tmp_path)
     for name in ("psm_leaked", "psm_in_use", "other"):
         (tmp_path / name).write_bytes(b"y" * 4096)
     with open(tmp_path / "psm_in_use", "r+b") as f, mmap.mmap(f.fileno(), 0):
-        removed = bvv.remove_leaked_shm(before, shm=tmp_path)
+        removed = peers.remove_leaked_shm(before, shm=tmp_path)
     assert removed == ["psm_leaked"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "psm_in_use", "psm_old"]

