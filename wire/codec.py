@@ -28,7 +28,7 @@ import msgpack
 
 from wire import client, config, control, lifecycle, step
 
-SCHEMA_VERSION = 13  # 2: WorkerConnect carries pid and host_id; 3: guided decoding;
+SCHEMA_VERSION = 14  # 2: WorkerConnect carries pid and host_id; 3: guided decoding;
 # 4: reasoning spans (GenerateRequest.thinking, RequestOutput.num_reasoning_tokens);
 # 5: the wire/ restructure (EngineLimits, StartFailed), EngineConfig.tokenizer;
 # 6: retention hints (GenerateRequest.retention, EngineConfig.max_retained_fraction),
@@ -44,7 +44,8 @@ SCHEMA_VERSION = 13  # 2: WorkerConnect carries pid and host_id; 3: guided decod
 # StepResult.disk_read_done/disk_read_bad); 10: CacheView.disk (deepinfer-inspect cache);
 # 11: guided drafts (ScheduledChunk.draft_allowed: a mask per draft row); 12: plain
 # decodes column by column (StepPlan.decodes, DecodeBatch); 13: RankTiming.cpu_s,
-# EngineConfig.step_channel
+# EngineConfig.step_channel; 14: GenerateRequest.resumed_output (a request continued
+# across an engine restart)
 
 
 class ProtocolError(ValueError):
