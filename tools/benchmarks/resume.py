@@ -11,8 +11,8 @@ runs S streamed completions at once (token prompts, greedy, ignore_eos) undistur
 again, killing a process of the engine group with SIGKILL once every stream is under way
 (the last rank by default, or the scheduler). Prints the machine
 (tools/benchmarks/machine.py), the restart time (the kill to the shim's
-`engine_reconnected`, from its log), and per stream the pause it saw (its last token
-before the kill to its first after, measured here, as a client sees it) as p50 and max;
+`engine_reconnected`, from its log), and per stream the pause it saw (its longest gap
+between two tokens after the kill, measured here as a client sees it) as p50 and max;
 whether every stream's tokens equal its undisturbed run's; the keep-alives that came
 during the pauses.
 """
@@ -93,13 +93,11 @@ def run_all(url: str, prompts: list[list[int]], max_tokens: int,
 
 
 def pause_of(stream: Stream, killed_at: float) -> tuple[float, float] | None:
-    """The gap around the kill: the stream's last chunk before it and its first after
-    (None: it ended before the kill, or got nothing after)."""
-    before = [t for t in stream.arrivals if t <= killed_at]
-    after = [t for t in stream.arrivals if t > killed_at]
-    if not before or not after:
-        return None
-    return before[-1], after[0]
+    """The stream's pause: its longest gap between two chunks that ends after the kill
+    (chunks already on their way when the engine died may still come after the kill), as
+    (start, end); None if it got nothing after the kill, or nothing before."""
+    gaps = [(a, b) for a, b in zip(stream.arrivals, stream.arrivals[1:]) if b > killed_at]
+    return max(gaps, key=lambda gap: gap[1] - gap[0]) if gaps else None
 
 
 def log_time(engine: Served, event: str) -> float:
