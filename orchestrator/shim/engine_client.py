@@ -167,7 +167,8 @@ class EngineClient:
         engine's loss gave them, and a later loss fails at once. Safe to call from a
         signal handler."""
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._stop_resuming, reason)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing waits
+                self._loop.call_soon_threadsafe(self._stop_resuming, reason)
 
     def _stop_resuming(self, reason: str) -> None:
         self._no_resume = self._no_resume or reason
