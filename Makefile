@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 
 .PHONY: install cpu-kernels test lint serve serve-replicas bench-routing bench bench-worker bench-engine bench-agents bench-index \
 	simulate clean e2e-agents e2e-claude-code soak fuzz gpu-check gpu-wheels gpu-carry bench-vs-vllm bench-trace bench-overhead bench-spec bench-moe \
-	bench-disk
+	bench-disk bench-resume
 
 install: $(INSTALLED) $(TINY)/deepinfer_tiny.json $(TINY_MOE) $(SMOLLM2) cpu-kernels
 
@@ -176,6 +176,12 @@ bench-index: install
 # recomputed. Makes a 64K-context tiny Llama first (once, deterministic). A few minutes.
 bench-disk: install
 	$(PY) -m tools.benchmarks.disk $(DISK_ARGS)
+
+# Requests in flight through an engine restart: the pause each stream saw against the
+# restart time (2 ranks, a rank killed). RESUME_ARGS="--kill scheduler --disk", or
+# "--model models/SmolLM2-135M-Instruct.Q4_1.gguf --nproc 1". A minute or two.
+bench-resume: install
+	$(PY) -m tools.benchmarks.resume $(RESUME_ARGS)
 
 simulate: install
 	$(PY) -m tools.simulate

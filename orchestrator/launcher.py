@@ -10,7 +10,9 @@ Supervision: if any child exits, every other child is stopped within a few
 seconds and the launcher exits non-zero, naming the process and its status.
 With --restart N (one node), the engine group (the scheduler and the ranks) is
 restarted instead, up to N times, while the HTTP shim stays up and answers 503 +
-retry-after; the shim exiting still stops everything.
+retry-after to new requests; the requests in flight pause and go on from the restarted
+group (--resume-timeout, orchestrator/shim/resume.py). The shim exiting still stops
+everything.
 Ctrl-C (or SIGTERM) stops everything and removes the run directory.
 """
 
@@ -43,6 +45,7 @@ from orchestrator.config import (
 )
 from orchestrator.gguf_tokenizer import write_tokenizer_dir
 from orchestrator.shim.options import API_KEY_ENV
+from orchestrator.shim.resume import DEFAULT_RESUME_TIMEOUT_S
 from wire import codec
 from wire.config import CONFIG_FILE, ConfigError
 from wire.control_server import CONTROL_DIR_ENV, control_address
@@ -83,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when the scheduler or a rank exits, restart them (the engine group) "
                         "up to N times; the HTTP server stays up and answers 503 + "
                         "retry-after meanwhile. One node only")
+    p.add_argument("--resume-timeout", type=float, default=DEFAULT_RESUME_TIMEOUT_S,
+                   metavar="S",
+                   help="with --restart: a request in flight when the engine group dies "
+                        "waits up to S seconds for the restarted group and goes on there "
+                        "from where its stream stopped (SSE keep-alives meanwhile); past S, "
+                        "past its own deadline, or with no restart left, it ends with the "
+                        "error it gets without --restart. 0: never continued")
     sub = p.add_subparsers(dest="command", required=True)
     add_serve_arguments(sub.add_parser("serve", help="serve the model over HTTP"))
     return p
@@ -93,6 +103,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.restart < 0:
         p.error("--restart must be >= 0")
+    if not args.resume_timeout >= 0:  # NaN fails too
+        p.error("--resume-timeout must be >= 0")
     if args.restart and (args.nnodes > 1 or args.external_workers):
         # the launcher can only restart the processes it started, all of them on this node
         p.error("--restart is not supported with --nnodes > 1 or --external-workers: "
@@ -226,9 +238,11 @@ def start_group(launch: Launch, master_port: int, group: list[Child]) -> None:
 
 
 def start_shim(launch: Launch, config, serve) -> Child:
+    # a request waits for a restarted engine only if there will be one
+    resume_s = launch.args.resume_timeout if launch.args.restart else 0.0
     shim_args = ["orchestrator.shim.server", "--run-dir", str(launch.run_dir),
                  "--model", config.tokenizer_dir, "--connect-timeout", "3600",
-                 *serve.shim_args(model_name(config.model))]
+                 "--resume-timeout", str(resume_s), *serve.shim_args(model_name(config.model))]
     # The key goes in the shim's environment: a command line is visible in `ps`.
     return spawn("shim", shim_args, {API_KEY_ENV: serve.api_key} if serve.api_key else None)
 

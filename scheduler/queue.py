@@ -3,7 +3,8 @@
 Which waiting request is admitted next:
 
   1. preempted sequences first: they were admitted already and hold a client waiting
-     mid-answer (the most recently preempted first, as before);
+     mid-answer (the most recently preempted first, as before); then requests continued
+     after an engine restart, in the order they came back;
   2. then the lowest `priority` value (0 by default; vLLM's convention: lower first);
   3. then round robin across sessions: each session (a request's `session_id`, else the
      request alone) has a lane, first come first served inside it, and the lane that was
@@ -18,7 +19,8 @@ The queue is bounded by requests (`max_requests`) and by the prompt tokens it ho
 (`max_tokens`, 0: no bound); past either, `push` raises QueueFullError and the request
 is refused as overloaded (529/429 with retry-after at the HTTP shim). A request larger
 than the token bound on its own is queued when nothing else waits, so it is served
-rather than refused forever. Preempted sequences are not counted against the bounds.
+rather than refused forever. Preempted and continued sequences are not counted against the
+bounds.
 """
 
 from __future__ import annotations
@@ -77,6 +79,13 @@ class RequestQueue:
     def push_front(self, seq: Sequence) -> None:
         """A preempted sequence: next in, whatever the bounds."""
         self._preempted.appendleft(seq)
+
+    def push_resumed(self, seq: Sequence) -> None:
+        """A request continued after an engine restart (GenerateRequest.resumed_output):
+        the queue had taken it, or it was running, before the engine died, and a client
+        waits on it; so, like a preempted one, ahead of new requests and whatever the
+        bounds, in the order the continuations come."""
+        self._preempted.append(seq)
 
     def peek(self) -> Sequence | None:
         if self._preempted:

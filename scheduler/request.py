@@ -64,6 +64,9 @@ class Sequence:
     # the model kept
     ngram: NgramIndex | None = None
     num_drafts: int = 0
+    # a continuation's output tokens the grammar has yet to take (`resume`): its guide is
+    # compiled later, in the queue
+    guide_backlog: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # prompt + output in one list, appended in place: a 450K-token prompt must not
@@ -73,6 +76,20 @@ class Sequence:
     def append_output(self, token: int) -> None:
         self.output.append(token)
         self._tokens.append(token)
+
+    def resume(self, output: list[int]) -> None:
+        """A continuation after an engine restart (GenerateRequest.resumed_output): take
+        `output`, already streamed to the client, as if sampled here, and move the thinking
+        span over it as `stop_reason` would; the answer's tokens wait in `guide_backlog` for
+        the grammar, compiled later. The sequence then runs like a preempted one: its first
+        chunks recompute prompt + output, and its next sample is at the position (the
+        seed's too) where the undisturbed run sampled it."""
+        for token in output:
+            self.append_output(token)
+            spanned = self.thinking is not None and self.thinking.accept(token)
+            if self.guide_pending is not None and not spanned:
+                self.guide_backlog.append(token)
+        self.num_emitted = len(output)  # sent already, by the engine that died
 
     @property
     def request_id(self) -> str:

@@ -129,7 +129,11 @@ class Scheduler:
             seq.ngram = NgramIndex(self.speculative.prompt_lookup_min,
                                    self.speculative.prompt_lookup_max)
         try:
-            self.queue.push(seq)
+            if req.resumed_output is None:
+                self.queue.push(seq)
+            else:  # a continuation after an engine restart: a client waits mid-answer
+                seq.resume(req.resumed_output)
+                self.queue.push_resumed(seq)
         except QueueFullError as exc:
             raise RequestRejected(str(exc), "overloaded") from exc
         self._next_seq_id += 1
@@ -547,6 +551,7 @@ class Scheduler:
         seq.guide_pending = None
         try:
             seq.guide = future.result()
+            _catch_up(seq)
         except GrammarError as exc:
             self.queue.pop()
             seq.error_type, seq.error = "invalid_request", str(exc)
@@ -751,6 +756,16 @@ class Scheduler:
         assert reason is not None, f"seq {seq.seq_id} was closed ahead of a token not its last"
         self._finish(seq, reason)  # closed already: it only leaves
         return seq.take_output()
+
+
+def _catch_up(seq: Sequence) -> None:
+    """A continuation's grammar takes the answer it had given before the restart
+    (`Sequence.resume`), so that its next mask is the one the undisturbed run had."""
+    backlog, seq.guide_backlog = seq.guide_backlog, []
+    for token in backlog:
+        if not seq.guide.accept(token):
+            raise GrammarError(f"the resumed output breaks the grammar at token {token}: "
+                               f"{seq.guide.error}")
 
 
 def _tokens_to_run(seq: Sequence, budget: int) -> int:

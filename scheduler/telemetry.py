@@ -149,7 +149,9 @@ class Telemetry:
             ttft_s=(first - seq.arrival) if first else 0.0, e2e_s=now - seq.arrival,
             num_disk_cached_tokens=seq.num_disk_cached, uncached=seq.uncached)
         self.recent.append(record)
-        itl = (now - first) / (num_out - 1) if first and num_out > 1 else 0.0
+        resumed = seq.request.resumed_output  # a continuation: output another engine wrote
+        num_new = num_out - len(resumed or ())
+        itl = (now - first) / (num_new - 1) if first and num_new > 1 else 0.0
         log = self.log.warning if out.finish_reason == "error" else self.log.info
         log("request_done", request_id=record.request_id, session=record.session or None,
             finish_reason=record.finish_reason, prompt_tokens=record.num_prompt_tokens,
@@ -158,7 +160,9 @@ class Telemetry:
             disk_cached_tokens=record.num_disk_cached_tokens,
             preemptions=seq.num_preemptions, queue_s=round(record.queue_s, 4),
             ttft_s=round(record.ttft_s, 4), itl_s=round(itl, 5), e2e_s=round(record.e2e_s, 4),
-            **_miss_fields(seq.uncached), **({"error": out.error} if out.error else {}))
+            **_miss_fields(seq.uncached),
+            **({"resumed_tokens": len(resumed)} if resumed is not None else {}),
+            **({"error": out.error} if out.error else {}))
 
     def prefix_break(self, report: PrefixBreak) -> None:
         report.time = report.time or time.time()

@@ -42,9 +42,29 @@ def validate_request(req: GenerateRequest, limits: EngineLimits, block_size: int
                 and 0 < r.ttl_s <= MAX_RETENTION_S):
             raise RequestRejected(f"a retention hint needs num_tokens >= 0 and a TTL in "
                                   f"(0, {MAX_RETENTION_S:g}] s")
+    if req.resumed_output is not None:
+        n += _check_resumed(req, limits)
     if -(-n // block_size) > limits.num_device_blocks:
         # worded as for the context length: agents (Claude Code) compact on it
         raise RequestRejected(
             f"prompt is too long: {n} tokens > "
             f"{limits.num_device_blocks * block_size} maximum "
             "(the device KV cache can never hold it)")
+
+
+def _check_resumed(req: GenerateRequest, limits: EngineLimits) -> int:
+    """A continuation's output so far (it is recomputed with the prompt): tokens of the
+    vocabulary, short of max_tokens and of the context. Returns its length."""
+    out, vocab = req.resumed_output or [], limits.vocab_size
+    if out and (min(out) < 0 or max(out) >= vocab):
+        bad = next(t for t in out if not 0 <= t < vocab)
+        raise RequestRejected(f"resumed output token id {bad} is outside the vocabulary "
+                              f"[0, {vocab})")
+    if len(out) >= req.max_tokens:
+        raise RequestRejected(f"the resumed output holds {len(out)} tokens: max_tokens "
+                              f"({req.max_tokens}) leaves nothing to generate")
+    total = len(req.prompt_token_ids) + len(out)
+    if total >= limits.max_model_len:
+        raise RequestRejected(f"prompt and resumed output are too long: {total} tokens > "
+                              f"{limits.max_model_len - 1} maximum")
+    return len(out)

@@ -69,6 +69,11 @@ class GenerateRequest:
     grammar: str | None = None  # llguidance grammar the output follows (scheduler/guided.py)
     thinking: ThinkingSpan | None = None  # counted, and capped if it has a budget
     retention: list[Retention] = field(default_factory=list)  # cache/retention.py
+    # A continuation after an engine restart (orchestrator/shim/resume.py): the output the
+    # client was sent before the engine died. The sequence resumes after it, recomputing it
+    # as a preempted sequence's; its grammar and thinking span are moved over it first, and
+    # max_tokens still counts it. None: a new request.
+    resumed_output: list[int] | None = None
 
 
 @dataclass

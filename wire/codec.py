@@ -46,7 +46,8 @@ SCHEMA_VERSION = 14  # 2: WorkerConnect carries pid and host_id; 3: guided decod
 # decodes column by column (StepPlan.decodes, DecodeBatch); 13: RankTiming.cpu_s,
 # EngineConfig.step_channel; 14: session retention (TurnEnd, EngineConfig.session_ttl_s),
 # why a prompt missed the cache (RequestOutput.uncached, UncachedTokens,
-# RequestRecord.uncached, CacheView.uncached / uncached_requests)
+# RequestRecord.uncached, CacheView.uncached / uncached_requests), GenerateRequest.resumed_output
+# (a request continued across an engine restart)
 
 
 class ProtocolError(ValueError):

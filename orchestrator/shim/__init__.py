@@ -14,6 +14,7 @@
     chat                ChatRequest -> prompt (template, tokens, tool_choice) -> ChatRun
     generation          Generation: GenerateRequest (+ Delivery) -> text pieces, counts
     engine_client       the scheduler's socket: requests out, outputs in
+    resume              a request continued on a restarted engine (--restart)
     chat_template, tool_parsers, reasoning, structured_output, detokenizer,
     prefix_tracker, json_body, errors, metrics: what those steps use
 

@@ -22,13 +22,17 @@ monitor sees the connection drop: a scheduler killed outright says no goodbye), 
 live request fails with error_type "unavailable" (503 + retry-after), `connected` is
 False, and ClientHello is sent again every HELLO_INTERVAL_S: the DEALER reconnects by
 itself when a new scheduler binds the same address, and its EngineInfo makes the client
-connected again.
+connected again. With a ResumePolicy (deepinfer-run --restart: the launcher restarts the
+engine), a live request is not failed but waits for that new scheduler and is continued
+there, its stream going on where it stopped (resume.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +41,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from orchestrator.shim.resume import NO_RESUME, Progress, ResumePolicy, with_seed
 from wire.client import (
     AbortRequest,
     EngineStats,
@@ -73,9 +78,11 @@ class EngineClient:
         await client.close()
     """
 
-    def __init__(self, address: str, *, connect_timeout_s: float = 60.0) -> None:
+    def __init__(self, address: str, *, connect_timeout_s: float = 60.0,
+                 resume: ResumePolicy = NO_RESUME) -> None:
         self.address = address
         self.connect_timeout_s = connect_timeout_s
+        self.resume = resume
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None  # connection events of _sock
@@ -84,8 +91,15 @@ class EngineClient:
         self._first_info: asyncio.Future[EngineInfo] | None = None
         self._info: EngineInfo | None = None  # the latest scheduler's
         self._connected = False
-        # request_id -> queue of its outputs; present while the request is live here.
+        # wire id -> queue of its outputs; present while the engine runs the request
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        # request id -> the id the current engine knows it by (a continuation's is new:
+        # resume.Progress.wire_id); present while the request is live here
+        self._wire_ids: dict[str, str] = {}
+        self._epoch = 0  # schedulers that answered so far: a continuation waits for a newer
+        self._changed = asyncio.Event()  # set (and replaced) when one does, or resuming stops
+        self._no_resume: str | None = None  # why no engine will come back (stop_resuming)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._shutdown_reason: str | None = None  # why the engine was lost, last time
         self._stats: asyncio.Future[EngineStats] | None = None
         self._stats_lock = asyncio.Lock()
@@ -109,6 +123,7 @@ class EngineClient:
         one will serve.
         """
         assert self._sock is None, "start() called twice"
+        self._loop = asyncio.get_running_loop()
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)  # close() must not hang on a dead scheduler
@@ -151,7 +166,26 @@ class EngineClient:
             self._ctx.term()
             self._ctx = None
         self._connected = False
+        self._stop_resuming("the engine client was closed")
         self._fail_all("the engine client was closed")
+
+    def stop_resuming(self, reason: str) -> None:
+        """No engine will come back (the shim is stopping: the launcher does so once its
+        restarts are spent): the requests waiting for one end now, with the error their
+        engine's loss gave them, and a later loss fails at once. Safe to call from a
+        signal handler."""
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing waits
+                self._loop.call_soon_threadsafe(self._stop_resuming, reason)
+
+    def _stop_resuming(self, reason: str) -> None:
+        self._no_resume = self._no_resume or reason
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake the requests waiting for a restarted engine (`_engine_back`)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     @property
     def info(self) -> EngineInfo:
@@ -170,36 +204,52 @@ class EngineClient:
 
         If the consumer stops early (closes the generator, or its task is cancelled
         because the HTTP client went away), the request is aborted at the scheduler
-        so its sequence stops taking batch slots.
+        so its sequence stops taking batch slots. If the engine dies under it and a
+        ResumePolicy allows, the outputs pause and go on from a restarted engine
+        (`_continue`); the consumer sees one stream.
         """
         if not self.connected:
             raise EngineUnavailableError(self._shutdown_reason or "not connected to the engine")
         rid = request.request_id
-        assert rid not in self._streams, f"duplicate request id {rid}"
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        assert rid not in self._wire_ids, f"duplicate request id {rid}"
+        if self.resume.enabled:  # a continuation must draw what this send would have
+            request = with_seed(request)
+        progress = Progress(request, time.monotonic())
         # Register before sending: an output must never arrive for an unknown id.
-        self._streams[rid] = queue
+        self._wire_ids[rid] = rid
+        queue = self._streams[rid] = asyncio.Queue()
         timer = self._metrics.track(len(request.prompt_token_ids)) if self._metrics else None
         if timer is not None:
             self._timers[rid] = timer
         try:
+            epoch = self._epoch
             await self._send(request)
             while True:
                 out = await queue.get()
+                if out.error_type == "unavailable" and self.resume.enabled:
+                    continued = await self._continue(progress, out, epoch)
+                    if continued is not None:
+                        queue, epoch = continued
+                        continue
+                now = time.monotonic()
+                out = progress.seen(out, now)
+                if progress.attempt:
+                    self._log_resumed(progress, out, now)
                 if out.finished:
-                    self._streams.pop(rid, None)
+                    self._streams.pop(progress.wire_id, None)
                 if timer is not None:
                     timer.output(out)
                 yield out
                 if out.finished:
                     return
         finally:
+            self._wire_ids.pop(rid, None)
             if self._timers.pop(rid, None) is not None:
                 timer.end("abort")  # a no-op when it ended with its last output or abort()
             # Still registered: the consumer left before the end (or the send failed).
             # Sent without awaiting: inside a cancelled task an await would raise again.
-            if self._streams.pop(rid, None) is not None:
-                self._send_nowait(AbortRequest(request_id=rid, reason="abort"))
+            if self._streams.pop(progress.wire_id, None) is not None:
+                self._send_nowait(AbortRequest(request_id=progress.wire_id, reason="abort"))
 
     async def abort(self, request_id: str, reason: str = "abort") -> None:
         """Stop a request. Its outputs are dropped from now on, and a generate()
@@ -207,8 +257,9 @@ class EngineClient:
         timer = self._timers.get(request_id)
         if timer is not None:
             timer.end(reason)
-        if self._streams.pop(request_id, None) is not None:
-            await self._send(AbortRequest(request_id=request_id, reason=reason))
+        wire_id = self._wire_ids.get(request_id, request_id)
+        if self._streams.pop(wire_id, None) is not None:
+            await self._send(AbortRequest(request_id=wire_id, reason=reason))
 
     def turn_end(self, request_id: str, tool_call: bool) -> None:
         """Tell the scheduler how an answer ended: whether its session's blocks stay
@@ -229,7 +280,70 @@ class EngineClient:
 
     @property
     def num_live_requests(self) -> int:
-        return len(self._streams)
+        return len(self._wire_ids)
+
+    # --- continuing requests across a restart (resume.py) ---------------------------
+
+    async def _continue(self, progress: Progress, failure: RequestOutput, epoch: int
+                        ) -> tuple[asyncio.Queue[RequestOutput], int] | None:
+        """The engine that ran `progress`'s request (the scheduler of `epoch`) died:
+        wait for a newer one and send it the continuation. Returns the continuation's
+        output queue and epoch, or None (the request then ends with `failure`)."""
+        self._streams.pop(progress.wire_id, None)  # the dead engine's outputs are moot
+        progress.lost(failure, time.monotonic())
+        why_not = await self._engine_back(progress, epoch)
+        if why_not is not None:
+            log.warning("request_not_resumed", request_id=progress.request.request_id,
+                        reason=why_not, output_tokens=len(progress.output),
+                        waited_s=round(time.monotonic() - progress.lost_at, 3),
+                        error=failure.error)
+            if self._metrics is not None:
+                self._metrics.requests_not_resumed.labels(why_not).inc()
+            return None
+        previous = progress.wire_id
+        continuation = progress.continuation(time.monotonic())
+        self._wire_ids[progress.request.request_id] = continuation.request_id
+        queue = self._streams[continuation.request_id] = asyncio.Queue()
+        epoch = self._epoch
+        # FIFO on the one socket: a send of the old id that the dead engine never read
+        # reaches the new one first, and is stopped before the continuation comes
+        await self._send(AbortRequest(previous, "abort"))
+        await self._send(continuation)
+        return queue, epoch
+
+    async def _engine_back(self, progress: Progress, epoch: int) -> str | None:
+        """Wait until a scheduler newer than `epoch` answers: None once one has, else why
+        the request is not continued ("stopping", "deadline", "timeout")."""
+        give_up = time.monotonic() + self.resume.timeout_s
+        while True:
+            now = time.monotonic()
+            left = progress.deadline_left(now)
+            if self._no_resume is not None:
+                return "stopping"
+            if left is not None and left <= 0:
+                return "deadline"
+            if self._connected and self._epoch > epoch:
+                return None
+            if now >= give_up:
+                return "timeout"
+            wait = give_up - now if left is None else min(give_up - now, left)
+            changed = self._changed
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(changed.wait(), wait)
+
+    def _log_resumed(self, progress: Progress, out: RequestOutput, now: float) -> None:
+        """A continued request's line, and its pause, once its stream goes on."""
+        pause = progress.end_pause(out, now)
+        if pause is None:
+            return
+        log.info("request_resumed", request_id=progress.request.request_id,
+                 attempt=progress.attempt, resumed_tokens=progress.num_resumed,
+                 pause_s=round(pause, 3),
+                 engine_wait_s=round(progress.back_at - progress.lost_at, 3),
+                 lost_because=progress.failure.error if progress.failure else None)
+        if self._metrics is not None:
+            self._metrics.requests_resumed.inc()
+            self._metrics.resume_pause.observe(pause)
 
     # --- internals --------------------------------------------------------------
 
@@ -291,6 +405,8 @@ class EngineClient:
         reconnected = self._info is not None
         self._info = info
         self._connected = True
+        self._epoch += 1
+        self._notify()
         if self._first_info is not None and not self._first_info.done():
             self._first_info.set_result(info)
         if reconnected:

@@ -267,6 +267,18 @@ class Metrics:
             "deepinfer_prefix_breaks", "Prompts that did not extend their session's previous "
             "prompt plus output (see the prefix_break log lines)", registry=r)
         self.recent_prefix_breaks: deque[PrefixBreak] = deque(maxlen=64)
+        self.requests_resumed = Counter(
+            "deepinfer_requests_resumed", "Requests in flight when the engine died that went "
+            "on from the restarted engine (deepinfer-run --restart)", registry=r)
+        self.requests_not_resumed = Counter(
+            "deepinfer_requests_resume_failed", "Requests in flight when the engine died that "
+            "ended with its error instead, by why: timeout (no engine back within "
+            "--resume-timeout), deadline (the request's own came first), stopping (no "
+            "restart left: the server stopped)", ["reason"], registry=r)
+        self.resume_pause = Histogram(
+            "deepinfer_request_resume_pause_seconds", "The pause a continued request's "
+            "client saw: from its last token before the engine died (or the loss, if none "
+            "had come) to its next", buckets=LATENCY_BUCKETS, registry=r)
         # Set by the engine client: forwards each prefix break to the scheduler, so that
         # `deepinfer-inspect cache` lists them next to the cache they explain.
         self.reporter: Callable[[object], None] | None = None

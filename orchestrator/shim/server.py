@@ -4,7 +4,7 @@
         [--host 127.0.0.1] [--port 8000] [--api-key-file FILE] [--served-model-name NAME] \
         [--max-model-len N] [--max-output-tokens N] [--tool-call-parser hermes] \
         [--max-request-bytes N] [--max-tools N] [--max-messages N] [--max-header-bytes N] \
-        [--connect-timeout S]
+        [--connect-timeout S] [--resume-timeout S]
 
 The API key: --api-key-file, --api-key, or $DEEPINFER_API_KEY (how `deepinfer-run`
 passes it: a command line is visible to every local user in `ps`). Every endpoint but
@@ -60,6 +60,7 @@ from orchestrator.shim.chat_template import ChatTemplate
 from orchestrator.shim.errors import ApiError
 from orchestrator.shim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from orchestrator.shim.options import API_KEY_ENV, ShimOptions, add_shim_arguments, api_key_from
+from orchestrator.shim.resume import ResumePolicy
 from orchestrator.shim.state import Engine, ServerState
 from orchestrator.shim.tenants import Tenants
 from wire.log import configure_logging
@@ -243,6 +244,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=0, help="0: the engine's")
     p.add_argument("--connect-timeout", type=float, default=60.0,
                    help="seconds to wait for the scheduler's EngineInfo")
+    p.add_argument("--resume-timeout", type=float, default=0.0,
+                   help="when the engine dies, how long a request in flight waits for a "
+                        "restarted one to continue on (deepinfer-run passes its own with "
+                        "--restart); 0: it fails at once")
     add_shim_arguments(p)
     return p.parse_args(argv)
 
@@ -268,13 +273,28 @@ def main(argv: list[str] | None = None) -> int:
 
     from orchestrator.shim.engine_client import EngineClient
 
+    class ShimServer(uvicorn.Server):
+        """uvicorn's server, but a stop signal first ends the requests that wait for a
+        restarted engine: none will come (the launcher stops the shim once its restarts
+        are spent), and their error events must go out before the graceful shutdown
+        waits on their streams."""
+
+        def __init__(self, config: uvicorn.Config, engine: EngineClient) -> None:
+            super().__init__(config)
+            self.engine = engine
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            self.engine.stop_resuming("the HTTP server is stopping")
+            super().handle_exit(sig, frame)
+
     args = parse_args(argv)
     configure_logging("shim")
     api_key = resolve_api_key(args)
     model_dir = Path(args.model)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     engine = EngineClient(requests_address(Path(args.run_dir)),
-                          connect_timeout_s=args.connect_timeout)
+                          connect_timeout_s=args.connect_timeout,
+                          resume=ResumePolicy(args.resume_timeout))
     app = build_app(
         engine,
         tokenizer,
@@ -290,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
                             access_log=False, lifespan="on", timeout_graceful_shutdown=5,
                             http="h11", h11_max_incomplete_event_size=args.max_header_bytes)
-    server = uvicorn.Server(config)
+    server = ShimServer(config, engine)
     check = None
     if args.self_check:  # imported only then: the gate's HTTP client is not needed else
         from orchestrator.shim.self_check import SelfCheck

@@ -3,7 +3,8 @@ hung in the middle of a long streamed completion.
 
 Every test checks what a client sees (the request in flight ends with an error, never
 a hung connection) and what the log says (the rank, by number). With --restart the
-shim answers 503 + retry-after while the engine group comes back, then serves again.
+shim answers 503 + retry-after to new requests while the engine group comes back, then
+serves again (here with --resume-timeout 0: the request in flight is not continued).
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ def assert_unavailable_event(request: InFlight) -> None:
 
 
 def test_kill_9_of_a_rank_with_restart(default_model, tmp_path):
-    engine = Engine(default_model, tmp_path / "run", nproc=2, launcher_args=["--restart", "1"])
+    # --resume-timeout 0: the request in flight is not continued on the restarted group
+    # (what a continued one sees: tests/orchestrator/test_resume_e2e.py)
+    engine = Engine(default_model, tmp_path / "run", nproc=2,
+                    launcher_args=["--restart", "1", "--resume-timeout", "0"])
     try:
         old = engine.pids()
         request = start_long_request(engine)

@@ -521,6 +521,30 @@ def disk_is_written(e: Launched) -> None:
     assert (e.tmp / "disk" / "rank0.kv").is_file()
 
 
+def a_request_in_flight_goes_on(e: Launched) -> None:
+    """--restart with --resume-timeout: a stream in flight when the rank dies pauses and
+    goes on from the restarted engine, with the undisturbed run's tokens."""
+    body = {"model": "m", "prompt": list(range(900, 940)), "max_tokens": 150,
+            "temperature": 0, "ignore_eos": True}
+    want = e.complete(**body)["choices"][0]["token_ids"]
+    got: list[int] = []
+    killed = False
+    with e.client() as c, c.stream("POST", "/v1/completions",
+                                   json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[len("data: "):])
+                assert "error" not in event, event
+                got += event["choices"][0]["token_ids"]
+                if len(got) >= 8 and not killed:
+                    procs = json.loads((e.run_dir() / "engine.json").read_text())["processes"]
+                    os.kill(next(p["pid"] for p in procs if p["name"] == "rank 0"),
+                            signal.SIGKILL)
+                    killed = True
+    assert killed and got == want
+    assert e.metric("deepinfer_requests_resumed_total") == 1
+
+
 # --- the table ------------------------------------------------------------------------
 
 SMALL = ("--kv-cache-memory", str(32 * MIB), "--max-model-len", "1024")
@@ -586,6 +610,8 @@ ROWS = [
     # The directory alone: the disk tier's size and the host tier that feeds it take
     # their defaults (it was refused, asking for --disk-cache-size and --host-cache-memory).
     Row("disk-dir-alone", (*BASE, "--disk-cache-dir", "{tmp}/disk"), disk_is_written),
+    Row("disk-dir-alone", (), a_request_in_flight_goes_on,
+        launcher=("--restart", "1", "--resume-timeout", "60")),
 ]
 LAUNCHES = list(dict.fromkeys(row.launch for row in ROWS))
 

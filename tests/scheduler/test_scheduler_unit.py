@@ -245,3 +245,31 @@ def test_a_running_sequences_output_names_each_field():
         request_id="a", token_ids=[7], finished=False, finish_reason=None,
         num_prompt_tokens=20, num_device_cached_tokens=16, num_host_cached_tokens=32,
         error=None, error_type=None, num_reasoning_tokens=0, num_disk_cached_tokens=48)
+
+
+@pytest.mark.parametrize("resumed,max_tokens,message", [
+    ([7, 1000], 8, "resumed output token id 1000 is outside the vocabulary"),
+    ([7, 7, 7, 7], 4, "leaves nothing to generate"),
+    ([7] * 492, 600, "prompt and resumed output are too long: 512 tokens > 511 maximum"),
+])
+def test_a_continuation_that_cannot_go_on_is_refused(resumed, max_tokens, message):
+    with pytest.raises(RequestRejected, match=message):
+        make().add_request(req("c", max_tokens=max_tokens, resumed_output=resumed))
+
+
+def test_a_continuation_goes_ahead_of_new_requests_past_the_bounds_and_counts_its_output():
+    """Continued after an engine restart, a request queued or running before is admitted
+    before new ones, whatever the queue's bounds; its resumed output is recomputed, never
+    sent again, and counts toward max_tokens."""
+    s = make(max_queued_requests=1, max_num_seqs=1)
+    s.add_request(req("new"))
+    s.add_request(req("c1", n=20, max_tokens=5, resumed_output=[7, 8, 9]))
+    s.add_request(req("c2", n=24, max_tokens=5, resumed_output=[]))  # it was waiting
+    assert [q.request_id for q in s.waiting()] == ["c1", "c2", "new"]
+    plan, outs = run_step(s, token=11)
+    (chunk,) = plan.chunks  # prompt + resumed output, then a sample at their end
+    assert (chunk.start_pos, len(chunk.token_ids), chunk.sample) == (0, 23, True)
+    assert [(o.request_id, o.token_ids) for o in outs] == [("c1", [11])]
+    _, outs = run_step(s, token=12)
+    assert [(o.request_id, o.token_ids, o.finish_reason) for o in outs] == [
+        ("c1", [12], "length")]  # 3 resumed + 2: max_tokens
