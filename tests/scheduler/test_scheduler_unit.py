@@ -245,3 +245,16 @@ def test_a_running_sequences_output_names_each_field():
         request_id="a", token_ids=[7], finished=False, finish_reason=None,
         num_prompt_tokens=20, num_device_cached_tokens=16, num_host_cached_tokens=32,
         error=None, error_type=None, num_reasoning_tokens=0, num_disk_cached_tokens=48)
+
+
+def test_the_budget_table_names_an_fp8_kv_cache(capsys):
+    """The start-up table says what a block holds when it is not the model's dtype."""
+    from scheduler.main import print_budget
+
+    limits = EngineLimits(100, 64, (0,), num_device_blocks=10, num_host_blocks=5,
+                          kv_bytes_per_block=69632)
+    print_budget(EngineConfig(model="m", kv_cache_dtype="fp8"), limits)
+    printed = " ".join(capsys.readouterr().out.split())  # the title may wrap
+    assert "fp8 KV, 69632 B/block/rank" in printed
+    print_budget(EngineConfig(model="m"), limits)
+    assert "KV," not in " ".join(capsys.readouterr().out.split())

@@ -1,7 +1,8 @@
 // FP8 KV (worker/kv_quant.py is the reference these match bit for bit): a token's K or V
 // vector of one KV head stored as x / scale in E4M3 or E5M2 bytes, scale = amax / max
 // (1 for zeros), float32, beside the pages; read back as fp8 * scale rounded to the
-// model's dtype.
+// model's dtype. (One exception, out of any K or V's reach: read back into bf16 with
+// AVX512_BF16, a product below float32's normal range, 1.2e-38, becomes zero.)
 #pragma once
 
 #include <torch/extension.h>
@@ -105,6 +106,24 @@ template <> inline c10::BFloat16 round_to<c10::BFloat16>(float x) {
   return out;
 }
 
+#ifdef __AVX512BF16__  // (which brings AVX512BW)
+// 32 FP8 bytes times `f` (half_factor) as 32 bf16: the bytes widened to float16 bits in one
+// vector, each half to float32 and multiplied, both halves rounded in one VCVTNE2PS2BF16
+// (nearest even, as torch rounds, but a float32 subnormal -- a product below 1.2e-38,
+// which no K or V comes near -- becomes zero).
+inline __m512i fp8x32_to_bf16(const uint8_t* src, __m512 f, Fp8Kind kind) {
+  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  const __m512i h =
+      kind == Fp8Kind::kE5M2
+          ? _mm512_slli_epi16(b, 8)
+          : _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x7F)), 7),
+                            _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8));
+  const __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), f);
+  const __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), f);
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+#endif
+
 // dst[0, d) = src[0, d) * scale, rounded to T: one head's K or V row read back.
 template <typename T>
 inline void dequantize_vector(const uint8_t* src, float scale, int64_t d, Fp8Kind kind, T* dst) {
@@ -112,6 +131,11 @@ inline void dequantize_vector(const uint8_t* src, float scale, int64_t d, Fp8Kin
   int64_t i = 0;
 #ifdef __AVX512F__
   const __m512 f = _mm512_set1_ps(factor);
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    for (; i + 32 <= d; i += 32)
+      _mm512_storeu_si512(dst + i, fp8x32_to_bf16(src + i, f, kind));
+#endif
   const __m256i low7 = _mm256_set1_epi16(0x7F), sign = _mm256_set1_epi16(0x80);
   for (; i + 16 <= d; i += 16) {
     const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));

@@ -24,8 +24,9 @@
 // product with V, as GPU flash attention does.
 //
 // FP8 KV (fp8.h): a key block's FP8 rows of the item's KV head are widened in registers,
-// each times its scale, into rows of q's dtype, which the packing then reads as it reads
-// pages of that dtype: the output is bit for bit that over those rows stored in q's dtype.
+// each times its scale, into q's dtype as they are packed (bf16), or into rows of q's
+// dtype that the packing then reads as pages of it: the output is bit for bit that over
+// those rows stored in q's dtype.
 
 #include "kernels.h"
 #include "kv_rows.h"
@@ -201,16 +202,28 @@ inline void transpose16x16(__m512i r[16]) {
   for (int c = 0; c < 16; ++c) r[c] = t[c];
 }
 
-// The key block's K rows (krow[j], j < n; zeros past n) as (k[2p], k[2p+1]) pairs with
-// the keys along the vectors: k32[p * kBlockK + j], 16 keys x 16 pairs a transpose.
+// A key block's rows of one KV head as the bf16 packing reads them, 32 dims at a time:
+// bf16 rows where they are, or FP8 rows widened in registers, each times its scale.
+struct Bf16Rows {
+  const c10::BFloat16* const* bf16 = nullptr;
+  const uint8_t* const* fp8 = nullptr;
+  const __m512* factor = nullptr;  // each FP8 row's half_factor
+  Fp8Kind kind = Fp8Kind::kE4M3;
+
+  __m512i load32(int64_t j, int64_t d) const {
+    return bf16 ? _mm512_loadu_si512(bf16[j] + d) : fp8x32_to_bf16(fp8[j] + d, factor[j], kind);
+  }
+};
+
+// The key block's K rows (j < n; zeros past n) as (k[2p], k[2p+1]) pairs with the keys
+// along the vectors: k32[p * kBlockK + j], 16 keys x 16 pairs a transpose.
 template <int64_t kD>
-inline void pack_keys_bf16(const c10::BFloat16* const* krow, int64_t n, uint32_t* k32) {
+inline void pack_keys_bf16(const Bf16Rows& krow, int64_t n, uint32_t* k32) {
   for (int64_t j0 = 0; j0 < kBlockK; j0 += 16)
     for (int64_t p0 = 0; p0 < kD / 2; p0 += 16) {
       __m512i r[16];
       for (int u = 0; u < 16; ++u)
-        r[u] = j0 + u < n ? _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(krow[j0 + u]) + p0)
-                          : _mm512_setzero_si512();
+        r[u] = j0 + u < n ? krow.load32(j0 + u, 2 * p0) : _mm512_setzero_si512();
       transpose16x16(r);
       for (int c = 0; c < 16; ++c) _mm512_storeu_si512(k32 + (p0 + c) * kBlockK + j0, r[c]);
     }
@@ -219,14 +232,12 @@ inline void pack_keys_bf16(const c10::BFloat16* const* krow, int64_t n, uint32_t
 // The key block's V rows as (v[2j][d], v[2j+1][d]) pairs along d: v32[j * kD + d] for the
 // (n + 1) / 2 key pairs j (an odd last key paired with zeros).
 template <int64_t kD>
-inline void pack_values_bf16(const c10::BFloat16* const* vrow, int64_t n, uint32_t* v32) {
+inline void pack_values_bf16(const Bf16Rows& vrow, int64_t n, uint32_t* v32) {
   const PairInterleave pairs;
   for (int64_t j = 0; 2 * j < n; ++j) {
-    const c10::BFloat16* a = vrow[2 * j];
-    const c10::BFloat16* b = 2 * j + 1 < n ? vrow[2 * j + 1] : nullptr;
     for (int64_t d = 0; d < kD; d += 32) {
-      const __m512i x = _mm512_loadu_si512(a + d);
-      const __m512i y = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+      const __m512i x = vrow.load32(2 * j, d);
+      const __m512i y = 2 * j + 1 < n ? vrow.load32(2 * j + 1, d) : _mm512_setzero_si512();
       __m512i out[2];
       pairs(x, y, out);
       _mm512_storeu_si512(v32 + j * kD + d, out[0]);
@@ -370,8 +381,8 @@ struct Prefill {
            const int32_t* pages, std::vector<float>& buf) const {
     const int64_t G = H / Hkv, M = nt * G, slot_stride = Hkv * kD;
     // float32 words; the bf16 path keeps pairs of bf16 in some of them
-    // FP8: a key block's K and V rows of this head read back, in scalar_t
-    constexpr size_t kWidened = (2 * kBlockK * kD * sizeof(scalar_t) + 3) / 4;
+    // FP8 without the bf16 dot product: a key block's K and V rows of this head read back
+    constexpr size_t kWidened = kBf16Dot ? 0 : (2 * kBlockK * kD * sizeof(scalar_t) + 3) / 4;
     const size_t words = M * kD * 2 + M * kBlockK * 2 + kD * kBlockK + kBlockK * kD + 2 * M + kD +
                          (k8 ? kWidened : 0);
     if (buf.size() < words) buf.resize(words);  // grown only: every part is set before use
@@ -475,21 +486,41 @@ struct Prefill {
   // key and V as (v[2j][d], v[2j+1][d]) pairs per dim, both packed in registers (the
   // word-by-word copies took a third of a bf16 prefill), V only as far as the block's
   // last pair (values_tile_bf16 reads no further).
+  // (FP8 with the bf16 dot product: the rows widened in registers as they are packed;
+  // otherwise into `widened` first.)
   void pack(float* kt, float* vb, float* row, scalar_t* widened, int64_t kb, int64_t n,
             int64_t end, int64_t hk, const int32_t* pages, int64_t slot_stride) const {
     const scalar_t* krow[kBlockK];
     const scalar_t* vrow[kBlockK];
-    head_rows(k_cache, k8, kb, n, hk, pages, slot_stride, widened, krow);
-    head_rows(v_cache, v8, kb, n, hk, pages, slot_stride, widened + kBlockK * kD, vrow);
     if constexpr (kBf16Dot) {
 #ifdef __AVX512BF16__
-      pack_keys_bf16<kD>(krow, n, reinterpret_cast<uint32_t*>(kt));
-      pack_values_bf16<kD>(vrow, n, reinterpret_cast<uint32_t*>(vb));
+      Bf16Rows keys{krow}, values{vrow};
+      const uint8_t* k8row[kBlockK];
+      const uint8_t* v8row[kBlockK];
+      __m512 k_factor[kBlockK], v_factor[kBlockK];
+      if (k8) {
+        for_each_slot(pages, kb, kb + n, page_size, [&](int64_t j, int64_t slot) {
+          const int64_t at = slot * Hkv + hk;
+          k8row[j] = k8.data + at * kD;
+          v8row[j] = v8.data + at * kD;
+          k_factor[j] = _mm512_set1_ps(half_factor(k8.scales[at], k8.kind));
+          v_factor[j] = _mm512_set1_ps(half_factor(v8.scales[at], v8.kind));
+        });
+        keys = {nullptr, k8row, k_factor, k8.kind};
+        values = {nullptr, v8row, v_factor, v8.kind};
+      } else {
+        head_rows(k_cache, k8, kb, n, hk, pages, slot_stride, widened, krow);
+        head_rows(v_cache, v8, kb, n, hk, pages, slot_stride, widened, vrow);
+      }
+      pack_keys_bf16<kD>(keys, n, reinterpret_cast<uint32_t*>(kt));
+      pack_values_bf16<kD>(values, n, reinterpret_cast<uint32_t*>(vb));
       // the next block's rows towards L1 while this one is multiplied
       const int64_t next = std::min(kb + 2 * kBlockK, end);
       if (kb + kBlockK < next) fetch_rows(kb + kBlockK, next, hk, pages, slot_stride);
 #endif
     } else {
+      head_rows(k_cache, k8, kb, n, hk, pages, slot_stride, widened, krow);
+      head_rows(v_cache, v8, kb, n, hk, pages, slot_stride, widened + kBlockK * kD, vrow);
       std::fill(kt, kt + kD * kBlockK, 0.f);
       for (int64_t j = 0; j < n; ++j) {
         const float* x = as_float(krow[j], row, kD);
