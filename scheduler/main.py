@@ -145,8 +145,9 @@ class SchedulerServer:
 
 def print_budget(config: EngineConfig, limits: EngineLimits) -> None:
     """The KV budget as agreed by every rank, in tokens per tier (printed at start-up)."""
+    kv = "" if config.kv_cache_dtype == "auto" else f"{config.kv_cache_dtype} KV, "
     table = Table(title=f"KV cache budget ({config.world_size} ranks, {config.block_size}-token "
-                        f"blocks, {limits.kv_bytes_per_block} B/block/rank)")
+                        f"blocks, {kv}{limits.kv_bytes_per_block} B/block/rank)")
     for col in ("tier", "blocks", "tokens", "bytes per rank"):
         table.add_column(col, justify="right")
     for tier, blocks in (("device", limits.num_device_blocks), ("host", limits.num_host_blocks)):

@@ -6,6 +6,9 @@ import json
 from dataclasses import dataclass, fields
 
 SPECULATIVE_METHODS = ("ngram",)
+# --kv-cache-dtype, vLLM's names: the model's dtype, or FP8 (E4M3 for `fp8`) with a scale
+# per token and KV head (worker/kv_quant.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # In the run directory: the launcher writes the EngineConfig there and the scheduler reads
 # it, a codec frame (wire/codec.py write_file / read_file) like every message between them.
 CONFIG_FILE = "config.msgpack"
@@ -18,6 +21,12 @@ def is_disk_records_file(name: str) -> bool:
     prefix, _, suffix = DISK_RECORDS_FILE.partition("{rank}")
     middle = name.removeprefix(prefix).removesuffix(suffix)
     return name == prefix + middle + suffix and middle.isdigit()
+
+
+# Why FP8 KV is refused on CUDA (here, and by a rank whose `auto` device is a GPU).
+FP8_ON_CUDA = ("--kv-cache-dtype {} is served on CPU only: FlashInfer takes FP8 KV with one "
+               "scale per tensor, not the scale per token and head this engine stores "
+               "(docs/cache.md); use --kv-cache-dtype auto on CUDA")
 
 
 class ConfigError(ValueError):
@@ -85,6 +94,7 @@ class EngineConfig:
     # For a GGUF the launcher writes one from the file's metadata (orchestrator/gguf_tokenizer.py)
     tokenizer: str = ""
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: auto stores KV in `dtype`
     device: str = "auto"  # auto | cpu | cuda
     world_size: int = 1
     block_size: int = 16
@@ -149,6 +159,12 @@ class EngineConfig:
             raise ConfigError(f"unknown dtype {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"unknown device {self.device!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"unknown KV cache dtype {self.kv_cache_dtype!r} (one of "
+                              f"{', '.join(KV_CACHE_DTYPES)})")
+        if self.kv_cache_dtype != "auto" and (self.device == "cuda"
+                                              or self.attention_backend == "flashinfer"):
+            raise ConfigError(FP8_ON_CUDA.format(self.kv_cache_dtype))
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ConfigError(f"unknown attention backend {self.attention_backend!r}")
         if self.step_channel not in ("auto", "zmq", "shm"):

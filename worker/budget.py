@@ -12,7 +12,8 @@ from pathlib import Path
 import structlog
 import torch
 
-from wire.config import EngineConfig
+from wire.config import FP8_ON_CUDA, EngineConfig
+from worker.kv_quant import FP8_DTYPES, SCALE_BYTES
 from worker.model_config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,6 +66,22 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> tor
              why=f"the CPU has {', '.join(flags)}" if flags
              else "the CPU has no bf16 instructions (bf16 would be emulated, far slower)")
     return dtype
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device,
+                     head_dim: int) -> torch.dtype:
+    """What the KV tiers store: `auto`, the model's dtype; `fp8` / `fp8_e4m3` / `fp8_e5m2`,
+    FP8 with a scale per token and KV head (worker/kv_quant.py), on CPU only."""
+    if name == "auto":
+        return dtype
+    if device.type == "cuda":
+        raise StartupError(FP8_ON_CUDA.format(name))
+    kv_dtype = FP8_DTYPES[name]
+    log.info("kv_cache_dtype", kv_dtype=str(kv_dtype).removeprefix("torch."),
+             dtype=str(dtype).removeprefix("torch."),
+             tokens_per_byte_vs_dtype=round(
+                 head_dim * dtype.itemsize / (head_dim + SCALE_BYTES), 3))
+    return kv_dtype
 
 
 def resolve_max_model_len(config: EngineConfig, model: ModelConfig) -> int:

@@ -17,6 +17,9 @@ Decoding is memory-bound on CPU, and plain torch reads memory badly in both plac
 - The elementwise passes of a layer (RMSNorm after the residual add, SiLU * up, the
   rotary of q and k with the K/V stores) are one pass each in `csrc/elementwise.cpp`,
   not four to ten torch ops.
+- FP8 KV (`--kv-cache-dtype`, `csrc/fp8.h`): the K/V store quantizes each token's head
+  vector, and both attention kernels widen the FP8 rows they read in registers, half the
+  bytes of bf16 from memory; bit for bit worker/kv_quant.py, the torch reference.
 
 It is compiled once per machine by torch's extension builder (`make install` does
 it: `python -m worker.cpu_kernels`), for this CPU's instruction set: the build's name
@@ -47,7 +50,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name
            for name in ("module.cpp", "paged_decode.cpp", "paged_prefill.cpp", "small_linear.cpp",
                         "elementwise.cpp")]
-HEADERS = [CSRC / "kernels.h", CSRC / "kv_rows.h", CSRC / "vec_math.h"]
+HEADERS = [CSRC / "kernels.h", CSRC / "kv_rows.h", CSRC / "vec_math.h", CSRC / "fp8.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 ENV_SWITCH = "DEEPINFER_CPU_KERNELS"
 # The head dims paged_prefill is built for (others prefill in torch).

@@ -12,7 +12,8 @@ class only moves bytes where a plan says, and checks them on the way back. A rec
       hash_lo      u64  the block hash the scheduler wrote it under
       hash_hi      u64
       checksum     16s  BLAKE2b-128 of the header's first 48 bytes and the payload
-    payload            K then V of every layer of this rank's shard of the block
+    payload            K then V of every layer of this rank's shard of the block; with
+                       FP8 KV then their scales (worker/kv_cache.py host_slot_bytes)
 
 so a torn write (kill -9 mid-write), a truncated file, a flipped byte anywhere, or a
 record of another identity fails the check and is dropped: never served, the prefix is
@@ -68,7 +69,7 @@ log = structlog.get_logger("disk_store")
 @dataclass(frozen=True)
 class DiskIdentity:
     """What must match for a stored record to be this engine's KV: the model
-    files, dtype, block size, world size and this rank's shard of the layout."""
+    files, dtype, KV dtype, block size, world size and this rank's shard of the layout."""
 
     model_digest: str
     dtype: str
@@ -78,10 +79,19 @@ class DiskIdentity:
     num_layers: int
     num_kv_heads: int  # of this rank's shard
     head_dim: int
-    payload_bytes: int  # one block's K and V on this rank
+    payload_bytes: int  # one block's K and V on this rank (and their scales, FP8)
+    kv_dtype: str = ""  # what the records hold: FP8 (--kv-cache-dtype); "": `dtype`
+
+    def as_dict(self) -> dict[str, object]:
+        """The identity as stored. KV in the model's dtype is named by `dtype` alone, as
+        before `kv_dtype` was: a directory written then is still this engine's."""
+        stored = asdict(self)
+        if stored["kv_dtype"] in ("", self.dtype):
+            del stored["kv_dtype"]
+        return stored
 
     def digest(self) -> bytes:
-        text = json.dumps(asdict(self), sort_keys=True).encode()
+        text = json.dumps(self.as_dict(), sort_keys=True).encode()
         return hashlib.blake2b(text, digest_size=16, person=b"deepinfer-disk").digest()
 
 
@@ -202,7 +212,7 @@ class DiskStore:
         """A stored identity that differs: log it and start empty (the old records are
         never loaded; the file is cut to zero so the budget holds)."""
         path = self._identity_path()
-        mine = asdict(self.identity)
+        mine = self.identity.as_dict()
         if path.exists():
             try:
                 stored = json.loads(path.read_text())

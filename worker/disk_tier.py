@@ -57,7 +57,7 @@ class RankDiskTier:
             model_digest=model_files_digest(config.model), dtype=str(dtype).removeprefix("torch."),
             block_size=config.block_size, world_size=tp.world_size, rank=tp.rank,
             num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            payload_bytes=payload)
+            payload_bytes=payload, kv_dtype=str(kv.dtype).removeprefix("torch."))
         # every rank must have the same slot ids: the minimum over the ranks
         num_slots = tp.all_min(config.disk_cache_size // record_bytes(payload))
         self.kv = kv

@@ -80,6 +80,12 @@ class ModelShapes:
     hidden: int
     intermediate: int  # of the dense MLP on this rank (0: every layer a mixture of experts)
     linear: tuple[tuple[int, int], ...]  # a layer's weight shapes [N, K]
+    kv_dtype: torch.dtype | None = None  # what the KV pages hold (None: `dtype`); FP8 or not,
+    # the attention paths read it differently (worker/kv_quant.py)
+
+    @property
+    def kv(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
 
 
 @dataclass(frozen=True)
@@ -169,10 +175,11 @@ def cache_key(shapes: ModelShapes, threads: int, build: str) -> str:
     """Everything the figures depend on: the kernel build (CPU flags and sources), torch
     (the other path), the dtype, the shapes and the thread count."""
     linear = ",".join(f"{n}x{k}" for n, k in shapes.linear)
+    kv = "" if shapes.kv == shapes.dtype else f" kv {str(shapes.kv).removeprefix('torch.')}"
     return (f"{build} torch {torch.__version__} {str(shapes.dtype).removeprefix('torch.')} "
             f"heads {shapes.num_heads}/{shapes.num_kv_heads}x{shapes.head_dim} "
             f"hidden {shapes.hidden} intermediate {shapes.intermediate} linear {linear} "
-            f"threads {threads}")
+            f"threads {threads}{kv}")
 
 
 def decide(shapes: ModelShapes, key: str, flags: set[str], measure: Measure,
@@ -258,6 +265,7 @@ def choose(shapes: ModelShapes, measure: Measure) -> KernelChoice:
         key = cache_key(shapes, threads, cpu_kernels.build_name())
         choice = decide(shapes, key, flags, measure, cache)
     log.info("kernel_choice", dtype=str(shapes.dtype).removeprefix("torch."),
+             kv_dtype=str(shapes.kv).removeprefix("torch."),
              heads=f"{shapes.num_heads}/{shapes.num_kv_heads}", head_dim=shapes.head_dim,
              threads=threads, isa=[f for f in ("amx_bf16", "avx512_bf16", "avx512f", "fma")
                                    if f in flags],

@@ -20,6 +20,8 @@ from worker.attention.base import AttentionMetadata
 from worker.attention.torch_backend import TorchAttentionBackend
 from worker.elementwise import Elementwise
 from worker.kernel_choice import Measure, ModelShapes
+from worker.kv_cache import KVCache
+from worker.kv_quant import is_fp8, quantize
 from worker.linear import Linear
 
 PAGE = 16
@@ -80,13 +82,13 @@ def _race_attention(kernels: ModuleType, shapes: ModelShapes, path: str) -> tupl
     lens = PREFILL_LENS if path == "prefill" else DECODE_LENS
     h, hkv, d, dtype = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim, shapes.dtype
     num_pages = sum(-(-kv // PAGE) for _, kv in lens)
-    layer_bytes = 2 * num_pages * PAGE * hkv * d * dtype.itemsize
+    layer_bytes = KVCache.bytes_per_block(1, num_pages * PAGE, hkv, d, shapes.kv)
     layers = 1 if path == "prefill" else max(1, min(8, STREAM_BYTES // layer_bytes))
     g = torch.Generator().manual_seed(0)
     # one random page of K and one of V everywhere: filling the pools costs a copy, not a
     # random draw per value (neither path's cost depends on the values)
-    page = torch.randn(2, 1, PAGE, hkv, d, generator=g).to(dtype)
-    pools = [page.expand(2, num_pages, PAGE, hkv, d).contiguous() for _ in range(layers)]
+    page = torch.randn(2, 1, PAGE, hkv, d, generator=g)
+    pools = [_pool(page, num_pages, dtype, shapes.kv) for _ in range(layers)]
     meta = _scattered_pages(lens, num_pages, g)
     q = torch.randn(sum(n for n, _ in lens), h, d, generator=g).to(dtype)
     sides: list[list[Piece]] = []
@@ -94,8 +96,20 @@ def _race_attention(kernels: ModuleType, shapes: ModelShapes, path: str) -> tupl
         backend = TorchAttentionBackend(h, hkv, d, kernels=kernels, prefill_kernel=use,
                                         decode_kernel=use)
         backend.plan(meta)  # once a step; forward once a layer
-        sides.append([partial(backend.forward, q, kv[0], kv[1]) for kv in pools])
+        sides.append([partial(backend.forward, q, *kv) for kv in pools])
     return race(*sides)
+
+
+def _pool(page: torch.Tensor, num_pages: int, dtype: torch.dtype,
+          kv_dtype: torch.dtype) -> list[torch.Tensor]:
+    """A layer's K and V pages of `kv_dtype` (and their scales, FP8), every page `page`."""
+    shape = (2, num_pages, *page.shape[2:])
+    if not is_fp8(kv_dtype):
+        return list(page.to(dtype).expand(shape).contiguous())
+    values, scales = quantize(page, kv_dtype)
+    k, v = values.view(torch.uint8).expand(shape).contiguous().view(kv_dtype)
+    k_scale, v_scale = scales.expand(shape[:-1]).contiguous()
+    return [k, v, k_scale, v_scale]
 
 
 def _scattered_pages(lens: list[tuple[int, int]], num_pages: int,

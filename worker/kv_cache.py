@@ -5,6 +5,11 @@ Device tier: K and V as `[num_layers, num_blocks, block_size, num_kv_heads, head
 (pinned on CUDA) with `num_host_blocks` slots. Both are allocated once at
 start-up from the agreed block counts and never grow. Which block holds what is
 decided by the scheduler alone; this class only moves bytes where a plan says.
+
+With FP8 KV (worker/kv_quant.py) K and V hold one byte an element, and each tier has
+their scales beside them, `[num_layers, num_blocks, block_size, num_kv_heads]` float32,
+indexed by the same block ids: every copy between tiers, and a disk record, moves a
+block's scales with its bytes, so a block is whole wherever it is.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from worker.kv_quant import SCALE_BYTES, SCALE_DTYPE, is_fp8, quantize
 
 # The most blocks a tier copy stages on the device at once (a chunk of a step's swaps):
 # 32 KiB a block a layer for the 1B benchmark model, so 8 MiB a staging tensor.
@@ -22,20 +29,42 @@ def _chunks(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
     return [pairs[i:i + STAGING_BLOCKS] for i in range(0, len(pairs), STAGING_BLOCKS)]
 
 
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """FP8 as bytes (a view): torch's indexed copies take no FP8 on CPU."""
+    return t.view(torch.uint8) if is_fp8(t.dtype) else t
+
+
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, num_host_blocks: int, block_size: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
+        """`dtype`: what K and V are stored as, the model's dtype or an FP8 one (with
+        scales)."""
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
+        self.dtype = dtype
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         host_shape = (num_layers, num_host_blocks, block_size, num_kv_heads, head_dim)
         pin = device.type == "cuda" and num_host_blocks > 0  # nothing to pin without a tier
         self.k_host = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
         self.v_host = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+        # FP8: a float32 scale per token and KV head, beside K and V in both tiers
+        self.k_scale = self.v_scale = self.k_scale_host = self.v_scale_host = None
+        if is_fp8(dtype):
+            self.k_scale, self.v_scale = (torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=device)
+                                          for _ in range(2))
+            self.k_scale_host, self.v_scale_host = (
+                torch.ones(host_shape[:-1], dtype=SCALE_DTYPE, pin_memory=pin) for _ in range(2))
+        # (device tier, host tier) of each part of a block, in the order a disk record holds
+        # them: K, V, then the scales. A tier copy moves every part; FP8 parts move as
+        # bytes (torch has no indexed copies of FP8 tensors on CPU).
+        self._parts = [(_bytes_of(dev), _bytes_of(host)) for dev, host in (
+            (self.k, self.k_host), (self.v, self.v_host),
+            (self.k_scale, self.k_scale_host), (self.v_scale, self.v_scale_host))
+            if dev is not None]
         self.device = device
         # Copies between tiers run on a side stream on CUDA, so the next forward
         # pass only waits where it touches the blocks being moved.
@@ -45,19 +74,37 @@ class KVCache:
         # has no bfloat16): numpy's fancy-index copy of a step's few blocks costs a third
         # to a quarter of torch's advanced indexing (its dispatch and TensorIterator setup
         # are most of a small copy; 4 SmolLM2 blocks: 31 us against 120).
-        self._bytes = None if self._stream is not None else tuple(
-            t.view(torch.uint8).numpy() for t in (self.k, self.v, self.k_host, self.v_host))
+        self._bytes = None if self._stream is not None else [
+            (dev.view(torch.uint8).numpy(), host.view(torch.uint8).numpy())
+            for dev, host in self._parts]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
+        """One block's K and V on this rank, with their scales where `dtype` is FP8."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+        per_head = head_dim * elem + (SCALE_BYTES if is_fp8(dtype) else 0)
+        return 2 * num_layers * block_size * num_kv_heads * per_head
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The layer's K and V scales [num_blocks, block_size, num_kv_heads] (FP8), else
+        (None, None): what the attention kernels take beside the pages."""
+        if self.k_scale is None:
+            return None, None
+        return self.k_scale[layer], self.v_scale[layer]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store new tokens' K/V ([T, kv_heads, head_dim]) at flat slots block * size + offset."""
-        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
-        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+        """Store new tokens' K/V ([T, kv_heads, head_dim]) at flat slots block * size + offset
+        (FP8: quantized, each token's scales at the same slots)."""
+        if self.k_scale is None:
+            self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+            self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+            return
+        for x, pages, scales in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
+            values, scale = quantize(x, self.dtype)
+            pages[layer].view(torch.uint8).view(-1, *x.shape[1:]).index_copy_(
+                0, slots, values.view(torch.uint8))
+            scales[layer].view(-1, x.shape[1]).index_copy_(0, slots, scale)
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Apply a step's tier copies: first device -> host [(block, slot)], then host ->
@@ -100,27 +147,24 @@ class KVCache:
             raise ValueError(f"two swap_ins into one block: {swap_in}")
         outs = [self._moves(c) for c in _chunks(sorted((s, b) for b, s in swap_out))]
         ins = [self._moves(c) for c in _chunks(sorted(swap_in))]
-        page = self.k.shape[2:]
-        out_k, out_v, in_k, in_v = (  # a chunk's worth: bounded device memory
-            torch.empty((min(len(pairs), STAGING_BLOCKS), *page), dtype=self.k.dtype,
-                        device=self.device)
-            for pairs in (swap_out, swap_out, swap_in, swap_in))
+        # per part, a chunk's worth each way: bounded device memory
+        staging = [tuple(torch.empty((min(len(pairs), STAGING_BLOCKS), *dev.shape[2:]),
+                                     dtype=dev.dtype, device=self.device)
+                         for pairs in (swap_out, swap_in)) for dev, _ in self._parts]
         for layer in range(self.k.shape[0]):
             # first the copies out: a block going out may be one coming in (or new KV)
             for blocks, runs in outs:
-                k, v = out_k[:len(blocks)], out_v[:len(blocks)]
-                torch.index_select(self.k[layer], 0, blocks, out=k)
-                torch.index_select(self.v[layer], 0, blocks, out=v)
-                for row, slot, n in runs:  # pinned destination: a true async copy
-                    self.k_host[layer, slot:slot + n].copy_(k[row:row + n], non_blocking=True)
-                    self.v_host[layer, slot:slot + n].copy_(v[row:row + n], non_blocking=True)
+                for (dev, host), (out, _) in zip(self._parts, staging):
+                    rows = out[:len(blocks)]
+                    torch.index_select(dev[layer], 0, blocks, out=rows)
+                    for row, slot, n in runs:  # pinned destination: a true async copy
+                        host[layer, slot:slot + n].copy_(rows[row:row + n], non_blocking=True)
             for blocks, runs in ins:
-                k, v = in_k[:len(blocks)], in_v[:len(blocks)]
-                for row, slot, n in runs:
-                    k[row:row + n].copy_(self.k_host[layer, slot:slot + n], non_blocking=True)
-                    v[row:row + n].copy_(self.v_host[layer, slot:slot + n], non_blocking=True)
-                self.k[layer].index_copy_(0, blocks, k)
-                self.v[layer].index_copy_(0, blocks, v)
+                for (dev, host), (_, into) in zip(self._parts, staging):
+                    rows = into[:len(blocks)]
+                    for row, slot, n in runs:
+                        rows[row:row + n].copy_(host[layer, slot:slot + n], non_blocking=True)
+                    dev[layer].index_copy_(0, blocks, rows)
             layer_queued()
 
     def _moves(self, pairs: list[tuple[int, int]]
@@ -155,32 +199,31 @@ class KVCache:
                 self._layer_events = []
 
     def _swap_cpu(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        k, v, k_host, v_host = self._bytes
-        if swap_out:
-            blocks, slots = [b for b, _ in swap_out], [s for _, s in swap_out]
-            k_host[:, slots] = k[:, blocks]
-            v_host[:, slots] = v[:, blocks]
-        if swap_in:
-            slots, blocks = [s for s, _ in swap_in], [b for _, b in swap_in]
-            k[:, blocks] = k_host[:, slots]
-            v[:, blocks] = v_host[:, slots]
+        for dev, host in self._bytes:
+            if swap_out:
+                blocks, slots = [b for b, _ in swap_out], [s for _, s in swap_out]
+                host[:, slots] = dev[:, blocks]
+            if swap_in:
+                slots, blocks = [s for s, _ in swap_in], [b for _, b in swap_in]
+                dev[:, blocks] = host[:, slots]
 
-    # --- the disk tier (worker/disk_tier.py): one host slot as bytes, K then V ----------
+    # --- the disk tier (worker/disk_tier.py): one host slot as bytes ---------------------
 
     def host_slot_nbytes(self) -> int:
-        return 2 * self.k_host[:, 0].numel() * self.k_host.element_size() if \
-            self.num_host_blocks else 0
+        return sum(host[:, 0].nbytes for _, host in self._parts) if self.num_host_blocks else 0
 
     def host_slot_bytes(self, slot: int) -> bytes:
-        """A copy of a host slot's K and V of every layer (the disk record's payload)."""
-        k = self.k_host[:, slot].contiguous().view(torch.uint8)
-        v = self.v_host[:, slot].contiguous().view(torch.uint8)
-        return k.numpy().tobytes() + v.numpy().tobytes()
+        """A copy of a host slot's K and V of every layer, then (FP8) their scales: the disk
+        record's payload."""
+        return b"".join(host[:, slot].contiguous().view(torch.uint8).numpy().tobytes()
+                        for _, host in self._parts)
 
     def load_host_slot(self, slot: int, payload: bytes) -> None:
         """The inverse of `host_slot_bytes`."""
         buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        half = len(buf) // 2
-        for dst, part in ((self.k_host, buf[:half]), (self.v_host, buf[half:])):
-            view = dst[:, slot].view(torch.uint8)  # [layers, block, kv_heads, head_dim * elem]
-            view.copy_(part.view(view.shape))
+        at = 0
+        for _, host in self._parts:
+            view = host[:, slot].view(torch.uint8)  # [layers, block, kv_heads, bytes a row]
+            view.copy_(buf[at:at + view.numel()].view(view.shape))
+            at += view.numel()
+        assert at == len(buf), f"a payload of {len(buf)} bytes for a {at}-byte slot"

@@ -44,12 +44,16 @@ class LayerWeights:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, tp: TensorParallelGroup, dtype: torch.dtype,
-                 device: torch.device, logits_everywhere: bool = False) -> None:
+                 device: torch.device, logits_everywhere: bool = False,
+                 kv_dtype: torch.dtype | None = None) -> None:
+        """`kv_dtype`: what the KV cache stores (None: `dtype`), which the attention kernels'
+        choice is measured with."""
         config.check_tensor_parallel(tp.world_size)
         self.config = config
         self.tp = tp
         self.logits_everywhere = logits_everywhere  # full logits on every rank, not rank 0
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
         self.device = device
         self.num_heads = config.num_heads // tp.world_size
         self.num_kv_heads = config.num_kv_heads // tp.world_size
@@ -90,7 +94,7 @@ class LlamaModel:
         intermediate = next((w.down.shape[1] for w in self.layers if w.down is not None), 0)
         shapes = ModelShapes(self.dtype, self.num_heads, self.num_kv_heads, self.head_dim,
                              self.config.hidden_size, intermediate,
-                             tuple((w.shape[0], w.shape[1]) for w in layers[0]))
+                             tuple((w.shape[0], w.shape[1]) for w in layers[0]), self.kv_dtype)
         self.kernel_choice = choose(shapes, measure_model(shapes, layers, self._eps))
         self.linear.kernel_rows = self.kernel_choice.linear_rows(SMALL_ROWS)
         if not self.kernel_choice.uses("elementwise"):
@@ -188,10 +192,11 @@ class LlamaModel:
             # CPU: the rotary of q and k and the K/V stores in one compiled pass (about ten
             # torch dispatches a layer otherwise, a tenth of a small model's decode step)
             q = self.elementwise.kernels.rope_store_kv(qkv, cos, sin, kv.k[i], kv.v[i], slots,
-                                                      self.num_heads)
+                                                      self.num_heads, *kv.scales(i))
         else:
             q = self._rope_and_store(i, w, qkv, cos, sin, slots, kv)
-        o = attn.forward(q, kv.k[i], kv.v[i])  # [T, heads on this rank, head_dim]
+        # [T, heads on this rank, head_dim]
+        o = attn.forward(q, kv.k[i], kv.v[i], *kv.scales(i))
         out = self.tp.all_reduce(self.linear(o.reshape(t, -1), w.o))
         return out if w.o_bias is None else out + w.o_bias
 

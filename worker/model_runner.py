@@ -26,6 +26,7 @@ from worker.budget import (
     device_tier_bytes,
     local_world_size,
     resolve_dtype,
+    resolve_kv_dtype,
     resolve_max_model_len,
 )
 from worker.disk_tier import RankDiskTier
@@ -59,6 +60,9 @@ class ModelRunner:
         self.device = device
         self.model_config = load_config(config.model)  # HF dir or .gguf
         self.dtype = resolve_dtype(config.dtype, device, self.model_config.torch_dtype)
+        # what the KV tiers store: the model's dtype, or FP8 with scales (worker/kv_quant.py)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, device,
+                                         self.model_config.head_dim)
         self.vocab_size = self.model_config.vocab_size
         self.max_model_len = resolve_max_model_len(config, self.model_config)
 
@@ -84,7 +88,8 @@ class ModelRunner:
                 self.model_config, tp, config.null_model_forward_ms, self.every_rank_samples)
         else:
             self.model = LlamaModel(self.model_config, tp, self.dtype, device,
-                                    logits_everywhere=self.every_rank_samples)
+                                    logits_everywhere=self.every_rank_samples,
+                                    kv_dtype=self.kv_dtype)
             self.model.load(config.model, show_progress=tp.rank == 0)
             self.forward_pass = ModelForward(self.model, config.attention_backend,
                                              config.block_size, self.sampling)
@@ -92,7 +97,7 @@ class ModelRunner:
         m = self.model
         block_bytes = KVCache.bytes_per_block(
             self.model_config.num_layers, config.block_size, m.num_kv_heads, m.head_dim,
-            self.dtype,
+            self.kv_dtype,
         )
         # Ranks may have different free memory; every rank must hold the same
         # block ids, so all take the minimum.
@@ -112,7 +117,7 @@ class ModelRunner:
                                  self.max_model_len)
         self.kv = KVCache(
             self.model_config.num_layers, self.num_device_blocks, self.num_host_blocks,
-            config.block_size, m.num_kv_heads, m.head_dim, self.dtype, device,
+            config.block_size, m.num_kv_heads, m.head_dim, self.kv_dtype, device,
         )
         self.block_tables = BlockTables(max_cols=-(-self.max_model_len // config.block_size))
         # the disk tier, below the host tier (worker/disk_tier.py); None when off

@@ -11,7 +11,7 @@ import pytest
 from orchestrator.config import DEFAULT_MODEL, REPO, add_serve_arguments, build_config
 from scheduler.executor import choose_channel
 from wire import codec
-from wire.config import CONFIG_FILE, EngineConfig, SpeculativeConfig
+from wire.config import CONFIG_FILE, ConfigError, EngineConfig, SpeculativeConfig
 from wire.step_channel import supported
 
 
@@ -106,6 +106,7 @@ def test_every_engine_flag_survives_the_run_directory(default_model: Path,
     scheduler a dict there, and every engine started with --speculative-config exited.)"""
     config = engine_config(
         "--model", str(default_model), "--dtype", "bfloat16", "--device", "cpu",
+        "--kv-cache-dtype", "fp8_e5m2",
         "--block-size", "32", "--kv-cache-memory", "1000000", "--gpu-memory-utilization", "0.5",
         "--host-cache-memory", "2000000", "--max-retained-fraction", "0.25", "--session-ttl", "30",
         "--kv-write-policy", "write_through", "--kv-events-endpoint", "5557",
@@ -148,6 +149,7 @@ def test_every_engine_setting_comes_from_its_flag_or_is_derived(default_model: P
     flags = {
         "dtype": (["--dtype", "bfloat16"], "bfloat16"),
         "device": (["--device", "cpu"], "cpu"),
+        "kv_cache_dtype": (["--kv-cache-dtype", "fp8"], "fp8"),
         "block_size": (["--block-size", "32"], 32),
         "kv_cache_memory": (["--kv-cache-memory", "123456"], 123456),
         "gpu_memory_utilization": (["--gpu-memory-utilization", "0.5"], 0.5),
@@ -186,3 +188,21 @@ def test_every_engine_setting_comes_from_its_flag_or_is_derived(default_model: P
         str(default_model.resolve()), 3, default_model.name.removesuffix(".gguf"))
     assert config.disk_cache_dir == str((tmp_path / "d").resolve())
     assert config.kv_write_policy == "write_through" and config.speculative is None
+
+
+def test_the_kv_cache_dtype_is_the_models_unless_fp8_is_asked_for_on_cpu(
+        default_model: Path) -> None:
+    """--kv-cache-dtype takes vLLM's names; FP8 is refused where FlashInfer would read it
+    (its FP8 KV takes one scale per tensor, not the engine's scale per token and head), at
+    launch, with the reason."""
+    assert engine_config("--model", str(default_model)).kv_cache_dtype == "auto"
+    for name in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        assert engine_config("--model", str(default_model), "--device", "cpu",
+                             "--kv-cache-dtype", name).kv_cache_dtype == name
+    for device in (("--device", "cuda"), ("--attention-backend", "flashinfer")):
+        with pytest.raises(ConfigError, match="fp8 is served on CPU only.*one scale per"):
+            engine_config("--model", str(default_model), *device, "--kv-cache-dtype", "fp8")
+    with pytest.raises(ConfigError, match="unknown KV cache dtype 'int8'"):
+        EngineConfig(model=str(default_model), kv_cache_dtype="int8")
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        engine_config("--model", str(default_model), "--kv-cache-dtype", "fp4")

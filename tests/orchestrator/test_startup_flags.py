@@ -58,6 +58,8 @@ TINY = "models/tiny-llama"  # as a user types it, from the repository's root
 MIB = 1 << 20
 # tiny-llama's KV bytes per token and rank in float32: K and V, 8 layers, 4 KV heads of 64
 KV_BYTES_PER_TOKEN = 2 * 8 * 4 * 64 * 4
+# ... and in FP8: a byte an element, a float32 scale per head
+FP8_KV_BYTES_PER_TOKEN = 2 * 8 * 4 * (64 + 4)
 
 
 class Launched:
@@ -515,6 +517,19 @@ def drafts_are_made(e: Launched) -> None:
     assert e.metric("deepinfer_spec_accepted_tokens_total") > 0
 
 
+def kv_is_fp8(e: Launched) -> None:
+    """--kv-cache-dtype fp8: the 32 MiB device tier holds 3.76x float32's blocks, and a
+    prompt sent again is a prefix hit that answers the same tokens."""
+    assert e.config().kv_cache_dtype == "fp8"
+    blocks = 32 * MIB // (16 * FP8_KV_BYTES_PER_TOKEN)
+    assert e.labels_of("vllm:cache_config_info")["num_gpu_blocks"] == str(blocks)
+    prompt = list(range(900, 964))  # 4 full blocks
+    outs = [e.complete(prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True)
+            for _ in range(2)]
+    assert outs[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+    assert outs[0]["choices"][0]["token_ids"] == outs[1]["choices"][0]["token_ids"]
+
+
 def disk_is_written(e: Launched) -> None:
     e.complete(prompt=list(range(800, 864)), max_tokens=1)
     e.wait_for("a block written to disk", lambda: disk_written(e) > 0)
@@ -612,6 +627,7 @@ ROWS = [
     Row("disk-dir-alone", (*BASE, "--disk-cache-dir", "{tmp}/disk"), disk_is_written),
     Row("disk-dir-alone", (), a_request_in_flight_goes_on,
         launcher=("--restart", "1", "--resume-timeout", "60")),
+    Row("disk-dir-alone", ("--kv-cache-dtype", "fp8"), kv_is_fp8),
 ]
 LAUNCHES = list(dict.fromkeys(row.launch for row in ROWS))
 

@@ -273,3 +273,16 @@ def test_a_continuation_goes_ahead_of_new_requests_past_the_bounds_and_counts_it
     _, outs = run_step(s, token=12)
     assert [(o.request_id, o.token_ids, o.finish_reason) for o in outs] == [
         ("c1", [12], "length")]  # 3 resumed + 2: max_tokens
+
+
+def test_the_budget_table_names_an_fp8_kv_cache(capsys):
+    """The start-up table says what a block holds when it is not the model's dtype."""
+    from scheduler.main import print_budget
+
+    limits = EngineLimits(100, 64, (0,), num_device_blocks=10, num_host_blocks=5,
+                          kv_bytes_per_block=69632)
+    print_budget(EngineConfig(model="m", kv_cache_dtype="fp8"), limits)
+    printed = " ".join(capsys.readouterr().out.split())  # the title may wrap
+    assert "fp8 KV, 69632 B/block/rank" in printed
+    print_budget(EngineConfig(model="m"), limits)
+    assert "KV," not in " ".join(capsys.readouterr().out.split())

@@ -431,3 +431,99 @@ def test_flashinfer_after_writing_new_tokens_to_pages(cases, heads, kv_heads):
     err = relative_error(outs["flashinfer"], outs["torch"])
     assert err < 1e-2, f"flashinfer vs torch backend: relative error {err:.2e}"
     assert relative_error(outs["flashinfer"], ref) < 1e-2
+
+
+# --- FP8 KV: every path reads the pages as the values they stand for ---------------------
+
+FP8_KINDS = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def fp8_case(lens, heads, kv_heads, d, dtype, fp8, shuffle=True):
+    """build_case's q and pages, the pages stored as FP8 with their scales: (q, the FP8
+    pages and scales, the same pages read back in q's dtype, metadata)."""
+    from worker.kv_quant import dequantize, quantize
+
+    q, k_cache, v_cache, meta, _ = build_case(lens, heads, kv_heads, d, dtype, "cpu",
+                                              shuffle=shuffle)
+    (k8, k_scale), (v8, v_scale) = quantize(k_cache, fp8), quantize(v_cache, fp8)
+    read_back = (dequantize(k8, k_scale, dtype), dequantize(v8, v_scale, dtype))
+    return q, (k8, v8, k_scale, v_scale), read_back, meta
+
+
+def attend(meta, q, heads, kv_heads, d, *pages):
+    backend = create_backend("torch", heads, kv_heads, d, PAGE, q.dtype, torch.device("cpu"))
+    backend.plan(meta)
+    return backend.forward(q, *pages)
+
+
+@pytest.mark.parametrize("fp8", FP8_KINDS)
+@pytest.mark.parametrize("lens", [PATH_CASES[1], PATH_CASES[5], PATH_CASES[7], CASES[3]])
+def test_every_path_reads_fp8_pages_as_their_values(lens, fp8, torch_path):
+    """Each path (the kernels, the gathered torch paths, the forced mixes) over FP8 pages
+    gives bit for bit what it gives over those pages read back (worker/kv_quant.py) in
+    q's dtype, and float32 stays as close to dense attention over them as ever."""
+    q, fp8_pages, read_back, meta = fp8_case(lens, 8, 2, 32, torch.float32, fp8)
+    out = attend(meta, q, 8, 2, 32, *fp8_pages)
+    assert torch.equal(out, attend(meta, q, 8, 2, 32, *read_back))
+    k, v = read_back
+    ref = torch.cat([dense_reference(q[a:b], k[pages].flatten(0, 1)[:n],
+                                     v[pages].flatten(0, 1)[:n])
+                     for a, b, pages, n in sequences(meta)])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def sequences(meta):
+    """(first query row, end row, pages, keys) of each sequence of a plan's metadata."""
+    qo, kvp, idx = meta.qo_indptr.tolist(), meta.kv_indptr.tolist(), meta.kv_indices.tolist()
+    lens = meta.kv_lens().tolist()
+    return [(qo[i], qo[i + 1], idx[kvp[i]:kvp[i + 1]], lens[i]) for i in range(meta.num_seqs)]
+
+
+@pytest.mark.parametrize("fp8", FP8_KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 2, 128), (4, 2, 32)])
+@pytest.mark.parametrize("lens", [PATH_CASES[8], PREFILL_KERNEL_CASES[3]])
+def test_kernels_read_fp8_pages_bit_for_bit(lens, heads, kv_heads, d, dtype, fp8, kernels):
+    """paged_decode and paged_prefill widen FP8 rows in registers (times their scales,
+    rounded to q's dtype): bit for bit the kernel over the read-back pages, in each dtype,
+    on the vector paths (head dims 64, 128) and the scalar decode loop (32); the
+    decodes' splits and the prefill's key blocks with partial edges."""
+    q, fp8_pages, read_back, meta = fp8_case(lens, heads, kv_heads, d, dtype, fp8)
+    backend = create_backend("torch", heads, kv_heads, d, PAGE, dtype, torch.device("cpu"))
+    backend.plan(meta)
+    assert backend._kernel_decode is not None and backend._kernel_prefill is not None
+    assert torch.equal(backend.forward(q, *fp8_pages), backend.forward(q, *read_back))
+
+
+@pytest.mark.parametrize("fp8", FP8_KINDS)
+def test_fp8_decodes_on_a_shared_prefix_match_each_alone(fp8, kernels):
+    """Sequences reading shared FP8 pages as one work item give bit for bit what each
+    gives alone."""
+    from worker.kv_quant import quantize
+
+    seqs, k_cache, v_cache = build_shared_case(SHARED_PREFIX_CASES[0], 9, 3, 64, torch.bfloat16)
+    (k8, k_scale), (v8, v_scale) = quantize(k_cache, fp8), quantize(v_cache, fp8)
+    pages = (k8, v8, k_scale, v_scale)
+    together = attend(decode_metadata(seqs), torch.cat([q for q, _, _ in seqs]), 9, 3, 64,
+                      *pages)
+    row = 0
+    for seq in seqs:
+        alone = attend(decode_metadata([seq]), seq[0], 9, 3, 64, *pages)
+        assert torch.equal(together[row : row + len(seq[0])], alone)
+        row += len(seq[0])
+
+
+def test_kernels_refuse_fp8_pages_without_scales_or_mismatched(kernels):
+    q, (k8, v8, k_scale, v_scale), _, meta = fp8_case([(1, 40)], 4, 2, 64, torch.float32,
+                                                       torch.float8_e4m3fn)
+    backend = create_backend("torch", 4, 2, 64, PAGE, torch.float32, torch.device("cpu"))
+    backend.plan(meta)
+    b, out = backend._kernel_decode, torch.empty_like(q)
+    args = (out, q, k8, v8, b.rows, b.n_q, b.page_start, b.kv_lens, b.kv_indices, 0.125)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernels.paged_decode(*args)  # FP8 pages without their scales
+    with pytest.raises(RuntimeError, match="scales come with FP8 pages"):
+        kernels.paged_decode(out, q, q.new_zeros(k8.shape), q.new_zeros(k8.shape), *args[4:],
+                             k_scale, v_scale)
+    with pytest.raises(RuntimeError, match="FP8 scales: float32"):
+        kernels.paged_decode(*args, k_scale[:, :8], v_scale[:, :8])

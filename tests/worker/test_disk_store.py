@@ -248,3 +248,28 @@ def test_the_scan_reads_no_payload_of_an_empty_slot(tmp_path) -> None:
     assert found.slots.tolist() == [3, 1500] and found.num_torn == 0
     assert read < 2000 * HEADER_BYTES + 2 * record_bytes(PAYLOAD) + 4096  # /proc/self/io
     s.close()
+
+
+def test_the_kv_dtype_is_part_of_the_identity(tmp_path) -> None:
+    """FP8 records (--kv-cache-dtype) are never read by an engine storing another KV dtype,
+    nor the other way; KV in the model's dtype keeps the identity it had before the field
+    existed, so such a directory stays warm."""
+    e4m3 = identity(kv_dtype="float8_e4m3fn")
+    assert identity(kv_dtype="float32").as_dict() == identity().as_dict()
+    assert "kv_dtype" not in identity().as_dict()
+    assert identity(kv_dtype="float32").digest() == identity().digest()
+    assert len({identity().digest(), e4m3.digest(),
+                identity(kv_dtype="float8_e5m2").digest()}) == 3
+    s = store(tmp_path)
+    write_all(s, [(0, 0), (1, 1)])
+    s.close()
+    fp8 = store(tmp_path, ident=e4m3)
+    assert fp8.stats.identity_mismatch and fp8.scan().slots.tolist() == []
+    write_all(fp8, [(2, 2)])
+    fp8.close()
+    again = store(tmp_path, ident=e4m3)  # the FP8 engine restarted: warm
+    assert not again.stats.identity_mismatch and again.scan().slots.tolist() == [2]
+    again.close()
+    back = store(tmp_path)  # the model's dtype again: empty
+    assert back.stats.identity_mismatch and back.scan().slots.tolist() == []
+    back.close()

@@ -131,3 +131,84 @@ def test_elementwise_both_ways_equals_torch(switch, monkeypatch):
 
 def test_float16_models_keep_torch():
     assert Elementwise(CPU, torch.float16).kernels is None
+
+
+FP8_KINDS = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("fp8", FP8_KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,heads,kv_heads,d", [(1, 9, 3, 64), (70, 4, 2, 32),
+                                                   (40, 8, 1, 128)])
+def test_rope_store_kv_quantizes_fp8_as_the_torch_write_does(kernels, fp8, dtype, rows, heads,
+                                                             kv_heads, d):
+    """FP8 pages: the rotated K (rounded to the dtype) and V quantized per token and head,
+    bytes and scales bit for bit those of KVCache.write (worker/kv_quant.py); rows at
+    magnitudes from 1e-6 to 1e4, a zero head among them."""
+    from worker.kv_cache import KVCache
+    from worker.layers import Rotary
+
+    g = torch.Generator().manual_seed(rows * heads + d)
+    size = torch.logspace(-6, 4, rows)[:, None]
+    qkv = (torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g) * size).to(dtype)
+    qkv[0, heads * d : (heads + 1) * d] = 0  # a zero K head: scale 1
+    positions = torch.randint(0, 5000, (rows,), generator=g)
+    inv_freq = [10000.0 ** (-2 * i / d) for i in range(d // 2)]
+    cos, sin = Rotary(inv_freq, CPU, 1.0).cos_sin(positions, dtype)
+    slots = torch.randperm(8 * 16, generator=g)[:rows]
+    caches = [KVCache(1, 8, 0, 16, kv_heads, d, fp8, CPU) for _ in range(2)]
+    q = kernels.rope_store_kv(qkv, cos, sin, caches[0].k[0], caches[0].v[0], slots, heads,
+                              *caches[0].scales(0))
+    both = heads + kv_heads
+    qk = Rotary.apply(qkv[:, : both * d].view(rows, both, d), cos, sin)
+    q_ref, k_ref = qk.split([heads, kv_heads], dim=1)
+    caches[1].write(0, k_ref, qkv[:, both * d :].view(rows, kv_heads, d), slots)
+    assert torch.equal(q, q_ref)
+    for a, b in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert torch.equal(caches[0].k_scale, caches[1].k_scale)
+    assert torch.equal(caches[0].v_scale, caches[1].v_scale)
+    assert caches[0].k_scale[0].flatten()[slots[0] * kv_heads] == 1
+
+
+@pytest.mark.parametrize("fp8", FP8_KINDS)
+def test_rope_store_kv_rounds_to_fp8_as_torch_at_every_edge(kernels, fp8):
+    """V goes to the pages unrotated, so these rows reach the quantizer as they are: every
+    FP8 value, every midpoint between two (round to even), the floats just either side of
+    each midpoint, subnormals, both zeros, random values, each row's largest at the format's
+    max (scale 1, so the values are the FP8 inputs). Each byte is torch's conversion's."""
+    from worker.kv_cache import KVCache
+
+    limit = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[fp8]
+    values = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+    values = values[torch.isfinite(values) & (values.abs() <= limit)].abs().unique()
+    mids = (values[1:] + values[:-1]) / 2
+    g = torch.Generator().manual_seed(5)
+    edges = torch.cat([values, mids, torch.nextafter(mids, torch.zeros(1)),
+                       torch.nextafter(mids, torch.full((1,), limit)),
+                       torch.rand(2000, generator=g) * limit,
+                       torch.rand(2000, generator=g) * values[8]])  # among the subnormals
+    edges = torch.cat([edges, -edges, torch.tensor([0.0, -0.0])])
+    d = 64
+    rows = -(-len(edges) // (d - 1))
+    v = torch.zeros(rows * (d - 1))
+    v[: len(edges)] = edges
+    v = torch.cat([v.view(rows, d - 1), torch.full((rows, 1), limit)], 1)
+    qkv = torch.cat([torch.zeros(rows, 2 * d), v], 1)  # one q head, one KV head of zeros
+    cos, sin = torch.ones(rows, 1, d), torch.zeros(rows, 1, d)
+    kv = KVCache(1, rows, 0, 1, 1, d, fp8, CPU)
+    kernels.rope_store_kv(qkv, cos, sin, kv.k[0], kv.v[0], torch.arange(rows), 1,
+                          *kv.scales(0))
+    assert torch.equal(kv.v_scale.flatten(), torch.ones(rows))
+    assert torch.equal(kv.v[0].view(torch.uint8).view(rows, d), v.to(fp8).view(torch.uint8))
+
+
+def test_rope_store_kv_refuses_fp8_pages_without_scales(kernels):
+    qkv = torch.zeros(2, 3 * 8)
+    pages = torch.zeros(2, 4, 1, 8, dtype=torch.float8_e4m3fn)
+    cos = sin = torch.ones(2, 1, 8)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernels.rope_store_kv(qkv, cos, sin, pages, pages.clone(), torch.tensor([0, 5]), 1)
+    with pytest.raises(RuntimeError, match="both scales or none"):
+        kernels.rope_store_kv(qkv, cos, sin, pages, pages.clone(), torch.tensor([0, 5]), 1,
+                              torch.ones(2, 4, 1))

@@ -6,6 +6,7 @@ nothing here depends on the machine's speed or flags."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -141,6 +142,27 @@ def test_the_key_holds_everything_the_figures_depend_on():
               cache_key(ModelShapes(torch.float32, 8, 4, 64, 256, 512, F32.linear[:2]), 2,
                         "build_a")]
     assert base not in others and len(set(others)) == len(others)
+
+
+def test_fp8_kv_has_figures_of_its_own():
+    """Both attention paths read FP8 pages otherwise (the kernels widen them per row, torch
+    reads back what it gathers): their figures are keyed apart; KV in the model's dtype,
+    named or not, keeps the key it had."""
+    fp8 = replace(BF16, kv_dtype=torch.float8_e4m3fn)
+    assert cache_key(fp8, 2, "b").endswith(" kv float8_e4m3fn")
+    assert cache_key(fp8, 2, "b") != cache_key(BF16, 2, "b")
+    assert cache_key(replace(BF16, kv_dtype=torch.bfloat16), 2, "b") == cache_key(BF16, 2, "b")
+
+
+def test_attention_is_measured_over_fp8_pages(kernels):
+    """measure_model's attention races run each path over FP8 pages and their scales."""
+    from worker.kernel_measure import measure_model
+
+    shapes = ModelShapes(torch.bfloat16, 4, 2, 64, 64, 96, ((128, 64),), torch.float8_e5m2)
+    measure = measure_model(shapes, [[torch.randn(128, 64).to(torch.bfloat16)]], 1e-5)
+    for name in ("prefill", "decode"):
+        kernel_s, torch_s = measure(name)
+        assert 0 < kernel_s < 10 and 0 < torch_s < 10, (name, kernel_s, torch_s)
 
 
 @pytest.mark.parametrize("forced", ["kernels", "torch"])

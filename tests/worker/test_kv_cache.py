@@ -137,3 +137,104 @@ def test_cuda_swaps_are_batched_per_layer_not_block_by_block():
     assert all("Pinned" in n for n in names), names  # async copies: nothing pageable
     for b in range(BLOCKS):
         assert torch.equal(cache.k[:, BLOCKS - 1 - b], k0[:, b])
+
+
+# --- FP8 KV: the scales are part of the block, in every tier and every copy ------------
+
+FP8_KINDS = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def make_fp8_cache(fp8: torch.dtype, host_slots: int = HOST_SLOTS) -> KVCache:
+    """Every slot of the device tier written (random K/V at random magnitudes)."""
+    cache = KVCache(LAYERS, BLOCKS, host_slots, BLOCK, KV_HEADS, HEAD_DIM, fp8,
+                    torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    slots = torch.arange(BLOCKS * BLOCK)
+    for layer in range(LAYERS):
+        size = torch.logspace(-3, 3, len(slots) * KV_HEADS).view(-1, KV_HEADS, 1)
+        k = torch.randn(len(slots), KV_HEADS, HEAD_DIM, generator=g) * size
+        cache.write(layer, k, -2 * k, slots)
+    return cache
+
+
+def parts(cache: KVCache, host: bool = False) -> list[torch.Tensor]:
+    """The tier's K, V (as bytes) and scales, for exact comparisons."""
+    if host:
+        return [cache.k_host.view(torch.uint8), cache.v_host.view(torch.uint8),
+                cache.k_scale_host, cache.v_scale_host]
+    return [cache.k.view(torch.uint8), cache.v.view(torch.uint8), cache.k_scale, cache.v_scale]
+
+
+@pytest.mark.parametrize("fp8", FP8_KINDS)
+def test_fp8_write_stores_each_tokens_values_and_scales_at_its_slot(fp8):
+    from worker.kv_quant import quantize
+
+    cache = KVCache(LAYERS, BLOCKS, 0, BLOCK, KV_HEADS, HEAD_DIM, fp8, torch.device("cpu"))
+    assert cache.k.dtype == fp8 and cache.k_scale.shape == (LAYERS, BLOCKS, BLOCK, KV_HEADS)
+    k = torch.randn(3, KV_HEADS, HEAD_DIM).to(torch.bfloat16)
+    slots = torch.tensor([2 * BLOCK + 3, 5 * BLOCK, 5 * BLOCK + 1])
+    cache.write(1, k, -k, slots)
+    values, scales = quantize(k, fp8)
+    for i, (block, offset) in enumerate([(2, 3), (5, 0), (5, 1)]):
+        assert torch.equal(cache.k[1, block, offset].view(torch.uint8),
+                           values[i].view(torch.uint8))
+        assert torch.equal(cache.k_scale[1, block, offset], scales[i])
+        assert torch.equal(cache.v_scale[1, block, offset], scales[i])  # |-k| = |k|
+    k_scale, v_scale = cache.scales(1)  # views of the layer's scales, as the kernels take
+    assert k_scale.data_ptr() == cache.k_scale[1].data_ptr() and k_scale.shape == (
+        BLOCKS, BLOCK, KV_HEADS) and v_scale.data_ptr() == cache.v_scale[1].data_ptr()
+    plain = KVCache(LAYERS, BLOCKS, 0, BLOCK, KV_HEADS, HEAD_DIM, torch.bfloat16,
+                    torch.device("cpu"))
+    assert plain.scales(1) == (None, None) and plain.k_scale is None
+
+
+@pytest.mark.parametrize("fp8", FP8_KINDS)
+def test_fp8_swaps_move_the_scales_with_their_blocks(fp8):
+    """Out to the host tier and back into other blocks: values and scales arrive whole."""
+    cache = make_fp8_cache(fp8)
+    before = [p.clone() for p in parts(cache)]
+    cache.swap([(1, 0), (5, 3)], [])
+    for dev, host in zip(before, parts(cache, host=True)):
+        assert torch.equal(host[:, 0], dev[:, 1]) and torch.equal(host[:, 3], dev[:, 5])
+    cache.swap([(3, 5)], [(0, 2), (3, 7), (5, 6)])
+    for old, now in zip(before, parts(cache)):
+        for src, dst in ((1, 2), (5, 7), (3, 6)):
+            assert torch.equal(now[:, dst], old[:, src]), f"block {src} -> {dst}"
+        for untouched in (0, 1, 3, 4, 5):
+            assert torch.equal(now[:, untouched], old[:, untouched])
+
+
+@pytest.mark.parametrize("fp8", FP8_KINDS)
+def test_fp8_batched_swaps_move_what_the_plain_copies_move(fp8, monkeypatch):
+    """The CUDA path's gather and scatter, run on the CPU, against the CPU's own copies
+    (as test_batched_swaps_move_what_the_plain_copies_move does for 16-bit KV): scales
+    included, in chunks of 2."""
+    monkeypatch.setattr(kv_cache, "STAGING_BLOCKS", 2)
+    rng = random.Random(6)
+    batched, plain = make_fp8_cache(fp8), make_fp8_cache(fp8)
+    for step in range(30):
+        blocks = rng.sample(range(BLOCKS), rng.randint(0, 5))
+        swap_out = list(zip(blocks, rng.sample(range(HOST_SLOTS), len(blocks))))
+        swap_in = list(zip(rng.sample(range(HOST_SLOTS), k := rng.randint(0, 4)),
+                           rng.sample(range(BLOCKS), k)))
+        batched._swap_by_layer(swap_out, swap_in)
+        plain._swap_cpu(swap_out, swap_in)
+        for host in (False, True):
+            for ours, theirs in zip(parts(batched, host), parts(plain, host)):
+                assert torch.equal(ours, theirs), step
+
+
+@pytest.mark.parametrize("fp8", FP8_KINDS)
+def test_fp8_host_slot_bytes_are_the_whole_block(fp8):
+    """A disk record's payload: K, V and their scales, sized as the block is budgeted, and
+    loaded back into another slot bit for bit."""
+    cache = make_fp8_cache(fp8, host_slots=2)
+    cache.swap([(4, 0)], [])
+    payload = cache.host_slot_bytes(0)
+    assert len(payload) == cache.host_slot_nbytes() == KVCache.bytes_per_block(
+        LAYERS, BLOCK, KV_HEADS, HEAD_DIM, fp8)
+    cache.load_host_slot(1, payload)
+    for host in parts(cache, host=True):
+        assert torch.equal(host[:, 1], host[:, 0])
+    with pytest.raises(AssertionError, match="payload"):
+        cache.load_host_slot(1, payload + b"\0" * 8)

@@ -53,6 +53,7 @@ def main() -> None:
     kv_cache_memory = args.get("kv_cache_memory", 64 << 20)
     config = EngineConfig(model=args["model"], dtype=args["dtype"], world_size=info.world_size,
                           kv_cache_memory=kv_cache_memory,
+                          kv_cache_dtype=args.get("kv_cache_dtype", "auto"),
                           max_model_len=fitting_max_model_len(args["model"], kv_cache_memory,
                                                               info.world_size))
     runner = ModelRunner(config, tp, torch.device("cpu"))

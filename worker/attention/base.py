@@ -48,8 +48,10 @@ class AttentionBackend(Protocol):
         """Prepare for one step (host-side work shared by every layer)."""
 
     def forward(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [num_tokens, num_qo_heads, head_dim]; k/v_cache: [num_pages, page_size,
-        num_kv_heads, head_dim] (one layer, NHD). Returns [num_tokens, num_qo_heads, head_dim].
-        The new tokens' K/V are already in the cache."""
+        num_kv_heads, head_dim] (one layer, NHD); FP8 pages with their scales k/v_scale
+        [num_pages, page_size, num_kv_heads] (worker/kv_quant.py). Returns [num_tokens,
+        num_qo_heads, head_dim]. The new tokens' K/V are already in the cache."""

@@ -53,7 +53,10 @@ class FlashInferAttentionBackend:
             self._wrapper = self._prefill
 
     def forward(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        # FP8 KV is refused on CUDA at start-up (worker/budget.py resolve_kv_dtype)
+        assert k_scale is None and v_scale is None, "FlashInfer here takes 16-bit KV only"
         # q may be a view of the joint q|k rotary output (worker/model.py): rows strided
         return self._wrapper.run(q.contiguous(), (k_cache, v_cache))

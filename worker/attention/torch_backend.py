@@ -29,11 +29,16 @@ and no AMX. Each kernel is used where the rank's kernel choice found it faster o
 machine (worker/kernel_choice.py: `prefill_kernel`, `decode_kernel`), the other path runs
 in torch in the same step. The plain-torch paths stay the reference the kernels are
 tested against.
+
+FP8 KV (worker/kv_quant.py) comes with its scales: the kernels read it back as they read
+each row; the torch paths read back the pages they gather, into q's dtype, and attend
+over those as over any KV.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -42,6 +47,7 @@ import torch.nn.functional as F
 
 from worker.attention.base import AttentionMetadata
 from worker.cpu_kernels import PREFILL_KERNEL_HEAD_DIMS
+from worker.kv_quant import dequantize
 
 
 @dataclass
@@ -54,10 +60,29 @@ class _Pages:
     index: torch.Tensor | None  # [count] long, None when consecutive
 
     def take(self, cache: torch.Tensor) -> torch.Tensor:
-        # cache: [num_pages, page, Hkv, D] -> [count, page, Hkv, D]
+        # cache: [num_pages, page, Hkv, D] -> [count, page, Hkv, D] (or scales, no D)
         if self.index is None:
             return cache[self.first : self.first + self.count]
         return cache.index_select(0, self.index)  # a page-sized memcpy each, unlike cache[index]
+
+
+@dataclass
+class _Layer:
+    """One layer's pages as a forward call gets them: K and V, and their scales (FP8)."""
+
+    k: torch.Tensor  # [num_pages, page, Hkv, D]
+    v: torch.Tensor
+    k_scale: torch.Tensor | None  # [num_pages, page, Hkv] float32, FP8 only
+    v_scale: torch.Tensor | None
+
+    def read(self, take: Callable[[torch.Tensor], torch.Tensor],
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the pages `take` picks from a [num_pages, ...] tensor, in `dtype`
+        (FP8 read back with its scales)."""
+        if self.k_scale is None:
+            return take(self.k), take(self.v)
+        return (dequantize(take(self.k), take(self.k_scale), dtype),
+                dequantize(take(self.v), take(self.v_scale), dtype))
 
 
 @dataclass
@@ -185,26 +210,26 @@ class TorchAttentionBackend:
             mask = (torch.arange(padded)[None, None, None, :] < ctx).to(self.device)
         return _Decode(len(decodes), row_index, None, table.to(self.device), max(lens), mask)
 
-    def forward(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        kv = _Layer(k_cache, v_cache, k_scale, v_scale)
         if self._kernel_decode is not None or self._kernel_prefill is not None:
-            return self._forward_with_kernels(q, k_cache, v_cache)
+            return self._forward_with_kernels(q, kv)
         d = self._decode
         if d is not None and not self._prefills and d.rows is None:
-            return self._run_decode(q, k_cache, v_cache)  # a pure decode step: no scatter
+            return self._run_decode(q, kv)  # a pure decode step: no scatter
         out = torch.empty_like(q)
         for p in self._prefills:
-            out[p.start : p.start + p.q_len] = self._run_prefill(p, q, k_cache, v_cache)
+            out[p.start : p.start + p.q_len] = self._run_prefill(p, q, kv)
         if d is not None:
             if d.rows is None:  # the decodes come first
-                out[: d.num] = self._run_decode(q[: d.num], k_cache, v_cache)
+                out[: d.num] = self._run_decode(q[: d.num], kv)
             else:
-                out[d.rows] = self._run_decode(q[d.rows], k_cache, v_cache)
+                out[d.rows] = self._run_decode(q[d.rows], kv)
         return out
 
-    def _forward_with_kernels(self, q: torch.Tensor, k_cache: torch.Tensor,
-                              v_cache: torch.Tensor) -> torch.Tensor:
+    def _forward_with_kernels(self, q: torch.Tensor, kv: _Layer) -> torch.Tensor:
         """Each kernel writes the rows of its own sequences; the prefills and decodes whose
         kernel is not used (a head dim the prefill kernel lacks, the kernel choice) run in
         torch."""
@@ -212,23 +237,23 @@ class TorchAttentionBackend:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         scale = 1.0 / math.sqrt(self.head_dim)
         for p in self._prefills:
-            out[p.start : p.start + p.q_len] = self._run_prefill(p, q, k_cache, v_cache)
+            out[p.start : p.start + p.q_len] = self._run_prefill(p, q, kv)
         d = self._decode
         if d is not None:
             rows = slice(0, d.num) if d.rows is None else d.rows
-            out[rows] = self._run_decode(q[rows], k_cache, v_cache)
+            out[rows] = self._run_decode(q[rows], kv)
         for run, b in ((self.kernels.paged_prefill, self._kernel_prefill),
                        (self.kernels.paged_decode, self._kernel_decode)):
             if b is not None:
-                run(out, q, k_cache, v_cache, b.rows, b.n_q, b.page_start, b.kv_lens,
-                    b.kv_indices, scale)
+                run(out, q, kv.k, kv.v, b.rows, b.n_q, b.page_start, b.kv_lens, b.kv_indices,
+                    scale, kv.k_scale, kv.v_scale)
         return out
 
-    def _run_prefill(self, p: _Prefill, q: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor) -> torch.Tensor:
+    def _run_prefill(self, p: _Prefill, q: torch.Tensor, kv: _Layer) -> torch.Tensor:
         qs = q[p.start : p.start + p.q_len]  # [q_len, H, D]
-        k = p.pages.take(k_cache).flatten(0, 1)[: p.kv_len]  # [kv_len, Hkv, D]
-        v = p.pages.take(v_cache).flatten(0, 1)[: p.kv_len]
+        k, v = kv.read(p.pages.take, q.dtype)  # [count, page, Hkv, D]
+        k = k.flatten(0, 1)[: p.kv_len]  # [kv_len, Hkv, D]
+        v = v.flatten(0, 1)[: p.kv_len]
         if p.q_len < p.kv_len:
             return self._run_prefill_after_prefix(p, qs, k, v)
         o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], self._heads(k),
@@ -271,18 +296,19 @@ class TorchAttentionBackend:
             x = x[:, None].expand(hkv, self.group, length, d).reshape(-1, length, d)
         return x[None]
 
-    def _run_decode(self, q: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor) -> torch.Tensor:
+    def _run_decode(self, q: torch.Tensor, kv: _Layer) -> torch.Tensor:
         """q: [B, H, D], one query per sequence -> [B, H, D]."""
         d = self._decode
         assert d is not None
         b, h, dim = q.shape
         if d.pages is not None:  # one sequence
-            k = d.pages.take(k_cache).flatten(0, 1)[None, : d.kv_len]  # [1, L, Hkv, D]
-            v = d.pages.take(v_cache).flatten(0, 1)[None, : d.kv_len]
+            k, v = kv.read(d.pages.take, q.dtype)
+            k = k.flatten(0, 1)[None, : d.kv_len]  # [1, L, Hkv, D]
+            v = v.flatten(0, 1)[None, : d.kv_len]
         else:
-            k = k_cache[d.page_index].flatten(1, 2)  # [B, P * page, Hkv, D]
-            v = v_cache[d.page_index].flatten(1, 2)
+            k, v = kv.read(lambda pages: pages[d.page_index], q.dtype)
+            k = k.flatten(1, 2)  # [B, P * page, Hkv, D]
+            v = v.flatten(1, 2)
         qg = q.view(b, self.num_kv_heads, self.group, dim)  # [B, Hkv, G, D]: head h -> h // G
         o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=d.mask)  # [B, Hkv, G, D]

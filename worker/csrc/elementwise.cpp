@@ -8,6 +8,7 @@
 // once before the weight's multiply (in the weight's dtype), SiLU rounds to the dtype
 // before the multiply by up, the residual sum rounds to the dtype; float32 is exact
 // float32 math in another summation order.
+#include "fp8.h"
 #include "kernels.h"
 #include "vec_math.h"
 
@@ -16,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -88,25 +90,44 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
   });
 }
 
+// Where rope_rows stores a row's K and V: pages of the activations' dtype, or FP8 pages
+// and their scales (k8 != nullptr), each head's vector quantized as worker/kv_quant.py does.
+template <typename T>
+struct KvStore {
+  T* k = nullptr;
+  T* v = nullptr;
+  uint8_t* k8 = nullptr;
+  uint8_t* v8 = nullptr;
+  float* k_scale = nullptr;
+  float* v_scale = nullptr;
+  Fp8Kind kind = Fp8Kind::kE4M3;
+};
+
 // Rotary embedding (HF's rotate-half) of the q and k heads of each fused qkv row, q to
 // `q` [rows, H, D], k and v stored at the row's slot of this layer's KV pages
 // [slots, Hkv, D]. torch's order and rounding: x * cos rounded, the rotated half's product
 // rounded, their difference (first half) or sum (second half) rounded; no FMA contraction,
 // so float32 is bit for bit torch's too. One pass instead of about ten dispatches a layer
-// (split, the rotary's multiplies and slices, two index copies).
+// (split, the rotary's multiplies and slices, two index copies). FP8 pages take the
+// rotated K (rounded to T, as the torch path has it) and V quantized per head.
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 template <typename T>
-void rope_rows(const T* qkv, int64_t ldq, const T* cos, const T* sin, T* q, T* k_cache,
-               T* v_cache, const int64_t* slots, int64_t rows, int64_t H, int64_t Hkv,
-               int64_t D) {
+void rope_rows(const T* qkv, int64_t ldq, const T* cos, const T* sin, T* q, KvStore<T> kv,
+               const int64_t* slots, int64_t rows, int64_t H, int64_t Hkv, int64_t D) {
   const int64_t half = D / 2, slot_len = Hkv * D;
   at::parallel_for(0, rows, grain((H + 2 * Hkv) * D), [&](int64_t r0, int64_t r1) {
+    thread_local std::vector<T> k_row;  // FP8: the rotated K heads before quantizing
+    thread_local std::vector<float> wide;
+    if (kv.k8) {
+      k_row.resize(slot_len);
+      wide.resize(D);
+    }
     for (int64_t r = r0; r < r1; ++r) {
       const T* x = qkv + r * ldq;
       const T* c = cos + r * D;
       const T* s = sin + r * D;
-      T* k_slot = k_cache + slots[r] * slot_len;
+      T* k_slot = kv.k8 ? k_row.data() : kv.k + slots[r] * slot_len;
       for (int64_t h = 0; h < H + Hkv; ++h) {
         const T* xh = x + h * D;
         T* o = h < H ? q + (r * H + h) * D : k_slot + (h - H) * D;
@@ -121,7 +142,18 @@ void rope_rows(const T* qkv, int64_t ldq, const T* cos, const T* sin, T* q, T* k
           o[i] = narrow<T>(a + b);
         }
       }
-      std::memcpy(v_cache + slots[r] * slot_len, x + (H + Hkv) * D, slot_len * sizeof(T));
+      const T* v_row = x + (H + Hkv) * D;
+      if (!kv.k8) {
+        std::memcpy(kv.v + slots[r] * slot_len, v_row, slot_len * sizeof(T));
+        continue;
+      }
+      for (int64_t hk = 0; hk < Hkv; ++hk) {
+        const int64_t at = slots[r] * Hkv + hk;  // the (slot, head) of its scale
+        for (int64_t i = 0; i < D; ++i) wide[i] = widen(k_slot[hk * D + i]);
+        kv.k_scale[at] = quantize_vector(kv.kind, wide.data(), D, kv.k8 + at * D);
+        for (int64_t i = 0; i < D; ++i) wide[i] = widen(v_row[hk * D + i]);
+        kv.v_scale[at] = quantize_vector(kv.kind, wide.data(), D, kv.v8 + at * D);
+      }
     }
   });
 }
@@ -183,10 +215,12 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 
 torch::Tensor rope_store_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                            int64_t num_heads) {
+                            int64_t num_heads, std::optional<torch::Tensor> k_scale,
+                            std::optional<torch::Tensor> v_scale) {
   check_rows(qkv, "rope_store_kv");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.dim() == 4,
+                  k_cache.sizes() == v_cache.sizes() && k_cache.dim() == 4 &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
               "rope_store_kv: one layer's K and V pages [pages, page, Hkv, D], contiguous");
   const int64_t rows = qkv.size(0), hkv = k_cache.size(2), d = k_cache.size(3);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * hkv) * d && d % 2 == 0,
@@ -194,9 +228,11 @@ torch::Tensor rope_store_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == rows * d &&
                   sin.numel() == rows * d,
               "rope_store_kv: cos and sin [rows, 1, D], contiguous");
-  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && cos.scalar_type() == qkv.scalar_type() &&
-                  sin.scalar_type() == qkv.scalar_type(),
-              "rope_store_kv: qkv, cos, sin and the pages share a dtype");
+  TORCH_CHECK(k_scale.has_value() == v_scale.has_value(), "rope_store_kv: both scales or none");
+  const bool fp8 = k_scale.has_value();
+  TORCH_CHECK((fp8 || qkv.scalar_type() == k_cache.scalar_type()) &&
+                  cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "rope_store_kv: qkv, cos, sin and the pages share a dtype (FP8 pages: with scales)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == rows,
               "rope_store_kv: one int64 slot per row");
   const int64_t capacity = k_cache.size(0) * k_cache.size(1);
@@ -207,9 +243,20 @@ torch::Tensor rope_store_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
   auto q = torch::empty({rows, num_heads, d}, qkv.options());
   by_dtype(qkv, [&](auto zero) {
     using T = decltype(zero);
+    KvStore<T> kv;
+    if (fp8) {
+      const Fp8Pages k8 = fp8_pages(k_cache, *k_scale), v8 = fp8_pages(v_cache, *v_scale);
+      kv.k8 = static_cast<uint8_t*>(k_cache.data_ptr());
+      kv.v8 = static_cast<uint8_t*>(v_cache.data_ptr());
+      kv.k_scale = const_cast<float*>(k8.scales);
+      kv.v_scale = const_cast<float*>(v8.scales);
+      kv.kind = k8.kind;
+    } else {
+      kv.k = k_cache.data_ptr<T>();
+      kv.v = v_cache.data_ptr<T>();
+    }
     rope_rows(qkv.data_ptr<T>(), qkv.stride(0), cos.data_ptr<T>(), sin.data_ptr<T>(),
-              q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), slot, rows,
-              num_heads, hkv, d);
+              q.data_ptr<T>(), kv, slot, rows, num_heads, hkv, d);
   });
   return q;
 }

@@ -3,11 +3,15 @@
 
 #include <torch/extension.h>
 
-// Paged decode attention (paged_decode.cpp).
+#include <optional>
+
+// Paged decode attention (paged_decode.cpp). FP8 pages come with their scales
+// (k_scale, v_scale: fp8.h), else the pages are q's dtype.
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                   torch::Tensor v_cache, torch::Tensor rows, torch::Tensor n_q,
                   torch::Tensor page_start, torch::Tensor kv_lens, torch::Tensor kv_indices,
-                  double scale);
+                  double scale, std::optional<torch::Tensor> k_scale,
+                  std::optional<torch::Tensor> v_scale);
 
 // paged_decode's work items for these sequences: (split, the sequences reading it
 // together), for tests and benchmarks.
@@ -20,7 +24,8 @@ std::vector<std::pair<int64_t, std::vector<int64_t>>> paged_decode_items(
 void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                    torch::Tensor v_cache, torch::Tensor rows, torch::Tensor n_q,
                    torch::Tensor page_start, torch::Tensor kv_lens, torch::Tensor kv_indices,
-                   double scale);
+                   double scale, std::optional<torch::Tensor> k_scale,
+                   std::optional<torch::Tensor> v_scale);
 
 // x [M, K] @ w[N, K]^T for a few rows of x, reading w once (small_linear.cpp).
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor w);
@@ -32,7 +37,9 @@ torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::T
                            double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 // Rotary of q and k out of fused qkv rows, k and v stored at their slots of one layer's
-// pages; returns q [rows, num_heads, head_dim].
+// pages (FP8 pages: quantized, their scales stored beside them); returns q [rows,
+// num_heads, head_dim].
 torch::Tensor rope_store_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                            int64_t num_heads);
+                            int64_t num_heads, std::optional<torch::Tensor> k_scale,
+                            std::optional<torch::Tensor> v_scale);

@@ -1,10 +1,14 @@
 // Reading a sequence's K or V rows out of the paged cache, shared by the attention kernels.
 #pragma once
 
+#include "fp8.h"
+
 #include <torch/extension.h>
 
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <utility>
 
 #if defined(__F16C__) || defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -49,6 +53,27 @@ inline void for_each_row(const scalar_t* cache, const int32_t* pages, int64_t t0
   }
 }
 
+// Calls fn(i, slot) for the tokens t0 + i in [t0, t1) of one sequence, `slot` its flat
+// slot in the pages (page id * page_size + offset): where FP8 rows and their scales are.
+template <typename Fn>
+inline void for_each_slot(const int32_t* pages, int64_t t0, int64_t t1, int64_t page_size,
+                          Fn fn) {
+  int64_t i = 0;
+  for (int64_t p = t0 / page_size; i < t1 - t0; ++p) {
+    const int64_t first = (p == t0 / page_size) ? t0 % page_size : 0;
+    const int64_t last = std::min(page_size, first + (t1 - t0 - i));
+    for (int64_t slot = first; slot < last; ++slot, ++i) fn(i, pages[p] * page_size + slot);
+  }
+}
+
+// One token's FP8 row of every KV head (Hkv x D) read back into dst, in the query's dtype.
+template <typename T>
+inline void dequantize_row(const Fp8Pages& src, int64_t slot, int64_t Hkv, int64_t D, T* dst) {
+  for (int64_t h = 0; h < Hkv; ++h)
+    dequantize_vector(src.data + (slot * Hkv + h) * D, src.scales[slot * Hkv + h], D, src.kind,
+                      dst + h * D);
+}
+
 // __builtin_prefetch's locality hints: towards L1 (PREFETCHT0) or L2 (PREFETCHT1).
 constexpr int kToL1 = 3, kToL2 = 2;
 
@@ -86,18 +111,23 @@ class PairInterleave {
 #endif
 
 // The checks paged_decode and paged_prefill share: their tensors' shapes, dtypes and
-// layouts (see paged_decode.cpp).
-inline void check_paged_inputs(const torch::Tensor& out, const torch::Tensor& q,
-                               const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                               const torch::Tensor& rows, const torch::Tensor& n_q,
-                               const torch::Tensor& page_start, const torch::Tensor& kv_lens,
-                               const torch::Tensor& kv_indices) {
+// layouts (see paged_decode.cpp). Returns the FP8 K and V pages with their scales, or two
+// empty ones where the pages are q's dtype.
+inline std::pair<Fp8Pages, Fp8Pages> check_paged_inputs(
+    const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+    const torch::Tensor& v_cache, const torch::Tensor& rows, const torch::Tensor& n_q,
+    const torch::Tensor& page_start, const torch::Tensor& kv_lens,
+    const torch::Tensor& kv_indices, const std::optional<torch::Tensor>& k_scale,
+    const std::optional<torch::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with D contiguous");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous, like q");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV pages must be contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "k/v: [N, page, Hkv, D]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
-              "q, KV and out must share a dtype");
+  TORCH_CHECK(k_scale.has_value() == v_scale.has_value(), "both KV scales, or none");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "q and out share a dtype, K and V another");
+  TORCH_CHECK(k_scale.has_value() || q.scalar_type() == k_cache.scalar_type(),
+              "q, KV and out must share a dtype (FP8 KV: with its scales)");
   TORCH_CHECK(rows.scalar_type() == at::kLong && n_q.scalar_type() == at::kLong &&
                   page_start.scalar_type() == at::kLong && kv_lens.scalar_type() == at::kLong &&
                   kv_indices.scalar_type() == at::kInt,
@@ -108,4 +138,6 @@ inline void check_paged_inputs(const torch::Tensor& out, const torch::Tensor& q,
   TORCH_CHECK(n_q.numel() == rows.numel(), "one query count per sequence");
   TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
               "head_dim or head counts do not match");
+  if (!k_scale.has_value()) return {};
+  return {fp8_pages(k_cache, *k_scale), fp8_pages(v_cache, *v_scale)};
 }

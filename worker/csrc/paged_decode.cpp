@@ -23,6 +23,11 @@
 // ceil(kv_lens[b] / page_size)]; its last query sees kv_lens[b] keys, each one before
 // it one key fewer (causal). Query head h reads KV head h / G (G = H / Hkv), as HF's
 // repeat_kv does.
+//
+// FP8 KV (fp8.h): a work item reads its split's FP8 rows once, at half the bytes of bf16,
+// and widens them in registers, each times its scale, into rows of q's dtype in the
+// thread's buffer; from there the passes run as over KV of that dtype, so the output is
+// bit for bit that of those rows stored in q's dtype.
 
 #include "kernels.h"
 #include "kv_rows.h"
@@ -344,7 +349,8 @@ inline void plan_items(const int64_t* n_q, const int64_t* page_start, const int6
 // per-head loops unroll; 0: any head dim, read from D.
 template <typename scalar_t, int64_t kD>
 void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
-            const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* rows,
+            const scalar_t* k_cache, const scalar_t* v_cache, Fp8Pages k8, Fp8Pages v8,
+            const int64_t* rows,
             const int64_t* n_q, const int64_t* page_start, const int64_t* kv_lens,
             const int32_t* kv_indices, scalar_t* out, int64_t B, int64_t H, int64_t Hkv,
             int64_t head_dim, int64_t page_size, float scale) {
@@ -435,6 +441,11 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
     // row, the keys of the split it sees, where its query is
     std::vector<int64_t> part_at(max_rows), kv_of(max_rows), seen_of(max_rows);
     std::vector<const scalar_t*> q_of(max_rows);
+    thread_local std::vector<scalar_t> k_rows, v_rows;  // FP8: a split's rows read back
+    if (k8 && static_cast<int64_t>(k_rows.size()) < kSplit * slot_stride) {
+      k_rows.resize(kSplit * slot_stride);
+      v_rows.resize(kSplit * slot_stride);
+    }
     auto run = [&](const Item& item) {
       const int64_t s = item.split, lead = members[item.first];
       const int64_t t0 = s * kSplit, t1 = std::min(kv_lens[lead], t0 + kSplit);
@@ -454,23 +465,40 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
           }
         }
       }
-      if constexpr (kAvx) {
-#ifdef __AVX512F__
-        // the split's K and V rows, the last repeated up to a multiple of 16 keys (their
-        // scores land past n, where no row looks)
+      // the split's K and V rows: in the pages, or (FP8) read back into this thread's rows
+      if (k8) {
+        for_each_slot(pages, t0, t1, page_size, [&](int64_t, int64_t slot) {
+          prefetch_lines<kToL2>(k8.data + slot * slot_stride, slot_stride);
+          prefetch_lines<kToL2>(v8.data + slot * slot_stride, slot_stride);
+        });
+        for_each_slot(pages, t0, t1, page_size, [&](int64_t i, int64_t slot) {
+          scalar_t* k = k_rows.data() + i * slot_stride;
+          scalar_t* v = v_rows.data() + i * slot_stride;
+          dequantize_row(k8, slot, Hkv, D, k);
+          dequantize_row(v8, slot, Hkv, D, v);
+          krow[i] = k;
+          vrow[i] = v;
+        });
+      } else {
         for_each_row(k_cache, pages, t0, t1, page_size, slot_stride,
                      [&](int64_t i, const scalar_t* r) { krow[i] = r; });
         for_each_row(v_cache, pages, t0, t1, page_size, slot_stride,
                      [&](int64_t i, const scalar_t* r) { vrow[i] = r; });
+      }
+      if constexpr (kAvx) {
+#ifdef __AVX512F__
+        // the last row repeated up to a multiple of 16 keys (their scores land past n,
+        // where no row looks)
         for (int64_t i = n; i % 16 != 0; ++i) krow[i] = krow[n - 1];
         // The whole split's K and V rows towards L2 at once (~200 KB for SmolLM2). Its
         // pages are scattered 6 KB runs, which the hardware prefetcher restarts at every
         // 4 KB page, and the next 16 rows fetched into L1 as the scores go (below) keep
         // few misses in flight: asked for all at once, the rows arrive in parallel (a
         // SmolLM2 step's decode attention, 30 layers, 4 x 2,600: 13.8 -> 9.5 ms on its
-        // own pages, 8.4 -> 5.8 on a shared 2,000; the KV read at 21 -> 30 GB/s).
+        // own pages, 8.4 -> 5.8 on a shared 2,000; the KV read at 21 -> 30 GB/s). FP8
+        // rows were fetched so above, and their widened rows are in cache already.
         const int64_t row_bytes = slot_stride * static_cast<int64_t>(sizeof(scalar_t));
-        for (int64_t i = 0; i < n; ++i) {
+        for (int64_t i = 0; i < n && !k8; ++i) {
           prefetch_lines<kToL2>(krow[i], row_bytes);
           prefetch_lines<kToL2>(vrow[i], row_bytes);
         }
@@ -488,8 +516,8 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
       } else {
         for (int64_t r = 0; r < nrows; ++r)
           for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(q_of[r][d]) * scale;
-        for_each_row(k_cache, pages, t0, t1, page_size, slot_stride, [&](int64_t i, const scalar_t* kr) {
-          const float* kt = as_float(kr, row.data(), slot_stride);
+        for (int64_t i = 0; i < n; ++i) {
+          const float* kt = as_float(krow[i], row.data(), slot_stride);
           for (int64_t r = 0; r < nrows; ++r) {  // query head h reads KV head h / G
             const float* qv = qf.data() + r * D;
             const float* kp = kt + kv_of[r];
@@ -498,7 +526,7 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
             for (int64_t d = 0; d < D; ++d) dot += qv[d] * kp[d];
             scores[r * kSplit + i] = dot;
           }
-        });
+        }
       }
       // the bf16 value pass takes the weights as pairs, 32 at a time
       const int64_t padded = pairs_of_weights ? (n + 31) / 32 * 32 : n;
@@ -542,8 +570,8 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
         }
 #endif
       } else {
-        for_each_row(v_cache, pages, t0, t1, page_size, slot_stride, [&](int64_t i, const scalar_t* vr) {
-          const float* vt = as_float(vr, row.data(), slot_stride);
+        for (int64_t i = 0; i < n; ++i) {
+          const float* vt = as_float(vrow[i], row.data(), slot_stride);
           for (int64_t r = 0; r < nrows; ++r) {
             const float p = scores[r * kSplit + i];
             const float* vp = vt + kv_of[r];
@@ -551,7 +579,7 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) ah[d] += p * vp[d];
           }
-        });
+        }
       }
     };
     for (int64_t i = next_item.fetch_add(1, std::memory_order_relaxed); i < num_items;
@@ -594,19 +622,23 @@ std::vector<std::pair<int64_t, std::vector<int64_t>>> paged_decode_items(
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                   torch::Tensor v_cache, torch::Tensor rows, torch::Tensor n_q,
                   torch::Tensor page_start, torch::Tensor kv_lens, torch::Tensor kv_indices,
-                  double scale) {
-  check_paged_inputs(out, q, k_cache, v_cache, rows, n_q, page_start, kv_lens, kv_indices);
+                  double scale, std::optional<torch::Tensor> k_scale,
+                  std::optional<torch::Tensor> v_scale) {
+  const std::pair<Fp8Pages, Fp8Pages> fp8 = check_paged_inputs(
+      out, q, k_cache, v_cache, rows, n_q, page_start, kv_lens, kv_indices, k_scale, v_scale);
+  const Fp8Pages k8 = fp8.first, v8 = fp8.second;
   const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
   const int64_t B = rows.numel();
   auto run = [&](auto zero) {
     using scalar_t = decltype(zero);
     auto kernel = D == 64 ? decode<scalar_t, 64> : D == 128 ? decode<scalar_t, 128>
                                                             : decode<scalar_t, 0>;
-    kernel(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_cache.data_ptr<scalar_t>(),
-           v_cache.data_ptr<scalar_t>(), rows.data_ptr<int64_t>(), n_q.data_ptr<int64_t>(),
-           page_start.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(),
-           kv_indices.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), B, H, Hkv, D,
-           k_cache.size(1), static_cast<float>(scale));
+    const scalar_t* k_pages = k8 ? nullptr : k_cache.data_ptr<scalar_t>();
+    const scalar_t* v_pages = v8 ? nullptr : v_cache.data_ptr<scalar_t>();
+    kernel(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_pages, v_pages, k8, v8,
+           rows.data_ptr<int64_t>(), n_q.data_ptr<int64_t>(), page_start.data_ptr<int64_t>(),
+           kv_lens.data_ptr<int64_t>(), kv_indices.data_ptr<int32_t>(), out.data_ptr<scalar_t>(),
+           B, H, Hkv, D, k_cache.size(1), static_cast<float>(scale));
   };
   switch (q.scalar_type()) {
     case at::kFloat: run(0.f); break;

@@ -22,6 +22,11 @@
 // ...]. The softmax and every sum are float32, the output rounded once to the inputs'
 // dtype; with the bf16 dot product the softmax weights are rounded to bf16 for the
 // product with V, as GPU flash attention does.
+//
+// FP8 KV (fp8.h): a key block's FP8 rows of the item's KV head are widened in registers,
+// each times its scale, into q's dtype as they are packed (bf16), or into rows of q's
+// dtype that the packing then reads as pages of it: the output is bit for bit that over
+// those rows stored in q's dtype.
 
 #include "kernels.h"
 #include "kv_rows.h"
@@ -197,16 +202,28 @@ inline void transpose16x16(__m512i r[16]) {
   for (int c = 0; c < 16; ++c) r[c] = t[c];
 }
 
-// The key block's K rows (krow[j], j < n; zeros past n) as (k[2p], k[2p+1]) pairs with
-// the keys along the vectors: k32[p * kBlockK + j], 16 keys x 16 pairs a transpose.
+// A key block's rows of one KV head as the bf16 packing reads them, 32 dims at a time:
+// bf16 rows where they are, or FP8 rows widened in registers, each times its scale.
+struct Bf16Rows {
+  const c10::BFloat16* const* bf16 = nullptr;
+  const uint8_t* const* fp8 = nullptr;
+  const __m512* factor = nullptr;  // each FP8 row's half_factor
+  Fp8Kind kind = Fp8Kind::kE4M3;
+
+  __m512i load32(int64_t j, int64_t d) const {
+    return bf16 ? _mm512_loadu_si512(bf16[j] + d) : fp8x32_to_bf16(fp8[j] + d, factor[j], kind);
+  }
+};
+
+// The key block's K rows (j < n; zeros past n) as (k[2p], k[2p+1]) pairs with the keys
+// along the vectors: k32[p * kBlockK + j], 16 keys x 16 pairs a transpose.
 template <int64_t kD>
-inline void pack_keys_bf16(const c10::BFloat16* const* krow, int64_t n, uint32_t* k32) {
+inline void pack_keys_bf16(const Bf16Rows& krow, int64_t n, uint32_t* k32) {
   for (int64_t j0 = 0; j0 < kBlockK; j0 += 16)
     for (int64_t p0 = 0; p0 < kD / 2; p0 += 16) {
       __m512i r[16];
       for (int u = 0; u < 16; ++u)
-        r[u] = j0 + u < n ? _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(krow[j0 + u]) + p0)
-                          : _mm512_setzero_si512();
+        r[u] = j0 + u < n ? krow.load32(j0 + u, 2 * p0) : _mm512_setzero_si512();
       transpose16x16(r);
       for (int c = 0; c < 16; ++c) _mm512_storeu_si512(k32 + (p0 + c) * kBlockK + j0, r[c]);
     }
@@ -215,14 +232,12 @@ inline void pack_keys_bf16(const c10::BFloat16* const* krow, int64_t n, uint32_t
 // The key block's V rows as (v[2j][d], v[2j+1][d]) pairs along d: v32[j * kD + d] for the
 // (n + 1) / 2 key pairs j (an odd last key paired with zeros).
 template <int64_t kD>
-inline void pack_values_bf16(const c10::BFloat16* const* vrow, int64_t n, uint32_t* v32) {
+inline void pack_values_bf16(const Bf16Rows& vrow, int64_t n, uint32_t* v32) {
   const PairInterleave pairs;
   for (int64_t j = 0; 2 * j < n; ++j) {
-    const c10::BFloat16* a = vrow[2 * j];
-    const c10::BFloat16* b = 2 * j + 1 < n ? vrow[2 * j + 1] : nullptr;
     for (int64_t d = 0; d < kD; d += 32) {
-      const __m512i x = _mm512_loadu_si512(a + d);
-      const __m512i y = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+      const __m512i x = vrow.load32(2 * j, d);
+      const __m512i y = 2 * j + 1 < n ? vrow.load32(2 * j + 1, d) : _mm512_setzero_si512();
       __m512i out[2];
       pairs(x, y, out);
       _mm512_storeu_si512(v32 + j * kD + d, out[0]);
@@ -317,8 +332,9 @@ template <typename scalar_t, int64_t kD>
 struct Prefill {
   const scalar_t* q;
   int64_t q_row_stride, q_head_stride;
-  const scalar_t* k_cache;
+  const scalar_t* k_cache;  // nullptr with FP8 pages
   const scalar_t* v_cache;
+  Fp8Pages k8, v8;
   scalar_t* out;
   int64_t H, Hkv, page_size;
   float scale;
@@ -365,7 +381,10 @@ struct Prefill {
            const int32_t* pages, std::vector<float>& buf) const {
     const int64_t G = H / Hkv, M = nt * G, slot_stride = Hkv * kD;
     // float32 words; the bf16 path keeps pairs of bf16 in some of them
-    const size_t words = M * kD * 2 + M * kBlockK * 2 + kD * kBlockK + kBlockK * kD + 2 * M + kD;
+    // FP8 without the bf16 dot product: a key block's K and V rows of this head read back
+    constexpr size_t kWidened = kBf16Dot ? 0 : (2 * kBlockK * kD * sizeof(scalar_t) + 3) / 4;
+    const size_t words = M * kD * 2 + M * kBlockK * 2 + kD * kBlockK + kBlockK * kD + 2 * M + kD +
+                         (k8 ? kWidened : 0);
     if (buf.size() < words) buf.resize(words);  // grown only: every part is set before use
     float* qt = buf.data();             // [M, D]: scaled floats, or bf16 pairs [M, D/2]
     float* o = qt + M * kD;             // [M, D]
@@ -376,6 +395,7 @@ struct Prefill {
     float* m = vb + kBlockK * kD;       // [M] running max
     float* l = m + M;                   // [M] running sum
     float* row = l + M;                 // [D] one widened 16-bit row
+    scalar_t* widened = reinterpret_cast<scalar_t*>(row + kD);  // FP8: [2, kBlockK, D]
     for (int64_t t = 0; t < nt; ++t)
       for (int64_t g = 0; g < G; ++g) {
         const scalar_t* src = q + (row0 + t0 + t) * q_row_stride + (hk * G + g) * q_head_stride;
@@ -393,7 +413,7 @@ struct Prefill {
     const int64_t first_limit = prefix + t0, end = prefix + t0 + nt;
     for (int64_t kb = 0; kb < end; kb += kBlockK) {
       const int64_t n = std::min(kBlockK, end - kb);
-      pack(kt, vb, row, kb, n, end, hk, pages, slot_stride);
+      pack(kt, vb, row, widened, kb, n, end, hk, pages, slot_stride);
       // A group of rows at a time through all three passes (scores, softmax, weights
       // times V), so that its scores and weights are still in L1 when the next pass reads
       // them (a pass over all M rows streamed them through L2 three times).
@@ -426,45 +446,88 @@ struct Prefill {
     }
   }
 
+  // The rows of KV head hk for the keys [kb, kb + n): in the pages, or (FP8) read back
+  // into `widened` (kD apart).
+  void head_rows(const scalar_t* cache, const Fp8Pages& fp8, int64_t kb, int64_t n, int64_t hk,
+                 const int32_t* pages, int64_t slot_stride, scalar_t* widened,
+                 const scalar_t** rows) const {
+    if (fp8) {
+      for_each_slot(pages, kb, kb + n, page_size, [&](int64_t j, int64_t slot) {
+        const int64_t at = slot * Hkv + hk;
+        dequantize_vector(fp8.data + at * kD, fp8.scales[at], kD, fp8.kind, widened + j * kD);
+        rows[j] = widened + j * kD;
+      });
+    } else {
+      for_each_row(cache, pages, kb, kb + n, page_size, slot_stride,
+                   [&](int64_t j, const scalar_t* r) { rows[j] = r + hk * kD; });
+    }
+  }
+
+  // The rows of KV head hk for the keys [kb, next) towards L1 (the pages, FP8 or not, are
+  // scattered runs of 16 rows: the hardware prefetcher does not cross them).
+  void fetch_rows(int64_t kb, int64_t next, int64_t hk, const int32_t* pages,
+                  int64_t slot_stride) const {
+    if (k8) {
+      for_each_slot(pages, kb, next, page_size, [&](int64_t, int64_t slot) {
+        prefetch_lines(k8.data + (slot * Hkv + hk) * kD, kD);
+        prefetch_lines(v8.data + (slot * Hkv + hk) * kD, kD);
+      });
+      return;
+    }
+    auto fetch = [&](int64_t, const scalar_t* r) {
+      prefetch_lines(r + hk * kD, kD * sizeof(scalar_t));
+    };
+    for_each_row(k_cache, pages, kb, next, page_size, slot_stride, fetch);
+    for_each_row(v_cache, pages, kb, next, page_size, slot_stride, fetch);
+  }
+
   // The key block [kb, kb + n) of KV head hk: K transposed (keys along the vectors), V
   // as rows; past n, zeros. With the bf16 dot product, K as (k[2p], k[2p+1]) pairs per
   // key and V as (v[2j][d], v[2j+1][d]) pairs per dim, both packed in registers (the
   // word-by-word copies took a third of a bf16 prefill), V only as far as the block's
   // last pair (values_tile_bf16 reads no further).
-  void pack(float* kt, float* vb, float* row, int64_t kb, int64_t n, int64_t end, int64_t hk,
-            const int32_t* pages, int64_t slot_stride) const {
+  // (FP8 with the bf16 dot product: the rows widened in registers as they are packed;
+  // otherwise into `widened` first.)
+  void pack(float* kt, float* vb, float* row, scalar_t* widened, int64_t kb, int64_t n,
+            int64_t end, int64_t hk, const int32_t* pages, int64_t slot_stride) const {
+    const scalar_t* krow[kBlockK];
+    const scalar_t* vrow[kBlockK];
     if constexpr (kBf16Dot) {
 #ifdef __AVX512BF16__
-      const scalar_t* krow[kBlockK];
-      const scalar_t* vrow[kBlockK];
-      for_each_row(k_cache, pages, kb, kb + n, page_size, slot_stride,
-                   [&](int64_t j, const scalar_t* r) { krow[j] = r + hk * kD; });
-      for_each_row(v_cache, pages, kb, kb + n, page_size, slot_stride,
-                   [&](int64_t j, const scalar_t* r) { vrow[j] = r + hk * kD; });
-      pack_keys_bf16<kD>(krow, n, reinterpret_cast<uint32_t*>(kt));
-      pack_values_bf16<kD>(vrow, n, reinterpret_cast<uint32_t*>(vb));
-      // the next block's rows towards L1 while this one is multiplied (the pages are
-      // scattered runs of 16 rows: the hardware prefetcher does not cross them)
-      const int64_t next = std::min(kb + 2 * kBlockK, end);
-      if (kb + kBlockK < next) {
-        auto fetch = [&](int64_t, const scalar_t* r) {
-          prefetch_lines(r + hk * kD, kD * sizeof(scalar_t));
-        };
-        for_each_row(k_cache, pages, kb + kBlockK, next, page_size, slot_stride, fetch);
-        for_each_row(v_cache, pages, kb + kBlockK, next, page_size, slot_stride, fetch);
+      Bf16Rows keys{krow}, values{vrow};
+      const uint8_t* k8row[kBlockK];
+      const uint8_t* v8row[kBlockK];
+      __m512 k_factor[kBlockK], v_factor[kBlockK];
+      if (k8) {
+        for_each_slot(pages, kb, kb + n, page_size, [&](int64_t j, int64_t slot) {
+          const int64_t at = slot * Hkv + hk;
+          k8row[j] = k8.data + at * kD;
+          v8row[j] = v8.data + at * kD;
+          k_factor[j] = _mm512_set1_ps(half_factor(k8.scales[at], k8.kind));
+          v_factor[j] = _mm512_set1_ps(half_factor(v8.scales[at], v8.kind));
+        });
+        keys = {nullptr, k8row, k_factor, k8.kind};
+        values = {nullptr, v8row, v_factor, v8.kind};
+      } else {
+        head_rows(k_cache, k8, kb, n, hk, pages, slot_stride, widened, krow);
+        head_rows(v_cache, v8, kb, n, hk, pages, slot_stride, widened, vrow);
       }
+      pack_keys_bf16<kD>(keys, n, reinterpret_cast<uint32_t*>(kt));
+      pack_values_bf16<kD>(values, n, reinterpret_cast<uint32_t*>(vb));
+      // the next block's rows towards L1 while this one is multiplied
+      const int64_t next = std::min(kb + 2 * kBlockK, end);
+      if (kb + kBlockK < next) fetch_rows(kb + kBlockK, next, hk, pages, slot_stride);
 #endif
     } else {
+      head_rows(k_cache, k8, kb, n, hk, pages, slot_stride, widened, krow);
+      head_rows(v_cache, v8, kb, n, hk, pages, slot_stride, widened + kBlockK * kD, vrow);
       std::fill(kt, kt + kD * kBlockK, 0.f);
-      for_each_row(k_cache, pages, kb, kb + n, page_size, slot_stride,
-                   [&](int64_t j, const scalar_t* r) {
-                     const float* x = as_float(r + hk * kD, row, kD);
-                     for (int64_t d = 0; d < kD; ++d) kt[d * kBlockK + j] = x[d];
-                   });
-      for_each_row(v_cache, pages, kb, kb + n, page_size, slot_stride,
-                   [&](int64_t j, const scalar_t* r) {
-                     std::memcpy(vb + j * kD, as_float(r + hk * kD, row, kD), kD * sizeof(float));
-                   });
+      for (int64_t j = 0; j < n; ++j) {
+        const float* x = as_float(krow[j], row, kD);
+        for (int64_t d = 0; d < kD; ++d) kt[d * kBlockK + j] = x[d];
+      }
+      for (int64_t j = 0; j < n; ++j)
+        std::memcpy(vb + j * kD, as_float(vrow[j], row, kD), kD * sizeof(float));
     }
   }
 };
@@ -504,8 +567,10 @@ void prefill(const Prefill<scalar_t, kD>& p, const int64_t* rows, const int64_t*
 void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                    torch::Tensor v_cache, torch::Tensor rows, torch::Tensor n_q,
                    torch::Tensor page_start, torch::Tensor kv_lens, torch::Tensor kv_indices,
-                   double scale) {
-  check_paged_inputs(out, q, k_cache, v_cache, rows, n_q, page_start, kv_lens, kv_indices);
+                   double scale, std::optional<torch::Tensor> k_scale,
+                   std::optional<torch::Tensor> v_scale) {
+  const std::pair<Fp8Pages, Fp8Pages> fp8 = check_paged_inputs(
+      out, q, k_cache, v_cache, rows, n_q, page_start, kv_lens, kv_indices, k_scale, v_scale);
   const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
   TORCH_CHECK(D == 32 || D == 64 || D == 128, "paged_prefill takes head_dim 32, 64 or 128, not ",
               D);
@@ -513,9 +578,10 @@ void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
     using scalar_t = decltype(zero);
     constexpr int64_t kD = decltype(dim)::value;
     const Prefill<scalar_t, kD> p{q.data_ptr<scalar_t>(), q.stride(0), q.stride(1),
-                                  k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                  out.data_ptr<scalar_t>(), H, Hkv, k_cache.size(1),
-                                  static_cast<float>(scale)};
+                                  fp8.first ? nullptr : k_cache.data_ptr<scalar_t>(),
+                                  fp8.second ? nullptr : v_cache.data_ptr<scalar_t>(),
+                                  fp8.first, fp8.second, out.data_ptr<scalar_t>(), H, Hkv,
+                                  k_cache.size(1), static_cast<float>(scale)};
     prefill(p, rows.data_ptr<int64_t>(), n_q.data_ptr<int64_t>(),
             page_start.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(),
             kv_indices.data_ptr<int32_t>(), rows.numel());
