@@ -625,7 +625,9 @@ ROWS = [
     # The directory alone: the disk tier's size and the host tier that feeds it take
     # their defaults (it was refused, asking for --disk-cache-size and --host-cache-memory).
     Row("disk-dir-alone", (*BASE, "--disk-cache-dir", "{tmp}/disk"), disk_is_written),
-    Row("disk-dir-alone", (), a_request_in_flight_goes_on,
+    # A launch of its own: a continuation re-reads its prompt and output as a prefill,
+    # which gives the decode's tokens where the KV is exact (not with FP8 KV, above).
+    Row("restart", BASE, a_request_in_flight_goes_on,
         launcher=("--restart", "1", "--resume-timeout", "60")),
     Row("disk-dir-alone", ("--kv-cache-dtype", "fp8"), kv_is_fp8),
 ]

@@ -68,7 +68,6 @@ class Serving:
             self.pause()
 
 
-@contextmanager
 def add_peer_arguments(p: argparse.ArgumentParser, name: str) -> None:
     """The flags both side-by-side benchmarks take for the engines they start (vLLM-CPU's
     venv and directory, start-up limits, extra server flags, the machine's rates) and the
@@ -90,6 +89,7 @@ def add_peer_arguments(p: argparse.ArgumentParser, name: str) -> None:
                    help=f"default: bench-results/{name}-<time>.json")
 
 
+@contextmanager
 def deepinfer(model: Path, args: argparse.Namespace, log: tqdm,
               extra_args: list[str] | None = None) -> Iterator[Serving]:
     """`deepinfer-run serve` at world size 1 (`args.deepinfer_args`, then `extra_args`):
