@@ -28,7 +28,7 @@ import msgpack
 
 from wire import client, config, control, lifecycle, step
 
-SCHEMA_VERSION = 14  # 2: WorkerConnect carries pid and host_id; 3: guided decoding;
+SCHEMA_VERSION = 15  # 2: WorkerConnect carries pid and host_id; 3: guided decoding;
 # 4: reasoning spans (GenerateRequest.thinking, RequestOutput.num_reasoning_tokens);
 # 5: the wire/ restructure (EngineLimits, StartFailed), EngineConfig.tokenizer;
 # 6: retention hints (GenerateRequest.retention, EngineConfig.max_retained_fraction),
@@ -47,7 +47,8 @@ SCHEMA_VERSION = 14  # 2: WorkerConnect carries pid and host_id; 3: guided decod
 # EngineConfig.step_channel; 14: session retention (TurnEnd, EngineConfig.session_ttl_s),
 # why a prompt missed the cache (RequestOutput.uncached, UncachedTokens,
 # RequestRecord.uncached, CacheView.uncached / uncached_requests), GenerateRequest.resumed_output
-# (a request continued across an engine restart)
+# (a request continued across an engine restart); 15: hybrid models' state slots
+# (NewSequence.state_slot, ScheduledChunk.state_snapshots, StepPlan.state_copy/state_register)
 
 
 class ProtocolError(ValueError):

@@ -39,6 +39,12 @@ class NewSequence:
     seq_id: int
     block_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # A hybrid model (linear-attention layers beside the attention layers): the state slot
+    # this sequence's recurrent state lives in while it runs (worker/linear_state.py);
+    # -1: the model keeps no such state. A chunk at position 0 starts from a zero state;
+    # any other reads the slot (filled by a `StepPlan.state_copy` from a snapshot on a
+    # prefix hit, or left by the sequence's own chunk before).
+    state_slot: int = -1
 
 
 @dataclass
@@ -91,6 +97,10 @@ class ScheduledChunk:
     # after it is drawn from what plain decoding would have allowed. num_draft of them when
     # `allowed` is set, else empty.
     draft_allowed: list[bytes] = field(default_factory=list)
+    # A hybrid model: (tokens of this chunk consumed, state slot) -- the sequence's
+    # recurrent state after that many of the chunk's tokens is copied into the slot during
+    # the forward (a snapshot at a block boundary, which a later prefix hit restores)
+    state_snapshots: list[tuple[int, int]] = field(default_factory=list)
 
     def row_masks(self) -> list[bytes | None]:
         """The mask of each sampled row, in order (num_draft + 1 of them; None: any)."""
@@ -148,6 +158,13 @@ class StepPlan:
     # every rank reported it done (StepResult.disk_read_done, cache/disk_flow.py).
     disk_write: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     disk_read: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    # A hybrid model's state slots (worker/linear_state.py), applied after the swaps and
+    # before closes, in list order: (source slot, destination slot), a snapshot restored
+    # into a sequence's slot on a prefix hit; and (snapshot slot, low 64 bits of the hash
+    # of the block it ends at): snapshots registered in the prefix index this step,
+    # mirrored for the digest only, as `register` is for blocks.
+    state_copy: list[tuple[int, int]] = field(default_factory=list)
+    state_register: list[tuple[int, int]] = field(default_factory=list)
     # The batch is `decodes`, then `chunks`: rows, samples and results in that order.
     decodes: DecodeBatch = field(default_factory=DecodeBatch)
 
