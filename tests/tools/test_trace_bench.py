@@ -54,6 +54,26 @@ def test_kv_memory_is_whole_blocks_for_both_engines_and_sized_from_the_live_cont
     assert given.kv_tokens == 300 * 128 and given.asked_pressure is None
 
 
+def test_every_deepinfer_column_gets_the_same_kv_bytes_and_the_fp8_one_stores_fp8(tmp_path):
+    sizing = bt.size_kv(TraceParams(sessions=2, vocab=tuple(range(10, 500))), 8192, 4096,
+                        1.6, kv_bytes=300 * 8192 * 128, host_factor=4)
+    args = bt.parse_args(["--peer", "deepinfer", "--json", str(tmp_path / "t.json")])
+    args.peer_max_model_len = 4096
+    engines = bt.columns(tmp_path, args, sizing)
+    assert list(engines) == ["DeepInfer (stand-in peer)", "DeepInfer", "DeepInfer + host",
+                             "DeepInfer FP8 KV"]
+    flags = {name: engine.keywords["extra_args"] for name, engine in engines.items()}
+    for name, extra in flags.items():
+        kv = extra[extra.index("--kv-cache-memory") + 1]
+        assert kv == str(sizing.kv_bytes), name
+        host = extra[extra.index("--host-cache-memory") + 1]
+        assert host == (str(sizing.host_bytes) if name == "DeepInfer + host" else "0")
+        assert ("--kv-cache-dtype" in extra) == (name == "DeepInfer FP8 KV")
+    assert flags["DeepInfer FP8 KV"][-2:] == ["--kv-cache-dtype", "fp8"]
+    args.fp8_column = False
+    assert "DeepInfer FP8 KV" not in bt.columns(tmp_path, args, sizing)
+
+
 VLLM_METRICS = """\
 # TYPE vllm:num_requests_waiting gauge
 vllm:num_requests_waiting{engine="0",model_name="bench"} 3.0
@@ -181,7 +201,8 @@ def test_end_to_end_against_a_stand_in_peer(default_model, tmp_path, capsys):
     # X holds every token of the trace many times over: nothing is evicted
     bt.main(["--model", str(default_model), "--peer", "deepinfer", "--dtype", "float32",
              "--max-model-len", "512", "--kv-cache-bytes", str(32 << 20), "--host-factor", "1",
-             "--poll-s", "0.1", "--no-machine-rates", "--json", str(out), *TINY_TRACE],
+             "--poll-s", "0.1", "--no-machine-rates", "--no-fp8-column", "--json", str(out),
+             *TINY_TRACE],
             console=Console(width=160))
     result = json.loads(out.read_text())
     names = ["DeepInfer (stand-in peer)", "DeepInfer", "DeepInfer + host"]

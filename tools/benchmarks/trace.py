@@ -3,7 +3,8 @@
     make bench-trace [TRACE_ARGS="--repeats 2 --time-scale 0.5"]
     python -m tools.benchmarks.trace --peer-python .peer/venv/bin/python
         [--model models/tiny-llama-16k] [--dtype auto] [--max-model-len N]
-        [--kv-pressure 1.6 | --kv-cache-bytes X] [--host-factor 4] [--repeats 1]
+        [--kv-pressure 1.6 | --kv-cache-bytes X] [--host-factor 4] [--no-fp8-column]
+        [--repeats 1]
         [--long-pause-s 10] [--poll-s 0.5] [--peer vllm|deepinfer] [--json OUT]
       the load, one flag per TraceParams field (tools/benchmarks/trace_load.py):
         [--sessions 20] [--seed 0] [--salt S] [--kinds 2] [--system-tokens 2000]
@@ -15,13 +16,16 @@
         [--subagent-turns-max 5] [--subagent-system-tokens 1000] [--title-prob 0.5]
         [--title-system-tokens 100] [--title-max-tokens 12]
 
-Three columns on one machine, in one run, each engine with the same KV memory X:
+Four columns on one machine, in one run, each engine with the same KV memory X:
 
 - vLLM-CPU with `--kv-cache-memory-bytes X` (VLLM_CPU_KVCACHE_SPACE, which would override
   it, left unset);
 - DeepInfer with a device tier of X (`--kv-cache-memory X`), no host tier
   (`--host-cache-memory 0`), world size 1;
-- DeepInfer with the same device tier and a host tier of 4X (`--host-factor`).
+- DeepInfer with the same device tier and a host tier of 4X (`--host-factor`);
+- DeepInfer with FP8 KV (`--kv-cache-dtype fp8`, per-token scales beside the values) in the
+  same X bytes and no host tier: the same memory, 1.88x the tokens (`--no-fp8-column`
+  leaves it out).
 
 X is a whole number of blocks for both engines (DeepInfer's 16 tokens, vLLM-CPU's 128), so
 each gets exactly X bytes (vLLM holds one block back, its null block); both engines report
@@ -193,6 +197,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="X itself (rounded down to whole blocks for both engines)")
     p.add_argument("--host-factor", type=float, default=4.0,
                    help="the host tier of the third column, times X")
+    p.add_argument("--fp8-column", action=argparse.BooleanOptionalAction, default=True,
+                   help="a column of DeepInfer with FP8 KV in the same X bytes")
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds per engine, each on tokens of its own (another salt)")
     p.add_argument("--long-pause-s", type=float, default=10.0,
@@ -225,7 +231,12 @@ def columns(model: Path, args: argparse.Namespace, sizing: Sizing) -> dict[str, 
     peer: tuple[str, Serve] = (
         ("vLLM-CPU", partial(vllm, model, args, kv_cache_bytes=sizing.kv_bytes))
         if args.peer == "vllm" else ("DeepInfer (stand-in peer)", alone))
-    return {peer[0]: peer[1], "DeepInfer": alone, "DeepInfer + host": with_host}
+    engines = {peer[0]: peer[1], "DeepInfer": alone, "DeepInfer + host": with_host}
+    if args.fp8_column:  # the same bytes, more tokens in them
+        engines["DeepInfer FP8 KV"] = partial(
+            deepinfer, model, args,
+            extra_args=[*tier, "--host-cache-memory", "0", "--kv-cache-dtype", "fp8"])
+    return engines
 
 
 def print_sizing(console: Console, sizing: Sizing, params: TraceParams, dtype: str) -> None:
