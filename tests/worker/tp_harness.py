@@ -61,7 +61,9 @@ def main() -> None:
     prompt, chunk = args["prompt"], args["chunk"]
     bs = config.block_size
     total = len(prompt) + args["new_tokens"]
-    plans = [StepPlan(step=0, new_seqs=[NewSequence(1, list(range(-(-total // bs))))])]
+    # state slot 0: a hybrid model's (any other model keeps no state and ignores it)
+    plans = [StepPlan(step=0, new_seqs=[NewSequence(1, list(range(-(-total // bs))),
+                                                    state_slot=0)])]
     for start in range(0, len(prompt), chunk):
         part = prompt[start : start + chunk]
         plans.append(StepPlan(step=len(plans), chunks=[

@@ -32,6 +32,7 @@ from typing import Any
 
 from safetensors.torch import save_file
 
+from tools.tiny_models.hybrid import HYBRID_ARCHS, make_hybrid_model
 from tools.tiny_models.spec import (
     ARCH_DEFAULTS,
     DTYPES,
@@ -261,9 +262,14 @@ def make_tiny_model(
     overrides: any TinySpec field (num_layers, hidden_size, num_heads, num_kv_heads,
     head_dim, intermediate_size, vocab_size, max_position_embeddings, dtype, ...).
     """
+    out_dir = Path(out_dir)
+    if arch in HYBRID_ARCHS:  # written by transformers itself (tools/tiny_models/hybrid.py)
+        if any(v is not None for v in overrides.values()):
+            raise TypeError(f"--arch {arch} takes no model options")
+        src = Path(tokenizer_from) if tokenizer_from is not None else None
+        return make_hybrid_model(out_dir, arch, seed, src, quiet)
     log = (lambda _msg: None) if quiet else print
     t0 = time.perf_counter()
-    out_dir = Path(out_dir)
     spec = resolve_spec(arch, seed, overrides)
     src = Path(tokenizer_from) if tokenizer_from is not None else None
     args = _stamp_args(spec, _tokenizer_source(src))
@@ -332,7 +338,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Generate a tiny random-weight Llama/Qwen checkpoint, deterministically.",
     )
     p.add_argument("--out", required=True, type=Path, help="output directory")
-    p.add_argument("--arch", choices=sorted(ARCH_DEFAULTS), default="llama")
+    p.add_argument("--arch", choices=sorted([*ARCH_DEFAULTS, *HYBRID_ARCHS]), default="llama")
     p.add_argument("--seed", type=int, default=0)
     for flag in (
         "num-layers",
