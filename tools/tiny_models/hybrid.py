@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -119,38 +117,3 @@ def write_hybrid(spec: HybridSpec, out_dir: Path, ids: dict[str, int]) -> int:
             params[name].copy_(_value(name, params[name].shape, gen))
     model.to(getattr(torch, spec.dtype)).save_pretrained(out_dir)
     return sum(p.numel() for p in params.values())
-
-
-def make_hybrid_model(out_dir: Path, arch: str, seed: int, tokenizer_from: Path | None,
-                      quiet: bool = False) -> Path:
-    """make.py's make_tiny_model for the hybrid archs (same stamp, tokenizer copied)."""
-    import transformers
-
-    from tools.tiny_models import make
-    from tools.tiny_models.tokenizer import BOS_TOKEN, IM_END_TOKEN, PAD_TOKEN, token_ids
-
-    if tokenizer_from is None:
-        raise ValueError(f"--arch {arch}: give --tokenizer-from (e.g. models/tiny-llama)")
-    log = (lambda _msg: None) if quiet else print
-    t0 = time.perf_counter()
-    spec = HybridSpec(arch=arch, seed=int(seed))
-    args = {"format_version": make.FORMAT_VERSION, "spec": dataclasses.asdict(spec),
-            "tokenizer": make._tokenizer_source(tokenizer_from),
-            "transformers": transformers.__version__}
-    if make.is_up_to_date(out_dir, args):
-        os.utime(out_dir / make.STAMP_NAME)
-        log(f"{out_dir}: tiny {arch} model already made with these arguments; nothing to do")
-        return out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / make.STAMP_NAME).unlink(missing_ok=True)
-    names = token_ids(make._copy_tokenizer(tokenizer_from, out_dir))
-    ids = {"bos": names.get(BOS_TOKEN), "eos": names.get(IM_END_TOKEN),
-           "pad": names.get(PAD_TOKEN)}
-    n_params = write_hybrid(spec, out_dir, ids)
-    files = {p.name: {"size": p.stat().st_size, "sha256": make._sha256(p)}
-             for p in sorted(out_dir.iterdir()) if p.is_file() and p.name != make.STAMP_NAME}
-    stamp = {"args": args, "files": files, "num_parameters": n_params}
-    make._write_atomic(out_dir / make.STAMP_NAME, make._json_bytes(stamp))
-    log(f"{out_dir}: tiny {arch} model, {n_params / 1e6:.2f}M params, written by "
-        f"transformers {transformers.__version__}, {time.perf_counter() - t0:.1f}s")
-    return out_dir
