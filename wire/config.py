@@ -144,6 +144,10 @@ class EngineConfig:
     served_model_name: str = ""
     # Speculative decoding by prompt lookup (--speculative-config); None: off.
     speculative: SpeculativeConfig | None = None
+    # A hybrid model's state slots per rank (worker/linear_state.py): each running
+    # sequence's live state and the prefix cache's snapshots; 0: the rank keeps
+    # max_num_seqs * 2 + 8. Ignored for a model without linear-attention layers.
+    num_state_slots: int = 0
 
     @property
     def tokenizer_dir(self) -> str:
@@ -189,6 +193,8 @@ class EngineConfig:
             raise ConfigError("max_queued_requests must be >= 1 and max_queued_tokens >= 0")
         if self.step_timeout_s <= 0:
             raise ConfigError("step_timeout_s must be > 0")
+        if self.num_state_slots < 0:
+            raise ConfigError("num_state_slots must be >= 0")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:

@@ -34,6 +34,7 @@ from wire.client import SamplingParams
 from wire.step import RankTiming, StepPlan
 from worker.attention import AttentionMetadata, create_backend
 from worker.kv_cache import KVCache
+from worker.linear_state import LinearStateCache, StateBatch
 from worker.model import LlamaModel
 from worker.sampler import sample_tensor
 
@@ -51,6 +52,7 @@ class BatchInputs:
     # each PENDING_TOKEN, resolved at the launch in the batch and in the plan alike
     pending: list[tuple[int, int, list[int], int]]
     seq_lens: torch.Tensor | None = None  # [T] context at the chunk's end: dynamic NTK only
+    state_batch: StateBatch | None = None  # a hybrid model's chunks' state slots
 
 
 @dataclass
@@ -83,8 +85,12 @@ class ModelForward:
     samples in `finish` is the one wait."""
 
     def __init__(self, model: LlamaModel, attention_backend: str, block_size: int,
-                 sampling: dict[int, tuple[SamplingParams, int]]) -> None:
+                 sampling: dict[int, tuple[SamplingParams, int]],
+                 state: LinearStateCache | None = None) -> None:
+        """`model`: a LlamaModel or a HybridModel (worker/hybrid_model.py), whose
+        linear-attention `state` each forward reads and writes."""
         self.model = model
+        self.state = state
         self.device = model.device
         self.block_size = block_size
         self.attn = create_backend(attention_backend, model.num_heads, model.num_kv_heads,
@@ -100,7 +106,7 @@ class ModelForward:
         activations of a step of `num_tokens` tokens (measured by running one)."""
         m, bs, device = self.model, self.block_size, self.device
         scratch_blocks = -(-num_tokens // bs)
-        kv = KVCache(m.config.num_layers, scratch_blocks, 0, bs, m.num_kv_heads, m.head_dim,
+        kv = KVCache(m.config.num_kv_layers, scratch_blocks, 0, bs, m.num_kv_heads, m.head_dim,
                      m.dtype, device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -125,7 +131,10 @@ class ModelForward:
         and, asked, every row's logits), into `step.sampled` and `step.logits`."""
         b, plan = step.batch, step.plan
         self.attn.plan(b.meta)
-        hidden = self.model.forward(ids, b.positions, b.slots, kv, self.attn, b.seq_lens)
+        state = {} if b.state_batch is None else dict(state=self.state,
+                                                      state_batch=b.state_batch)
+        hidden = self.model.forward(ids, b.positions, b.slots, kv, self.attn, b.seq_lens,
+                                    **state)
         rows = to_device(np.array(b.sample_rows, dtype=np.int64), self.device)
         logits = self.model.logits(hidden if return_logits else hidden[rows])
         if logits is not None and b.sample_rows:

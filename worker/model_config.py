@@ -1,11 +1,13 @@
 """The model's architecture, read from a Hugging Face `config.json`.
 
 The Llama family is served: Llama 2/3, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 dense
-(per-head q/k RMSNorm, explicit head_dim), and the mixture-of-experts Qwen3-MoE and
-Mixtral (worker/moe.py); rope scalings linear, llama3, yarn and dynamic NTK
-(worker/rope.py). Anything else is refused here, at load, with a clear message rather
-than producing wrong logits later. Keys are read as transformers reads them, under
-either name of its `attribute_map` aliases (`with_aliases`).
+(per-head q/k RMSNorm, explicit head_dim), the mixture-of-experts Qwen3-MoE and
+Mixtral (worker/moe.py), and the hybrids Qwen3.5, Qwen3.5-MoE and Qwen3-Next (Gated DeltaNet
+linear-attention layers beside gated full-attention ones: worker/hybrid_model.py); rope
+scalings linear, llama3, yarn and dynamic NTK (worker/rope.py). Anything else is refused
+here, at load, with a clear message rather than producing wrong logits later. Keys are
+read as transformers reads them, under either name of its `attribute_map` aliases
+(`with_aliases`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,17 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    # the multimodal wrappers: their `text_config` is the text model served
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
+# a wrapper's family -> the architecture of the text model inside it
+TEXT_MODEL_OF = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 SUPPORTED_ROPE_TYPES = ROPE_TYPES
 # transformers' `attribute_map` of each family's config class, {alias: the name stored}: a
 # config.json may hold an attribute under either name. transformers 5 saves Qwen3-MoE's
@@ -70,10 +82,51 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[int, ...] = ()
+    # Qwen3-Next / Qwen3.5-MoE: a dense expert every token goes through, its output scaled
+    # by sigmoid(shared_expert_gate(x)); 0: none
+    shared_expert_intermediate_size: int = 0
+    # A hybrid model (worker/hybrid_model.py): each layer's kind (LINEAR_ATTENTION or
+    # FULL_ATTENTION; empty: every layer attends), the Gated DeltaNet layers' heads and
+    # causal-conv width, the rotated share of each attention head's dims and whether the
+    # attention output is gated (q_proj also yields a sigmoid gate per head).
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        return LINEAR_ATTENTION in self.layer_types
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that attend over the KV cache (every layer of a non-hybrid model)."""
+        if not self.layer_types:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The Gated DeltaNet layers, which keep a recurrent state instead of KV."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers whose K/V the cache holds: only the attention layers."""
+        return len(self.attention_layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head the rotary turns (partial rotary: the rest pass)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def check_tensor_parallel(self, world_size: int) -> None:
         """Refuse a split that does not divide evenly (heads and MLP columns per rank)."""
@@ -82,6 +135,9 @@ class ModelConfig:
             ("num_key_value_heads", self.num_kv_heads),
             ("intermediate_size", self.intermediate_size),
             ("moe_intermediate_size", self.moe_intermediate_size),
+            ("shared_expert_intermediate_size", self.shared_expert_intermediate_size),
+            ("linear_num_key_heads", self.linear_num_key_heads),
+            ("linear_num_value_heads", self.linear_num_value_heads),
         ):
             if count % world_size:
                 raise UnsupportedModelError(
@@ -90,12 +146,13 @@ class ModelConfig:
                 )
 
     def kv_bytes_per_token(self, world_size: int, elem_size: int) -> int:
-        """KV bytes one rank stores per token (K and V, every layer, its heads)."""
-        return 2 * self.num_layers * (self.num_kv_heads // world_size) * self.head_dim * elem_size
+        """KV bytes one rank stores per token (K and V, every attention layer, its heads)."""
+        heads = self.num_kv_heads // world_size
+        return 2 * self.num_kv_layers * heads * self.head_dim * elem_size
 
     def rope(self) -> tuple[list[float], float]:
         """(rotary inverse frequencies, attention scaling of cos/sin), scaling applied."""
-        return rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling,
+        return rope_frequencies(self.rotary_dim, self.rope_theta, self.rope_scaling,
                                 self.max_position_embeddings)
 
     def inv_freq(self) -> list[float]:
@@ -120,7 +177,7 @@ class ModelConfig:
         """(head_dim, theta, factor, original length) under dynamic NTK scaling, else None."""
         if rope_type(self.rope_scaling) != "dynamic":
             return None
-        return (self.head_dim, self.rope_theta, float(self.rope_scaling["factor"]),
+        return (self.rotary_dim, self.rope_theta, float(self.rope_scaling["factor"]),
                 self.max_position_embeddings)
 
 
@@ -149,8 +206,8 @@ def _moe_fields(raw: dict, family: str) -> dict:
         return dict(num_experts=n, num_experts_per_tok=raw.get("num_experts_per_tok", 2),
                     moe_intermediate_size=raw["intermediate_size"], norm_topk_prob=True,
                     moe_layers=tuple(range(raw["num_hidden_layers"])))
-    if family == "qwen3_moe":
-        if raw.get("shared_expert_intermediate_size"):
+    if family in ("qwen3_moe", "qwen3_5_moe_text", "qwen3_next"):
+        if family == "qwen3_moe" and raw.get("shared_expert_intermediate_size"):
             raise UnsupportedModelError("a shared expert is not supported (Qwen3-MoE has none)")
         n, step = raw.get("num_experts", 128), raw.get("decoder_sparse_step", 1)
         dense = set(raw.get("mlp_only_layers") or [])
@@ -158,8 +215,51 @@ def _moe_fields(raw: dict, family: str) -> dict:
                        if i not in dense and n > 0 and (i + 1) % step == 0)
         return dict(num_experts=n, num_experts_per_tok=raw.get("num_experts_per_tok", 8),
                     moe_intermediate_size=raw.get("moe_intermediate_size", 768),
-                    norm_topk_prob=bool(raw.get("norm_topk_prob", False)), moe_layers=layers)
+                    # Qwen3.5-MoE's router always renormalises (its config has no such key)
+                    norm_topk_prob=bool(raw.get("norm_topk_prob", family != "qwen3_moe")),
+                    moe_layers=layers,
+                    shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size")
+                    or 0)
     return {}
+
+
+def _hybrid_fields(raw: dict, rope: dict, family: str) -> dict:
+    """The linear-attention part of a hybrid's config.json, as transformers reads it."""
+    if family not in HYBRID_FAMILIES:
+        return {}
+    n = raw["num_hidden_layers"]
+    types = raw.get("layer_types") or [  # transformers' default: every 4th layer attends
+        FULL_ATTENTION if (i + 1) % raw.get("full_attention_interval", 4) == 0
+        else LINEAR_ATTENTION for i in range(n)]
+    if len(types) != n or set(types) - {LINEAR_ATTENTION, FULL_ATTENTION}:
+        raise UnsupportedModelError(f"layer_types {types!r}: expected {n} of "
+                                    f"{LINEAR_ATTENTION!r} / {FULL_ATTENTION!r}")
+    factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))
+    return dict(
+        layer_types=tuple(types),
+        linear_num_key_heads=raw.get("linear_num_key_heads", 16),
+        linear_num_value_heads=raw.get("linear_num_value_heads", 32),
+        linear_key_head_dim=raw.get("linear_key_head_dim", 128),
+        linear_value_head_dim=raw.get("linear_value_head_dim", 128),
+        linear_conv_kernel_dim=raw.get("linear_conv_kernel_dim", 4),
+        partial_rotary_factor=float(factor),
+        attn_output_gate=True,
+    )
+
+
+def _text_config(raw: dict, family: str) -> tuple[dict, str]:
+    """A multimodal wrapper's text model (its `text_config`, with what the wrapper states
+    for all of it), else the config itself; and the family read."""
+    if family not in TEXT_MODEL_OF:
+        return raw, family
+    text = dict(raw.get("text_config") or {})
+    if not text:
+        raise UnsupportedModelError(f"{family}: config.json has no text_config")
+    for key in ("tie_word_embeddings", "eos_token_id", "torch_dtype", "dtype"):
+        if key not in text and key in raw:
+            text[key] = raw[key]
+    arch = TEXT_MODEL_OF[family]
+    return text, SUPPORTED_ARCHITECTURES[arch]
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
@@ -174,7 +274,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             f"architecture {archs or raw.get('model_type')!r} is not supported; "
             f"DeepInfer serves {sorted(SUPPORTED_ARCHITECTURES)}"
         )
-    family = SUPPORTED_ARCHITECTURES[arch]
+    raw, family = _text_config(raw, SUPPORTED_ARCHITECTURES[arch])
+    arch = TEXT_MODEL_OF.get(SUPPORTED_ARCHITECTURES[arch], arch)
     raw = with_aliases(raw, family)
     if raw.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {raw['hidden_act']!r} is not supported (silu)")
@@ -195,6 +296,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
     attention_bias = bool(raw.get("attention_bias", False))
+    if attention_bias and family in HYBRID_FAMILIES:
+        raise UnsupportedModelError(f"{arch}: attention_bias=true is not supported")
     return ModelConfig(
         architecture=arch,
         vocab_size=raw["vocab_size"],
@@ -211,9 +314,10 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or attention_bias,
         o_bias=family in ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral") and attention_bias,
-        qk_norm=family in ("qwen3", "qwen3_moe"),
+        qk_norm=family in ("qwen3", "qwen3_moe", *HYBRID_FAMILIES),
         sliding_window=sliding,
         eos_token_ids=eos_ids,
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
         **_moe_fields(raw, family),
+        **_hybrid_fields(raw, rope, family),
     )

@@ -33,8 +33,11 @@ from worker.disk_tier import RankDiskTier
 from worker.distributed import TensorParallelGroup
 from worker.forward import BatchInputs, ModelForward, PreparedStep, to_device
 from worker.gguf import load_config
+from worker.hybrid_model import HybridModel
 from worker.kv_cache import KVCache
+from worker.linear_state import LinearStateCache, StateBatch
 from worker.model import LlamaModel
+from worker.model_config import UnsupportedModelError
 from worker.null_model import NullModel
 
 
@@ -81,22 +84,33 @@ class ModelRunner:
         # The model, and the forward pass that launches and finishes each step's forward
         # (worker/forward.py): the model's on its device, or the null model, which is its
         # own and has the same interface, so nothing below asks which it is.
-        self.model: LlamaModel | NullModel
+        self.model: LlamaModel | HybridModel | NullModel
         self.forward_pass: ModelForward | NullModel
+        # A hybrid model's linear-attention state (worker/linear_state.py), in the slots the
+        # plans name: seq id -> its live slot, from the plan that opens it to its close.
+        self.state: LinearStateCache | None = None
+        self.state_slots: dict[int, int] = {}
         if config.null_model_forward_ms is not None:  # benchmarks: the engine's own cost
             self.model = self.forward_pass = NullModel(
                 self.model_config, tp, config.null_model_forward_ms, self.every_rank_samples)
         else:
-            self.model = LlamaModel(self.model_config, tp, self.dtype, device,
-                                    logits_everywhere=self.every_rank_samples,
-                                    kv_dtype=self.kv_dtype)
+            model_class = LlamaModel
+            if self.model_config.is_hybrid:
+                check_hybrid(config, self.model_config.architecture)
+                model_class = HybridModel
+            self.model = model_class(self.model_config, tp, self.dtype, device,
+                                     logits_everywhere=self.every_rank_samples,
+                                     kv_dtype=self.kv_dtype)
             self.model.load(config.model, show_progress=tp.rank == 0)
+            if isinstance(self.model, HybridModel):
+                self.state = self.model.new_state_cache(num_state_slots(config))
             self.forward_pass = ModelForward(self.model, config.attention_backend,
-                                             config.block_size, self.sampling)
+                                             config.block_size, self.sampling, self.state)
 
         m = self.model
+        num_kv_layers = self.model_config.num_kv_layers  # a hybrid's attention layers only
         block_bytes = KVCache.bytes_per_block(
-            self.model_config.num_layers, config.block_size, m.num_kv_heads, m.head_dim,
+            num_kv_layers, config.block_size, m.num_kv_heads, m.head_dim,
             self.kv_dtype,
         )
         # Ranks may have different free memory; every rank must hold the same
@@ -116,14 +130,14 @@ class ModelRunner:
         check_holds_one_sequence(self.num_device_blocks, config.block_size, block_bytes,
                                  self.max_model_len)
         self.kv = KVCache(
-            self.model_config.num_layers, self.num_device_blocks, self.num_host_blocks,
+            num_kv_layers, self.num_device_blocks, self.num_host_blocks,
             config.block_size, m.num_kv_heads, m.head_dim, self.kv_dtype, device,
         )
         self.block_tables = BlockTables(max_cols=-(-self.max_model_len // config.block_size))
         # the disk tier, below the host tier (worker/disk_tier.py); None when off
         self.disk: RankDiskTier | None = None
         if config.disk_cache_size and self.num_host_blocks:
-            self.disk = RankDiskTier(config, tp, self.kv, self.model_config.num_layers,
+            self.disk = RankDiskTier(config, tp, self.kv, num_kv_layers,
                                      m.num_kv_heads, m.head_dim, self.dtype)
         self.num_disk_blocks = self.disk.num_slots if self.disk is not None else 0
         self.digest = StateDigest(self.num_device_blocks, self.num_host_blocks,
@@ -280,6 +294,10 @@ class ModelRunner:
             if self.disk is not None:  # a read in flight into a slot a copy touches
                 self.disk.join([s for _, s in plan.swap_out] + [s for s, _ in plan.swap_in])
             self.kv.swap(plan.swap_out, plan.swap_in)
+        if plan.state_copy:  # after the swaps, before the closes (wire/step.py)
+            assert self.state is not None, "a state copy for a model that keeps no state"
+            for src, dst in plan.state_copy:
+                self.state.copy(src, dst)
         running = set(plan.decodes.seq_ids).union(c.seq_id for c in plan.chunks) \
             if plan.close else set()
         for seq_id in plan.close:
@@ -287,6 +305,7 @@ class ModelRunner:
             # again across the process boundary: never closed by a plan that runs it.
             assert seq_id not in running, f"step {plan.step}: seq {seq_id} closed while running"
             self.block_tables.close(seq_id)  # its sampling parameters: at this step's launch
+            self.state_slots.pop(seq_id, None)
 
     def _apply_table_deltas(self, plan: StepPlan) -> None:
         for t in plan.trim:  # blocks appended for drafts the model rejected
@@ -301,6 +320,10 @@ class ModelRunner:
             seed = seq.sampling.seed if seq.sampling.seed is not None else (
                 self.config.seed * 1_000_003 + seq.seq_id)
             self.sampling[seq.seq_id] = (seq.sampling, seed)
+            if self.state is not None:
+                assert 0 <= seq.state_slot < self.state.num_slots, (
+                    f"seq {seq.seq_id}: state slot {seq.state_slot} out of range")
+                self.state_slots[seq.seq_id] = seq.state_slot
         for app in plan.append:
             for b in app.block_ids:
                 self._check_block(b)
@@ -362,7 +385,20 @@ class ModelRunner:
             pending=pending,
             seq_lens=(to_device(np.repeat(ctx, n_tok).astype(np.int64), self.device)
                       if self.model_config.dynamic_rope else None),
+            state_batch=(self._state_batch(plan, qo_indptr, n_tok, start)
+                         if self.state is not None else None),
         )
+
+    def _state_batch(self, plan: StepPlan, qo_indptr: np.ndarray, n_tok: np.ndarray,
+                     start: np.ndarray) -> StateBatch:
+        """Each chunk's state slot, rows and snapshots, in batch order (decodes first)."""
+        d, chunks = plan.decodes, plan.chunks
+        slots = self.state_slots
+        return StateBatch(slots=[slots[s] for s in d.seq_ids] + [slots[c.seq_id] for c in chunks],
+                          first_rows=qo_indptr[:-1].tolist(), num_tokens=n_tok.tolist(),
+                          fresh=(start == 0).tolist(),
+                          snapshots=[[] for _ in d.seq_ids] + [list(c.state_snapshots)
+                                                                for c in chunks])
 
     def _refuse_chunks(self, chunks, ctx: np.ndarray, num_pages: np.ndarray,
                        table_len: np.ndarray) -> None:
@@ -373,3 +409,17 @@ class ModelRunner:
             # An exact page table: a spare page would read stale KV.
             assert p <= n_table, (
                 f"seq {c.seq_id}: {n_ctx} tokens need {p} blocks, table has {n_table}")
+
+
+def num_state_slots(config: EngineConfig) -> int:
+    """The state slots a hybrid model's rank keeps: EngineConfig.num_state_slots, or with
+    0 there, two a running sequence and a few more (snapshots for the prefix cache)."""
+    return config.num_state_slots or config.max_num_seqs * 2 + 8
+
+
+def check_hybrid(config: EngineConfig, architecture: str) -> None:
+    """Refuse what a hybrid model cannot serve yet, at the rank's start."""
+    if config.speculative is not None:
+        raise UnsupportedModelError(
+            f"--speculative-config is not supported with {architecture}, a hybrid model: a "
+            f"rejected draft would need its linear-attention state rolled back")

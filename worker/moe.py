@@ -129,3 +129,37 @@ def moe_forward(x: torch.Tensor, w: MoEWeights,
             out.index_add_(0, idx, y * pair_weights[start : start + n])
             start += n
     return out
+
+
+@dataclass
+class SharedExpert:
+    """Qwen3-Next's and Qwen3.5-MoE's shared expert: a dense MLP every token goes through,
+    scaled per token by sigmoid(gate . x). Split as a dense MLP (gate/up by rows, down by
+    columns), the gate replicated: each rank's scaled partial output sums to the whole in
+    the MoE layer's all-reduce."""
+
+    gate_up: torch.Tensor  # [2 * shared intermediate on this rank, hidden]
+    down: torch.Tensor  # [hidden, shared intermediate on this rank]
+    gate: torch.Tensor  # [1, hidden]
+
+    @classmethod
+    def load(cls, reader, prefix: str, size: int, rank: int, world_size: int) -> SharedExpert:
+        """`prefix`: the layer's "model.layers.{i}.mlp."; `size`: the expert's width."""
+        inter = size // world_size
+        m0, m1 = rank * inter, (rank + 1) * inter
+        p = prefix + "shared_expert."
+        return cls(gate_up=torch.cat([reader.rows(p + "gate_proj.weight", m0, m1),
+                                      reader.rows(p + "up_proj.weight", m0, m1)]),
+                   down=reader.cols(p + "down_proj.weight", m0, m1),
+                   gate=reader.full(prefix + "shared_expert_gate.weight"))
+
+    def forward(self, x: torch.Tensor, linear: Callable = F.linear,
+                silu_mul: Callable | None = None) -> torch.Tensor:
+        """[T, hidden] -> this rank's partial output [T, hidden]."""
+        gate_up = linear(x, self.gate_up)
+        if silu_mul is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
+        else:
+            hidden = silu_mul(gate_up)
+        return torch.sigmoid(F.linear(x, self.gate)) * linear(hidden, self.down)

@@ -75,3 +75,44 @@ class CheckpointReader:
     def close(self) -> None:
         self._handles.clear()
         self._progress.close()
+
+
+class TextModelReader:
+    """A checkpoint read under the text model's names ("model.layers.0..."), whatever
+    prefix it stores them under: a multimodal wrapper's (Qwen3.5's
+    Qwen3_5ForConditionalGeneration) are "model.language_model.layers.0...", beside its
+    vision tower's, which nothing reads."""
+
+    PREFIXES = ("model.", "model.language_model.")
+
+    def __init__(self, reader: CheckpointReader) -> None:
+        self.reader = reader
+        self.prefix = next((p for p in self.PREFIXES if p + "embed_tokens.weight" in reader),
+                           None)
+        if self.prefix is None:
+            raise KeyError(f"no embed_tokens.weight under {self.PREFIXES} in "
+                           f"{reader.model_dir}")
+
+    def name(self, name: str) -> str:
+        return self.prefix + name.removeprefix("model.") if name.startswith("model.") else name
+
+    def __contains__(self, name: str) -> bool:
+        return self.name(name) in self.reader
+
+    def full(self, name: str) -> torch.Tensor:
+        return self.reader.full(self.name(name))
+
+    def rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        return self.reader.rows(self.name(name), start, end)
+
+    def cols(self, name: str, start: int, end: int) -> torch.Tensor:
+        return self.reader.cols(self.name(name), start, end)
+
+    def expert_rows(self, name: str, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        return self.reader.expert_rows(self.name(name), ranges)
+
+    def expert_cols(self, name: str, start: int, end: int) -> torch.Tensor:
+        return self.reader.expert_cols(self.name(name), start, end)
+
+    def close(self) -> None:
+        self.reader.close()

@@ -10,23 +10,24 @@ from tests.worker.test_reference import NEW_TOKENS, make_prompt
 
 @pytest.fixture(scope="session")
 def hf_reference(request):
-    """(prompt, prompt logits, greedy tokens) from transformers, per model dir, float32."""
+    """(prompt, prompt logits, greedy tokens) from transformers, per model dir, float32;
+    `new_tokens` greedy tokens (each a forward over the whole sequence)."""
     import transformers
 
     cache = {}
 
-    def get(model_dir):
-        if model_dir not in cache:
+    def get(model_dir, new_tokens=NEW_TOKENS):
+        if (model_dir, new_tokens) not in cache:
             hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             hf.eval()
             prompt = make_prompt(hf.config.vocab_size)
             ids = list(prompt)
             with torch.no_grad():
                 logits = hf(torch.tensor([ids])).logits[0]
-                for _ in range(NEW_TOKENS):  # plain argmax: no EOS suppression or stopping
+                for _ in range(new_tokens):  # plain argmax: no EOS suppression or stopping
                     ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-            cache[model_dir] = (prompt, logits, ids[len(prompt):])
-        return cache[model_dir]
+            cache[model_dir, new_tokens] = (prompt, logits, ids[len(prompt):])
+        return cache[model_dir, new_tokens]
 
     return get
 

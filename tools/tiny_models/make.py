@@ -32,6 +32,7 @@ from typing import Any
 
 from safetensors.torch import save_file
 
+from tools.tiny_models.hybrid import HYBRID_ARCHS, HybridSpec, write_hybrid
 from tools.tiny_models.spec import (
     ARCH_DEFAULTS,
     DTYPES,
@@ -261,9 +262,14 @@ def make_tiny_model(
     overrides: any TinySpec field (num_layers, hidden_size, num_heads, num_kv_heads,
     head_dim, intermediate_size, vocab_size, max_position_embeddings, dtype, ...).
     """
+    out_dir = Path(out_dir)
+    if arch in HYBRID_ARCHS:  # written by transformers itself (tools/tiny_models/hybrid.py)
+        if any(v is not None for v in overrides.values()):
+            raise TypeError(f"--arch {arch} takes no model options")
+        src = Path(tokenizer_from) if tokenizer_from is not None else None
+        return make_hybrid_model(out_dir, arch, seed, src, quiet)
     log = (lambda _msg: None) if quiet else print
     t0 = time.perf_counter()
-    out_dir = Path(out_dir)
     spec = resolve_spec(arch, seed, overrides)
     src = Path(tokenizer_from) if tokenizer_from is not None else None
     args = _stamp_args(spec, _tokenizer_source(src))
@@ -321,6 +327,39 @@ def make_tiny_model(
     return out_dir
 
 
+def make_hybrid_model(out_dir: Path, arch: str, seed: int, tokenizer_from: Path | None,
+                      quiet: bool = False) -> Path:
+    """make_tiny_model for the hybrid archs (tools/tiny_models/hybrid.py): the same stamp,
+    the tokenizer copied, the model written by transformers."""
+    import transformers
+
+    if tokenizer_from is None:
+        raise ValueError(f"--arch {arch}: give --tokenizer-from (e.g. models/tiny-llama)")
+    log = (lambda _msg: None) if quiet else print
+    t0 = time.perf_counter()
+    spec = HybridSpec(arch=arch, seed=int(seed))
+    args = {"format_version": FORMAT_VERSION, "spec": dataclasses.asdict(spec),
+            "tokenizer": _tokenizer_source(tokenizer_from),
+            "transformers": transformers.__version__}
+    if is_up_to_date(out_dir, args):
+        os.utime(out_dir / STAMP_NAME)
+        log(f"{out_dir}: tiny {arch} model already made with these arguments; nothing to do")
+        return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / STAMP_NAME).unlink(missing_ok=True)
+    names = token_ids(_copy_tokenizer(tokenizer_from, out_dir))
+    ids = {"bos": names.get(BOS_TOKEN), "eos": names.get(IM_END_TOKEN),
+           "pad": names.get(PAD_TOKEN)}
+    n_params = write_hybrid(spec, out_dir, ids)
+    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(out_dir.iterdir()) if p.is_file() and p.name != STAMP_NAME}
+    stamp = {"args": args, "files": files, "num_parameters": n_params}
+    _write_atomic(out_dir / STAMP_NAME, _json_bytes(stamp))  # last: marks the dir complete
+    log(f"{out_dir}: tiny {arch} model, {n_params / 1e6:.2f}M params, written by "
+        f"transformers {transformers.__version__}, {time.perf_counter() - t0:.1f}s")
+    return out_dir
+
+
 # ---------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------
@@ -332,7 +371,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Generate a tiny random-weight Llama/Qwen checkpoint, deterministically.",
     )
     p.add_argument("--out", required=True, type=Path, help="output directory")
-    p.add_argument("--arch", choices=sorted(ARCH_DEFAULTS), default="llama")
+    p.add_argument("--arch", choices=sorted([*ARCH_DEFAULTS, *HYBRID_ARCHS]), default="llama")
     p.add_argument("--seed", type=int, default=0)
     for flag in (
         "num-layers",
