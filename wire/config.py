@@ -144,6 +144,11 @@ class EngineConfig:
     served_model_name: str = ""
     # Speculative decoding by prompt lookup (--speculative-config); None: off.
     speculative: SpeculativeConfig | None = None
+    # A hybrid model (linear-attention layers): the linear layers' state is snapshotted
+    # every this many blocks, and at the last block boundary each sequence reached, so a
+    # prefix hit can go on from there (cache/state_pool.py); the device tier's budget
+    # then also holds one snapshot per this many blocks (worker/budget.py).
+    state_snapshot_interval: int = 4
 
     @property
     def tokenizer_dir(self) -> str:
@@ -193,5 +198,7 @@ class EngineConfig:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ConfigError("a KV-event replay endpoint needs --kv-events-endpoint")
+        if self.state_snapshot_interval < 1:
+            raise ConfigError("state_snapshot_interval must be >= 1 (blocks)")
         if self.null_model_forward_ms is not None and not self.null_model_forward_ms >= 0:
             raise ConfigError("null_model_forward_ms must be >= 0")
