@@ -55,7 +55,8 @@ class StatePool:
         self._key: dict[int, Key] = {}  # cached slot -> its key
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached, unpinned, ready: oldest first
         self._pins: dict[int, int] = {}  # cached slot -> waiting sequences that will restore it
-        self._not_ready: set[int] = set()  # registered this plan: written by its forward
+        # registered this plan, in order: written by its forward
+        self._not_ready: dict[int, None] = {}
         self._copies: list[tuple[int, int]] = []
         # Freed by this plan's closes, free for the next plan's: a rank applies a plan's
         # state_copy before its closes, so a copy must not land in a slot the sequence it
@@ -184,7 +185,7 @@ class StatePool:
                 continue
             self._index[key] = slot
             self._key[slot] = key
-            self._not_ready.add(slot)
+            self._not_ready[slot] = None
             self._registers[slot] = key[0]
 
     # --- per plan ---------------------------------------------------------------------
@@ -242,7 +243,7 @@ class StatePool:
         key = self._key.pop(slot)
         del self._index[key]
         self._lru.pop(slot, None)
-        self._not_ready.discard(slot)
+        self._not_ready.pop(slot, None)
         self._registers[slot] = 0
 
     def _drop_own(self, seq_id: int, slot: int) -> None:
@@ -268,7 +269,7 @@ class StatePool:
             f"{pending}, cached {sorted(self._key)}")
         assert {v: k for k, v in self._index.items()} == self._key
         assert set(self._pins) <= set(self._key) and all(n > 0 for n in self._pins.values())
-        assert set(self._lru) == set(self._key) - set(self._pins) - self._not_ready
-        assert self._not_ready <= set(self._key)
+        assert set(self._lru) == set(self._key) - set(self._pins) - set(self._not_ready)
+        assert set(self._not_ready) <= set(self._key)
         owned = set(pending) | set(self._key)
         assert all(s in owned for s in self._latest.values())
