@@ -38,9 +38,10 @@ from cache.events import KVEventRecorder
 from cache.eviction_memory import EvictionMemory
 from cache.hashing import BlockHashChain
 from cache.host_pool import HostPool
-from cache.matching import Match, match_prefix
+from cache.matching import Match, match_prefix, truncated
 from cache.miss_reasons import MissAttribution, PreviousPrompt
 from cache.retention import RetentionPolicy
+from cache.state_pool import StatePool
 from cache.stats import CacheStats
 from cache.types import WRITE_POLICIES, CacheAccountingError, CacheConfig, CacheOps, PrefixHit
 from wire.client import UncachedTokens
@@ -59,6 +60,7 @@ class _Seq:
     retain: tuple[tuple[int, float], ...] = ()  # (prompt tokens, TTL s): marked at free
     held: bool = False  # its table is the cached prefix of a waiting sequence (`hold`)
     uncached: UncachedTokens | None = None  # why its first allocate missed the rest
+    restore: int = -1  # held: the state snapshot its hit ends at (pinned), a hybrid model's
 
 
 def _as_array(blocks: array) -> np.ndarray:
@@ -93,6 +95,9 @@ class KVCacheManager:
         self.disk_flow = DiskFlow(self.host, self.disk, config.num_ranks, self.stats,
                                   self.events, drops)
         self.num_held_blocks = 0  # blocks held for waiting sequences (`hold`)
+        # a hybrid model's linear-attention state slots: a hit ends where a snapshot is
+        self.state = (StatePool(config.num_state_slots, self._chain_alive)
+                      if config.num_state_slots else None)
 
     # --- queries --------------------------------------------------------------------
 
@@ -107,6 +112,8 @@ class KVCacheManager:
             return PrefixHit(0, 0)
         chain = self._chain_for(extra_key, chain)
         m = match_prefix(self.device, self.host, self.disk, token_ids, chain)
+        if self.state is not None:
+            m = truncated(m, self.state.best(chain, m.num_blocks)[0])
         return self._hit_of(m)
 
     def num_cached_tokens(self, seq_id: int) -> PrefixHit:
@@ -123,6 +130,10 @@ class KVCacheManager:
 
     def has_seq(self, seq_id: int) -> bool:
         return seq_id in self._seqs
+
+    def state_slot(self, seq_id: int) -> int:
+        """The live state slot of an admitted sequence of a hybrid model; -1 otherwise."""
+        return self.state.slot_of(seq_id) if self.state is not None else -1
 
     def num_allocatable_blocks(self) -> int:
         """Blocks `allocate` could hand out now (free + evictable)."""
@@ -192,7 +203,7 @@ class KVCacheManager:
             return None
         table = self._allocate_first(seq_id, token_ids, len(token_ids), extra_key, chain,
                                      count_hit=False, budget=0, previous=previous,
-                                     reserve=reserve, attribute=first)
+                                     reserve=reserve, attribute=first, opening=False)
         if table is None:
             return None
         seq = self._seqs[seq_id]
@@ -211,6 +222,8 @@ class KVCacheManager:
         seq = self._seqs[seq_id]
         n_held = len(seq.blocks)
         m = match_prefix(self.device, self.host, self.disk, token_ids, seq.chain)
+        if self.state is not None:
+            m = truncated(m, self.state.best(seq.chain, m.num_blocks)[0])
         if m.num_blocks > n_held:
             self.release_hold(seq_id)
             return self._allocate_first(seq_id, token_ids, num_tokens, seq.extra_key,
@@ -220,6 +233,11 @@ class KVCacheManager:
         need = max(0, -(-num_tokens // self.block_size) - n_held)
         if need > self.num_allocatable_blocks():
             return None
+        if self.state is not None:
+            if not self.state.can_open():
+                return None
+            self.state.open(seq_id, seq.restore)
+            seq.restore = -1
         seq.blocks.extend(self._take_fresh(need, "admission").tolist())
         seq.held = False
         self.num_held_blocks -= n_held
@@ -231,6 +249,8 @@ class KVCacheManager:
         """Let a waiting sequence's held prefix go back to the cache (evictable again)."""
         seq = self._seqs.pop(seq_id)
         assert seq.held, f"seq {seq_id} holds no prefix"
+        if seq.restore >= 0:
+            self.state.unpin(seq.restore)
         self.num_held_blocks -= len(seq.blocks)
         self.device.unref(_as_array(seq.blocks)[::-1])
 
@@ -282,6 +302,8 @@ class KVCacheManager:
         assert n_full <= len(seq.blocks), "committing tokens beyond the allocated blocks"
         start = seq.num_registered
         if n_full <= start:
+            if self.state is not None:  # snapshots taken at blocks registered already
+                self.state.commit(seq_id, seq.chain, start)
             return
         num_hashed = seq.chain.extend(token_ids, n_full)
         assert num_hashed >= n_full
@@ -295,6 +317,8 @@ class KVCacheManager:
                                       token_ids)
         seq.num_registered = n_full
         self._register(blocks[new], lo[new], hi[new], closing)
+        if self.state is not None:
+            self.state.commit(seq_id, seq.chain, n_full)
 
     def commit_many(self, commits: Sequence[tuple[int, Sequence[int], int]], step: int) -> None:
         """`commit` of several sequences in one step, (seq_id, token_ids,
@@ -315,6 +339,8 @@ class KVCacheManager:
             n_full = num_computed // bs
             start = seq.num_registered
             if seq.chain is None or n_full <= start:
+                if seq.chain is not None and self.state is not None:
+                    self.state.commit(seq_id, seq.chain, start)
                 continue
             assert num_computed <= len(token_ids), "committing tokens that are not known"
             assert n_full <= len(seq.blocks), "committing tokens beyond the allocated blocks"
@@ -323,6 +349,8 @@ class KVCacheManager:
             keys.append(seq.chain.keys(start, n_full))
             tables.append(seq.blocks[start:n_full])
             seq.num_registered = n_full
+            if self.state is not None:
+                self.state.commit(seq_id, seq.chain, n_full)
         if not keys:
             return
         lo = np.concatenate([k[0] for k in keys])
@@ -402,6 +430,8 @@ class KVCacheManager:
             self.release_hold(seq_id)
             return
         del self._seqs[seq_id]
+        if self.state is not None:
+            self.state.close(seq_id)
         blocks = _as_array(seq.blocks)
         for num_tokens, ttl_s in seq.retain:
             self.device.lru.mark(blocks[: min(num_tokens // self.block_size,
@@ -417,6 +447,8 @@ class KVCacheManager:
     def take_ops(self) -> CacheOps:
         """Drain this step's ops (call exactly once per step, even when empty)."""
         ops, self._ops = self._ops, CacheOps()
+        if self.state is not None:
+            ops.state_copy, ops.state_register = self.state.take_ops()
         self.device.clear_busy()
         self.host.unpin_all()
         self.disk.unpin_all()
@@ -430,15 +462,20 @@ class KVCacheManager:
 
     def peek_ops(self) -> CacheOps:
         """The ops queued so far for this step (a copy; nothing is drained)."""
-        return CacheOps(list(self._ops.swap_out), list(self._ops.swap_in),
-                        list(self._ops.registered), list(self._ops.disk_write),
-                        list(self._ops.disk_read))
+        ops = CacheOps(list(self._ops.swap_out), list(self._ops.swap_in),
+                       list(self._ops.registered), list(self._ops.disk_write),
+                       list(self._ops.disk_read))
+        if self.state is not None:
+            ops.state_copy, ops.state_register = self.state.peek_ops()
+        return ops
 
     def reset_prefix_cache(self) -> int:
         """Forget every unreferenced cached block, host slot and committed disk slot.
         Returns how many."""
         dropped_device, dropped_host = self.device.drop_cached(), self.host.drop_cached()
         dropped_disk = self.disk.drop_cached()
+        if self.state is not None:
+            self.state.drop_cached()
         for tier, lo in (("device", dropped_device), ("host", dropped_host),
                          ("disk", dropped_disk)):
             self.misses.dropped(tier, lo, "reset")
@@ -517,6 +554,8 @@ class KVCacheManager:
         checks.check_invariants(self._seqs, self.device, self.host, self._ops)
         self.disk.check()
         self.disk_flow.check()
+        if self.state is not None:
+            self.state.check()
         assert all(self.host.reserved[op[2]] for op in self._ops.disk_read)
         assert all(self.host.pinned[op[1]] for op in self._ops.disk_write)
 
@@ -527,6 +566,16 @@ class KVCacheManager:
             return BlockHashChain(self.block_size, extra_key)
         assert chain.extra_key == extra_key and chain.block_size == self.block_size
         return chain
+
+    def _chain_alive(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Whether each block hash is still held by some KV tier: a state snapshot at a
+        block no tier holds can never be hit (cache/state_pool.py evicts those first)."""
+        alive = self.device.index.find(lo, hi) >= 0
+        if self.host.num_slots:
+            alive |= self.host.find(lo, hi) >= 0
+        if self.disk.num_slots:
+            alive |= self.disk.find(lo, hi) >= 0
+        return alive
 
     def _hit_of(self, m: Match, read_back: np.ndarray | None = None) -> PrefixHit:
         """Tokens per tier; a host hit on a slot in ``read_back`` (just read from disk
@@ -542,12 +591,18 @@ class KVCacheManager:
                         extra_key: bytes, chain: BlockHashChain | None,
                         count_hit: bool, budget: int | None = None,
                         previous: PreviousPrompt | None = None, reserve: int = 0,
-                        attribute: bool | None = None) -> list[int] | None:
+                        attribute: bool | None = None, opening: bool = True,
+                        ) -> list[int] | None:
         if self.config.enable_prefix_caching:
             chain = self._chain_for(extra_key, chain)
             if not self.disk_flow.settle(seq_id):
                 return None  # its disk reads are still in flight on some rank
             m = match_prefix(self.device, self.host, self.disk, token_ids, chain)
+            n_matched = m.num_blocks  # before a hybrid model's cut to its last state
+            restore = -1
+            if self.state is not None:
+                n_state, restore = self.state.best(chain, m.num_blocks)
+                m = truncated(m, n_state)
             on_disk = np.flatnonzero(m.disk >= 0)
             if len(on_disk):  # start the reads; a later call takes the hit
                 lo, hi = chain.keys(0, m.num_blocks)
@@ -557,6 +612,7 @@ class KVCacheManager:
         else:
             chain = None
             m = Match(0, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
+            n_matched, restore = 0, -1
         n_hit = m.num_blocks
         if budget is not None:
             num_tokens = min(num_tokens, n_hit * self.block_size + budget)
@@ -570,11 +626,19 @@ class KVCacheManager:
         hit_evictable = int((lru.present[dev_hits] & ~self.device.busy[dev_hits]).sum())
         if n_fresh > self.num_allocatable_blocks() - hit_evictable - reserve:
             return None  # nothing changed yet
+        if restore >= 0:
+            self.state.pin(restore)  # held until its copy is planned (`StatePool.open`)
+        if opening and self.state is not None and not self.state.can_open():
+            if restore >= 0:
+                self.state.unpin(restore)
+            return None  # no state slot for it to run in: nothing changed
         # why the rest missed, asked before this allocation evicts anything
         if attribute is None:
             attribute = count_hit
-        uncached = (self.misses.attribute(token_ids, chain, n_hit, previous)
-                    if attribute and chain is not None else None)
+        uncached = None
+        if attribute and chain is not None:
+            uncached = self.misses.attribute(token_ids, chain, n_matched, previous)
+            uncached.no_state = (n_matched - n_hit) * self.block_size
 
         # Order matters: take the hits (and pin the host sources) before evicting for
         # fresh blocks, so the eviction cannot reclaim the prefix being hit.
@@ -608,6 +672,10 @@ class KVCacheManager:
         hit = self._hit_of(m, read_back)
         self._seqs[seq_id] = _Seq(extra_key, chain, array("i", table.tobytes()), hit, n_hit,
                                   uncached=uncached)
+        if self.state is not None and opening:
+            self.state.open(seq_id, restore)
+        else:
+            self._seqs[seq_id].restore = restore
         if count_hit:
             self._count_hit(len(token_ids), hit, uncached)
         return table.tolist()

@@ -72,6 +72,14 @@ def match_prefix(device: DevicePool, host: HostPool, disk: DiskPool,
                   np.concatenate(disk_parts) if disk_parts else empty)
 
 
+def truncated(m: Match, num_blocks: int) -> Match:
+    """The first ``num_blocks`` blocks of a match (a hybrid model's hit ends at its last
+    state snapshot, cache/state_pool.py)."""
+    if num_blocks >= m.num_blocks:
+        return m
+    return Match(num_blocks, m.device[:num_blocks], m.host[:num_blocks], m.disk[:num_blocks])
+
+
 def _disk_room(host: HostPool, disk: DiskPool) -> int:
     """Host slots a disk hit could land in now: free, or plain LRU and not pinned."""
     if not disk.num_slots:

@@ -31,6 +31,7 @@ class CacheStats:
     num_uncached_compaction_tokens: int = 0
     num_uncached_salt_tokens: int = 0
     num_uncached_no_room_tokens: int = 0
+    num_uncached_no_state_tokens: int = 0
     num_uncached_new_tokens: int = 0
     num_uncached_block_remainder_tokens: int = 0
 

@@ -29,6 +29,9 @@ class CacheConfig:
     # it; a write counts once all ``num_ranks`` ranks reported it. 0 disables it.
     num_disk_blocks: int = 0
     num_ranks: int = 1
+    # A hybrid model's state slots (cache/state_pool.py): live ones and snapshots; 0: the
+    # model has no linear-attention layers.
+    num_state_slots: int = 0
 
     def __post_init__(self) -> None:
         assert self.block_size > 0, self.block_size
@@ -37,6 +40,7 @@ class CacheConfig:
         assert self.write_policy in WRITE_POLICIES, self.write_policy
         assert 0.0 <= self.max_retained_fraction <= 1.0, self.max_retained_fraction
         assert self.num_disk_blocks >= 0 and self.num_ranks >= 1
+        assert self.num_state_slots >= 0, self.num_state_slots
 
     @property
     def host_enabled(self) -> bool:
@@ -71,6 +75,10 @@ class CacheOps:
     # hi), a committed record read into a reserved host slot, swapped in by a later plan.
     disk_write: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     disk_read: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    # A hybrid model's (cache/state_pool.py): (snapshot slot, live slot) copies restoring
+    # prefix hits, and (state slot, hash lo; 0: none) for the digest.
+    state_copy: list[tuple[int, int]] = field(default_factory=list)
+    state_register: list[tuple[int, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.swap_out or self.swap_in or self.disk_write or self.disk_read)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -182,6 +183,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                         '"prompt_lookup_min": 2}\' (off by default). Greedy output is '
                         'unchanged; steps with drafts run without overlap scheduling')
+    p.add_argument("--state-snapshot-interval", type=int, default=d.state_snapshot_interval,
+                   metavar="BLOCKS",
+                   help="hybrid models (linear-attention layers, e.g. Qwen3-Next): snapshot "
+                        "the linear layers' state every this many KV blocks, and at the last "
+                        "block boundary each sequence reached; a prefix hit goes on from the "
+                        "last snapshot. The device tier holds one snapshot per BLOCKS blocks")
 
 
 def speculative_from(text: str | None) -> SpeculativeConfig | None:
@@ -192,6 +199,22 @@ def speculative_from(text: str | None) -> SpeculativeConfig | None:
         return SpeculativeConfig.from_json(text)
     except (ValueError, TypeError) as exc:
         raise SystemExit(str(exc)) from None
+
+
+def is_hybrid_checkpoint(model: Path) -> bool:
+    """Whether a checkpoint directory's config.json names linear-attention layers
+    (Qwen3-Next, Qwen3.5: `layer_types`, at the top or in `text_config`); read here without
+    the worker's model code, so the launcher refuses what the ranks would refuse."""
+    try:
+        raw = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(raw, dict):
+        return False
+    for cfg in (raw, raw.get("text_config")):
+        if isinstance(cfg, dict) and "linear_attention" in (cfg.get("layer_types") or ()):
+            return True
+    return False
 
 
 def model_name(model: str) -> str:
@@ -242,6 +265,10 @@ def build_config(args: argparse.Namespace, world_size: int, num_local_ranks: int
     """The engine's config and the shim's options from the command line. `num_local_ranks`
     (default: all of them) share this node's disk and RAM; `measure` finds that room."""
     model = Path(args.model).resolve()
+    if args.speculative_config is not None and is_hybrid_checkpoint(model):
+        raise SystemExit(f"--speculative-config: {args.model} is a hybrid model "
+                         "(linear-attention layers), whose recurrent state cannot take back "
+                         "rejected drafts; speculative decoding is not served for it")
     if model.suffix == ".gguf" and not model.is_file():
         raise SystemExit(f"--model {args.model}: no such file (run `make install` for the "
                          "default model)")

@@ -153,7 +153,20 @@ def print_budget(config: EngineConfig, limits: EngineLimits) -> None:
     for tier, blocks in (("device", limits.num_device_blocks), ("host", limits.num_host_blocks)):
         table.add_row(tier, f"{blocks:,}", f"{blocks * config.block_size:,}",
                       f"{blocks * limits.kv_bytes_per_block:,}")
+    if limits.is_hybrid:
+        table.add_row("state", f"{limits.num_state_slots:,} slots", "",
+                      f"{limits.num_state_slots * limits.state_bytes_per_slot:,}")
     Console(file=sys.stdout, width=100).print(table)
+
+
+def refuse_for_model(config: EngineConfig, limits: EngineLimits) -> str:
+    """Why the engine cannot serve this config for the model the ranks loaded ("": it
+    can). A hybrid model's recurrent state cannot take back rejected drafts, so
+    speculative decoding is refused for it (the ranks refuse it too)."""
+    if limits.is_hybrid and config.speculative is not None:
+        return ("speculative decoding is not served for a hybrid model (linear-attention "
+                "layers): their recurrent state cannot take back rejected drafts")
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,12 +187,19 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerFailure as exc:
         log.error("workers_failed_to_start", error=str(exc), ranks=exc.ranks, cause=exc.cause)
         return 1
+    refusal = refuse_for_model(config, limits)
+    if refusal:
+        log.error("engine_refused", error=refusal)
+        executor.shutdown()
+        return 1
     print_budget(config, limits)
     log.info("kv_cache_budget", block_size=config.block_size,
              device_blocks=limits.num_device_blocks,
              device_tokens=limits.num_device_blocks * config.block_size,
              host_blocks=limits.num_host_blocks,
-             host_tokens=limits.num_host_blocks * config.block_size)
+             host_tokens=limits.num_host_blocks * config.block_size,
+             state_slots=limits.num_state_slots,
+             state_bytes_per_slot=limits.state_bytes_per_slot)
     telemetry = Telemetry(log)
     core = EngineCore(Scheduler(config, limits), executor, telemetry)
     if limits.num_disk_blocks:

@@ -24,6 +24,7 @@ from scheduler.queue import QueueFullError, RequestQueue
 from scheduler.request import SeqStatus, Sequence
 from scheduler.session_chains import SessionChains
 from scheduler.speculation import NgramIndex, SpecStats, guided_drafts, propose_drafts
+from scheduler.state_snapshots import take_snapshots
 from scheduler.thinking import ThinkingBudget
 from scheduler.validation import RequestRejected, validate_request
 from wire.client import GenerateRequest, RequestOutput
@@ -59,7 +60,12 @@ class Scheduler:
             record_events=bool(config.kv_events_endpoint),
             num_disk_blocks=limits.num_disk_blocks,
             num_ranks=config.world_size,
+            num_state_slots=limits.num_state_slots,
         ), clock)
+        assert not (limits.is_hybrid and config.speculative is not None), (
+            "speculative decoding is refused for a hybrid model (scheduler/main.py)")
+        # a hybrid model's chunks snapshot their state at block boundaries (for prefix hits)
+        self._snapshots = limits.is_hybrid and config.enable_prefix_caching
         # Where a sequence is, from `add_request` until the ranks close it: in at most one
         # of the first five at a time, and in `_by_request` all along.
         #   queue        waiting its turn. In: `add_request`; at the head again when
@@ -413,6 +419,7 @@ class Scheduler:
         self._trims = []
         ops = self.cache.take_ops()
         plan.swap_out, plan.swap_in, plan.register = ops.swap_out, ops.swap_in, ops.registered
+        plan.state_copy, plan.state_register = ops.state_copy, ops.state_register
         plan.disk_write, plan.disk_read = ops.disk_write, ops.disk_read
         t = time.perf_counter()
         self.digest.apply(plan)
@@ -453,6 +460,10 @@ class Scheduler:
         start = seq.num_computed
         end = start + num_new
         known = len(tokens)
+        # taken before the commit below, which registers those whose block it commits
+        snaps = (take_snapshots(self.cache, seq_id, start, end,
+                                self.config.state_snapshot_interval)
+                 if self._snapshots else None)
         # A block whose last token is pending is registered by the sequence's next plan,
         # once the token is known, or by its close if no plan runs it again (`_close`).
         if commits is None:
@@ -461,7 +472,8 @@ class Scheduler:
             commits.append((seq_id, tokens, end if end < known else known))
         block_ids = seq.block_ids
         if not seq.opened:
-            plan.new_seqs.append(NewSequence(seq_id, list(block_ids), seq.request.sampling))
+            plan.new_seqs.append(NewSequence(seq_id, list(block_ids), seq.request.sampling,
+                                             self.cache.state_slot(seq_id)))
             seq.opened = True
             seq.num_sent_blocks = len(block_ids)
         elif len(block_ids) > seq.num_sent_blocks:
@@ -473,7 +485,8 @@ class Scheduler:
             assert not num_pending, (
                 "a masked sample planned before its sequence's pending token is known")
             allowed = self._allowed(seq)
-        if num_new == 1 and sample and allowed is None and not drafts:  # a plain decode
+        if num_new == 1 and sample and allowed is None and not drafts and not snaps:
+            # a plain decode
             plan.decodes.append(seq_id, tokens[start] if start < known else PENDING_TOKEN,
                                 start)
             seq.num_computed = end
@@ -494,7 +507,7 @@ class Scheduler:
         assert len(draft_masks or ()) == (num_draft if allowed is not None else 0), (
             "a masked drafted decode needs a mask for each draft row, an unmasked one none")
         plan.chunks.append(ScheduledChunk(seq_id, token_ids, start, sample, allowed, num_draft,
-                                          draft_masks if draft_masks else []))
+                                          draft_masks if draft_masks else [], snaps or []))
         seq.num_computed = end + num_draft
         seq.num_drafts = num_draft
         seq.num_pending = num_pending + sample

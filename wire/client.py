@@ -96,7 +96,7 @@ class AbortRequest:
 # Why a prompt token was computed rather than served from cache (cache/miss_reasons.py),
 # in the order that breaks a tie for a request's main reason: the one an operator can act on
 # first. block_remainder: the last partial block and the last token, never served.
-UNCACHED_REASONS = ("evicted", "diverged", "compaction", "salt", "no_room", "new",
+UNCACHED_REASONS = ("evicted", "diverged", "compaction", "salt", "no_room", "no_state", "new",
                     "block_remainder")
 
 
@@ -110,6 +110,9 @@ class UncachedTokens:
     compaction: int = 0  # a much shorter prompt after the session's long one (a summary)
     salt: int = 0  # the session's previous request has these tokens under another salt
     no_room: int = 0  # on disk, but no host slot was free to read them into
+    # a hybrid model: cached KV past the last block whose linear-attention state was
+    # snapshotted (cache/state_pool.py): the state is needed to go on from there
+    no_state: int = 0
     new: int = 0  # never cached, as far as the cache's memory of drops tells
     block_remainder: int = 0  # the last partial block and the last token
     # the first evicted block: the tier that dropped it last, how long before the

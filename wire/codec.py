@@ -48,7 +48,9 @@ SCHEMA_VERSION = 15  # 2: WorkerConnect carries pid and host_id; 3: guided decod
 # why a prompt missed the cache (RequestOutput.uncached, UncachedTokens,
 # RequestRecord.uncached, CacheView.uncached / uncached_requests), GenerateRequest.resumed_output
 # (a request continued across an engine restart); 15: hybrid models' state slots
-# (NewSequence.state_slot, ScheduledChunk.state_snapshots, StepPlan.state_copy/state_register)
+# (NewSequence.state_slot, ScheduledChunk.state_snapshots, StepPlan.state_copy/state_register,
+# EngineLimits.num_state_slots/state_bytes_per_slot, EngineConfig.state_snapshot_interval,
+# UncachedTokens.no_state)
 
 
 class ProtocolError(ValueError):

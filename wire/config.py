@@ -144,10 +144,11 @@ class EngineConfig:
     served_model_name: str = ""
     # Speculative decoding by prompt lookup (--speculative-config); None: off.
     speculative: SpeculativeConfig | None = None
-    # A hybrid model's state slots per rank (worker/linear_state.py): each running
-    # sequence's live state and the prefix cache's snapshots; 0: the rank keeps
-    # max_num_seqs * 2 + 8. Ignored for a model without linear-attention layers.
-    num_state_slots: int = 0
+    # A hybrid model (linear-attention layers): the linear layers' state is snapshotted
+    # every this many blocks, and at the last block boundary each sequence reached, so a
+    # prefix hit can go on from there (cache/state_pool.py); the device tier's budget
+    # then also holds one snapshot per this many blocks (worker/budget.py).
+    state_snapshot_interval: int = 4
 
     @property
     def tokenizer_dir(self) -> str:
@@ -193,11 +194,11 @@ class EngineConfig:
             raise ConfigError("max_queued_requests must be >= 1 and max_queued_tokens >= 0")
         if self.step_timeout_s <= 0:
             raise ConfigError("step_timeout_s must be > 0")
-        if self.num_state_slots < 0:
-            raise ConfigError("num_state_slots must be >= 0")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ConfigError("a KV-event replay endpoint needs --kv-events-endpoint")
+        if self.state_snapshot_interval < 1:
+            raise ConfigError("state_snapshot_interval must be >= 1 (blocks)")
         if self.null_model_forward_ms is not None and not self.null_model_forward_ms >= 0:
             raise ConfigError("null_model_forward_ms must be >= 0")

@@ -8,7 +8,10 @@ is caught at the step it happened. It covers
 - which block hash lives in which device block and which host slot (hashes enter
   through `StepPlan.register` and move with swap_out / swap_in);
 - which block hash each disk slot was told to hold (moved by disk_write / disk_read;
-  whether a rank's background write landed is reported apart, StepResult.disk_done).
+  whether a rank's background write landed is reported apart, StepResult.disk_done);
+- a hybrid model's state snapshots: which block hash each state slot holds the state at
+  (`StepPlan.state_register`; hash 0 removes the entry, when the slot is reused or
+  dropped).
 
 It is a sum of per-entry hashes mod 2^64, so a step costs O(delta), not O(state):
 a 450K-token block table is never rehashed. Tier contents are numpy arrays, 8 bytes
@@ -115,6 +118,7 @@ class StateDigest:
     DEVICE_HASH = 2
     HOST_HASH = 3
     DISK_HASH = 4
+    STATE_HASH = 5
 
     def __init__(self, num_device_blocks: int = 0, num_host_blocks: int = 0,
                  num_disk_blocks: int = 0) -> None:
@@ -129,6 +133,9 @@ class StateDigest:
         self._block_view = memoryview(self._block_hash)
         self._slot_view = memoryview(self._slot_hash)
         self._disk_view = memoryview(self._disk_hash)
+        # state slot -> hash: a few snapshots change per step, and no size is needed up
+        # front (a model without linear-attention layers has none)
+        self._state_hash: dict[int, int] = {}
 
     def add_blocks(self, seq_id: int, block_ids: list[int]) -> None:
         n = self._seq_lens.get(seq_id, 0)
@@ -242,6 +249,24 @@ class StateDigest:
             blocks, hashes = zip(*plan.register)
             self._set(self.DEVICE_HASH, self._block_hash, self._block_view, list(blocks),
                       list(hashes))
+        if plan.state_register:
+            self._set_states(plan.state_register)
+
+    def _set_states(self, pairs: list[tuple[int, int]]) -> None:
+        """(state slot, hash lo) pairs, in order; hash 0: the slot holds no snapshot."""
+        table, delta = self._state_hash, 0
+        for slot, h in pairs:
+            old = table.pop(slot, 0)
+            if old:
+                delta -= _entry(self.STATE_HASH, slot, old)
+            if h:
+                delta += _entry(self.STATE_HASH, slot, h)
+                table[slot] = h
+        self.value = (self.value + delta) & _MASK64
+
+    def state_hashes(self) -> dict[int, int]:
+        """State slot -> the hash (lo) of the block its snapshot ends at (a copy)."""
+        return dict(self._state_hash)
 
     def restore_disk(self, slots: list[int] | np.ndarray, hashes: list[int] | np.ndarray) -> None:
         """Warm restart: disk slots found holding these hashes (low 64 bits), on every
@@ -278,4 +303,8 @@ class StateDigest:
                 ids = np.arange(start, start + len(part))
                 total = (total + _entries_sum(kind, ids, part)) & _MASK64
             out[tier] = total
+        state = 0
+        for slot, h in list(self._state_hash.items()):
+            state = (state + _entry(self.STATE_HASH, slot, h)) & _MASK64
+        out["state"] = state
         return out

@@ -39,6 +39,15 @@ class EngineLimits:
     num_host_blocks: int
     kv_bytes_per_block: int = 0
     num_disk_blocks: int = 0  # disk slots per rank (0: no disk tier)
+    # A hybrid model (linear-attention layers beside attention, worker/linear_state.py):
+    # the state slots of each rank, the running sequences' live ones and the snapshots
+    # together (cache/state_pool.py), and the bytes of one on a rank. 0: no such layers.
+    num_state_slots: int = 0
+    state_bytes_per_slot: int = 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.num_state_slots > 0
 
 
 @dataclass

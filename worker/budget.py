@@ -7,6 +7,7 @@ Every refusal names the figures on both sides, so a user can fix the flag at onc
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -134,5 +135,53 @@ def check_holds_one_sequence(num_blocks: int, block_size: int, block_bytes: int,
             f"{needed * block_bytes} bytes per rank, or lower --max-model-len")
 
 
+@dataclass(frozen=True)
+class StateBudget:
+    """A hybrid model's device tier: KV blocks for the attention layers, and state slots
+    for the linear-attention layers (worker/linear_state.py): one live slot per sequence
+    that may run, and the snapshots a prefix hit restores (cache/state_pool.py)."""
+
+    num_device_blocks: int
+    num_live_slots: int
+    num_snapshot_slots: int
+
+    @property
+    def num_state_slots(self) -> int:
+        return self.num_live_slots + self.num_snapshot_slots
+
+
+def split_state_budget(budget_bytes: int, block_bytes: int, state_bytes: int,
+                       max_num_seqs: int, interval: int,
+                       prefix_caching: bool = True) -> StateBudget:
+    """Split a rank's device-tier budget between KV blocks and state slots. Each running
+    sequence needs a live slot (max_num_seqs of them); with a snapshot every `interval`
+    blocks (--state-snapshot-interval), every `interval` blocks carry one snapshot, so
+    what is left, B - live, holds n blocks and n / interval snapshots:
+    n = (B - live) / (block_bytes + state_bytes / interval). Without prefix caching no
+    snapshot is ever taken. (The last-boundary snapshots of the sequences share the same
+    slots: they replace one another, and the pool evicts as it needs.)"""
+    live_bytes = max_num_seqs * state_bytes
+    left = budget_bytes - live_bytes
+    if left < block_bytes:
+        raise StartupError(
+            f"the device tier's {budget_bytes} bytes per rank do not hold the linear-attention "
+            f"state of --max-num-seqs {max_num_seqs} sequences ({state_bytes} bytes each, "
+            f"{live_bytes} in all) and KV blocks beside it: give --kv-cache-memory more, or "
+            "lower --max-num-seqs")
+    if not prefix_caching:
+        return StateBudget(left // block_bytes, max_num_seqs, 0)
+    num_blocks = left * interval // (interval * block_bytes + state_bytes)
+    return StateBudget(num_blocks, max_num_seqs, num_blocks // interval)
+
+
 def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
+def state_slots_for(num_device_blocks: int, max_num_seqs: int, interval: int,
+                    prefix_caching: bool = True) -> int:
+    """A hybrid model's state slots beside `num_device_blocks` KV blocks: a live slot for
+    every sequence that may run, and a snapshot for every `interval` blocks (none without
+    prefix caching), as `split_state_budget` sizes them; also where the blocks were given
+    rather than sized from the budget."""
+    return max_num_seqs + (num_device_blocks // interval if prefix_caching else 0)

@@ -59,6 +59,10 @@ def ready_message(runner: ModelRunner, rank: int) -> WorkerReady:
         num_host_blocks=runner.num_host_blocks,
         kv_bytes_per_block=runner.kv_bytes_per_block,
         num_disk_blocks=runner.num_disk_blocks,
+        # a hybrid model's runner sizes its state slots (worker/budget.py
+        # split_state_budget); any other has none
+        num_state_slots=runner.num_state_slots,
+        state_bytes_per_slot=runner.state_bytes_per_slot,
     ), disk_found=disk.found if disk is not None else [],
        disk_torn=disk.num_torn if disk is not None else 0,
        disk_identity_mismatch=disk.store.stats.identity_mismatch if disk is not None else False)

@@ -28,6 +28,8 @@ from worker.budget import (
     resolve_dtype,
     resolve_kv_dtype,
     resolve_max_model_len,
+    split_state_budget,
+    state_slots_for,
 )
 from worker.disk_tier import RankDiskTier
 from worker.distributed import TensorParallelGroup
@@ -102,8 +104,6 @@ class ModelRunner:
                                      logits_everywhere=self.every_rank_samples,
                                      kv_dtype=self.kv_dtype)
             self.model.load(config.model, show_progress=tp.rank == 0)
-            if isinstance(self.model, HybridModel):
-                self.state = self.model.new_state_cache(num_state_slots(config))
             self.forward_pass = ModelForward(self.model, config.attention_backend,
                                              config.block_size, self.sampling, self.state)
 
@@ -121,11 +121,24 @@ class ModelRunner:
             num_device_blocks = self.forward_pass.profile_num_blocks(
                 min(config.max_num_batched_tokens, self.max_model_len), block_bytes,
                 config.gpu_memory_utilization)
+        # a hybrid model's linear-attention state shares the device tier's budget
+        self.state_bytes_per_slot = (m.state_bytes_per_slot() if isinstance(m, HybridModel)
+                                     else 0)
         if num_device_blocks is None:
             budget = device_tier_bytes(config, block_bytes // config.block_size,
                                        self.max_model_len, device, local_world_size())
-            num_device_blocks = budget // block_bytes
+            num_device_blocks = (budget // block_bytes if not self.state_bytes_per_slot else
+                                 split_state_budget(
+                                     budget, block_bytes, self.state_bytes_per_slot,
+                                     config.max_num_seqs, config.state_snapshot_interval,
+                                     config.enable_prefix_caching).num_device_blocks)
         self.num_device_blocks = tp.all_min(num_device_blocks)
+        # every rank the same slots: counted from the blocks all ranks agreed on
+        self.num_state_slots = (state_slots_for(
+            self.num_device_blocks, config.max_num_seqs, config.state_snapshot_interval,
+            config.enable_prefix_caching) if self.state_bytes_per_slot else 0)
+        if isinstance(m, HybridModel):
+            self.state = self.forward_pass.state = m.new_state_cache(self.num_state_slots)
         self.num_host_blocks = tp.all_min(config.host_cache_memory // block_bytes)
         check_holds_one_sequence(self.num_device_blocks, config.block_size, block_bytes,
                                  self.max_model_len)
@@ -409,12 +422,6 @@ class ModelRunner:
             # An exact page table: a spare page would read stale KV.
             assert p <= n_table, (
                 f"seq {c.seq_id}: {n_ctx} tokens need {p} blocks, table has {n_table}")
-
-
-def num_state_slots(config: EngineConfig) -> int:
-    """The state slots a hybrid model's rank keeps: EngineConfig.num_state_slots, or with
-    0 there, two a running sequence and a few more (snapshots for the prefix cache)."""
-    return config.num_state_slots or config.max_num_seqs * 2 + 8
 
 
 def check_hybrid(config: EngineConfig, architecture: str) -> None:

@@ -166,8 +166,8 @@ def _uncached(s: EngineStats) -> CounterMetricFamily:
     counts too, and a preempted one once."""
     family = CounterMetricFamily(
         "deepinfer_prompt_tokens_uncached", "Prompt tokens computed rather than served from "
-        "the prefix cache, by reason (evicted, diverged, compaction, salt, no_room, new, "
-        "block_remainder)", labels=["reason"])
+        "the prefix cache, by reason (evicted, diverged, compaction, salt, no_room, no_state, "
+        "new, block_remainder)", labels=["reason"])
     for reason in UNCACHED_REASONS:
         family.add_metric([reason], s.cache.get(f"num_uncached_{reason}_tokens", 0))
     return family

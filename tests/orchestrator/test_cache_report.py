@@ -142,8 +142,8 @@ def test_metrics_count_the_uncached_tokens_by_reason():
     got = {s.labels["reason"]: s.value for s in family.samples if s.name.endswith("_total")}
     stats = sched.cache.stats
     assert got == {r: getattr(stats, f"num_uncached_{r}_tokens") for r in got}
-    assert set(got) == {"evicted", "diverged", "compaction", "salt", "no_room", "new",
-                        "block_remainder"}
+    assert set(got) == {"evicted", "diverged", "compaction", "salt", "no_room", "no_state",
+                        "new", "block_remainder"}
     assert got["new"] > 0 and got["diverged"] > 0 and got["evicted"] > 0
     assert sum(got.values()) == stats.num_queried_tokens - stats.num_device_hit_tokens
 

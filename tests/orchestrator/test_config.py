@@ -117,7 +117,7 @@ def test_every_engine_flag_survives_the_run_directory(default_model: Path,
         "--max-queued-tokens", "100", "--full-cache-check-every", "5", "--step-timeout", "12.5",
         "--attention-backend", "torch", "--torch-threads", "3", "--seed", "7",
         "--null-model-forward-ms", "2.5", "--step-channel", "zmq", "--no-async-scheduling",
-        "--served-model-name", "coder", "other",
+        "--served-model-name", "coder", "other", "--state-snapshot-interval", "2",
         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
                                 '"prompt_lookup_max": 5, "prompt_lookup_min": 1}')
     defaults = EngineConfig(model="")
@@ -173,6 +173,7 @@ def test_every_engine_setting_comes_from_its_flag_or_is_derived(default_model: P
         "null_model_forward_ms": (["--null-model-forward-ms", "1.5"], 1.5),
         "async_scheduling": (["--no-async-scheduling"], False),
         "step_channel": (["--step-channel", "zmq"], "zmq"),
+        "state_snapshot_interval": (["--state-snapshot-interval", "8"], 8),
         "kv_events_endpoint": (["--kv-events-endpoint", "5557"], "5557"),
         "kv_events_replay_endpoint": (["--kv-events-replay-endpoint", "5558"], "5558"),
     }

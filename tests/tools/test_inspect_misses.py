@@ -38,7 +38,8 @@ def test_the_cache_view_says_why_recent_prompts_missed(tmp_path):
     for reason in ("new", "diverged", "evicted", "block_remainder"):
         assert data["uncached"][reason] == sum(getattr(r.uncached, reason) for r in records) > 0
     assert data["uncached_requests"] == {"evicted": 1, "diverged": 1, "compaction": 0,
-                                         "salt": 0, "no_room": 0, "new": 3,
+                                         "salt": 0, "no_room": 0, "no_state": 0,
+                                         "new": 3,
                                          "block_remainder": 0}
     console = Console(file=io.StringIO(), width=200, record=True)
     for table in tables:

@@ -264,3 +264,33 @@ def test_why_a_prompt_missed_round_trips():
     assert (why.num_tokens, why.main_reason) == (51, "evicted")
     assert UncachedTokens(new=16, salt=16).main_reason == "salt"  # ties: the actionable one
     assert UncachedTokens().main_reason == ""
+
+
+def test_a_hybrid_models_state_fields_round_trip():
+    """Schema 15: a sequence's state slot, a chunk's snapshots, a plan's state copies and
+    registrations, the ranks' state slots, the snapshot interval, the no_state reason."""
+    from wire.lifecycle import EngineLimits, WorkerReady
+    plan = StepPlan(7, new_seqs=[NewSequence(1, [0, 1], state_slot=3)],
+                    chunks=[ScheduledChunk(1, [5] * 40, 0, True, state_snapshots=[(16, 4),
+                                                                                    (32, 5)])],
+                    state_copy=[(9, 3)], state_register=[(4, 2**64 - 1), (6, 0)])
+    limits = EngineLimits(1000, 512, (3,), 64, 0, 4096, num_state_slots=80,
+                          state_bytes_per_slot=1 << 20)
+    for msg in (plan, WorkerReady(0, "cpu", limits),
+                EngineConfig(model="/m", state_snapshot_interval=8),
+                RequestOutput("r", [1], False, None, 51, uncached=UncachedTokens(no_state=16))):
+        assert codec.decode(codec.encode(msg)) == msg
+    assert limits.is_hybrid and not EngineLimits(1000, 512, (3,), 64, 0).is_hybrid
+
+
+def test_digest_covers_which_hash_each_state_slot_holds():
+    """Registered, replaced, removed (hash 0): a rank that missed any of them differs."""
+    a, b = StateDigest(4, 0), StateDigest(4, 0)
+    a.apply(StepPlan(0, state_register=[(2, 11), (5, 12)]))
+    assert a.value != 0 and a.state_hashes() == {2: 11, 5: 12}
+    a.apply(StepPlan(1, state_register=[(2, 0), (5, 13)]))
+    b.apply(StepPlan(0, state_register=[(5, 13)]))
+    assert a.value == b.value and a.state_hashes() == {5: 13}
+    assert sum(a.tier_digests().values()) == a.value  # the state's part is one of them
+    b.apply(StepPlan(1, state_register=[(5, 0)]))
+    assert b.value == 0

@@ -1,0 +1,275 @@
+"""StatePool: a hybrid model's state slots, as the scheduler sees them (no tensors here).
+
+A linear-attention layer (Gated DeltaNet: Qwen3-Next, Qwen3.5) keeps a fixed-size state
+per sequence -- a conv window and a recurrent matrix -- instead of KV pages, so a prefix
+hit needs that state as it was at the hit's end. Each rank holds `num_slots` slots of it
+(worker/linear_state.py), and every slot is, at any time, exactly one of:
+
+- free;
+- *live*: the running state of one open sequence (NewSequence.state_slot);
+- *pending*: a snapshot a sequence's chunk takes (ScheduledChunk.state_snapshots) at a
+  block boundary whose block is not committed yet (its last token still pending under
+  overlap scheduling); registered when the block is (`commit`), freed if the sequence
+  closes first;
+- *cached*: a snapshot indexed by the hash of the block it ends at (the chain through
+  that block: the same key as the block's KV), restored into a live slot by a prefix hit
+  (`open`: a StepPlan.state_copy). Pinned while a waiting sequence holds it as its hit;
+  else in an LRU, evicted when a slot is wanted, those whose block no tier holds any more
+  first (without its KV chain a snapshot is useless).
+
+A snapshot registered in a plan is written by that plan's forward, after the plan's
+copies ran, so it is hittable (and evictable) only from the next plan on (`take_ops`).
+Which slot holds which hash is in the state digest (wire/digest.py): each registration,
+and each removal (hash 0) when a cached slot is dropped or reused, is a
+StepPlan.state_register pair.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+
+from cache.hashing import BlockHashChain
+
+Key = tuple[int, int]  # a block hash's (lo, hi) words
+# On eviction, this many of the least recently used snapshots are looked at for one whose
+# block is gone from every tier, before the least recently used one is taken anyway.
+USELESS_SCAN = 32
+_MATCH_CHUNK = 256  # the prefix is searched from its end in chunks of this many blocks
+
+
+class StatePool:
+    def __init__(self, num_slots: int,
+                 chain_alive: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+                 ) -> None:
+        self.num_slots = num_slots
+        # whether each (lo, hi) is still cached in some KV tier (cache/manager.py)
+        self._chain_alive = chain_alive
+        self._free = list(range(num_slots - 1, -1, -1))  # a stack: 0, 1, 2, ... first
+        self.live: dict[int, int] = {}  # seq id -> its live slot
+        self._pending: dict[int, list[tuple[int, int]]] = {}  # seq id -> [(blocks, slot)]
+        self._latest: dict[int, int] = {}  # seq id -> its own latest snapshot, if dropped on
+        self._index: dict[Key, int] = {}  # cached snapshots
+        self._key: dict[int, Key] = {}  # cached slot -> its key
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached, unpinned, ready: oldest first
+        self._pins: dict[int, int] = {}  # cached slot -> waiting sequences that will restore it
+        # registered this plan, in order: written by its forward
+        self._not_ready: dict[int, None] = {}
+        self._copies: list[tuple[int, int]] = []
+        # Freed by this plan's closes, free for the next plan's: a rank applies a plan's
+        # state_copy before its closes, so a copy must not land in a slot the sequence it
+        # closes still has on the rank.
+        self._released: list[int] = []
+        self._registers: dict[int, int] = {}  # this plan's digest pairs, slot -> lo (0: none)
+
+    # --- queries --------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free) + len(self._released)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._key)
+
+    @property
+    def num_pending(self) -> int:
+        return sum(len(p) for p in self._pending.values())
+
+    def slot_of(self, seq_id: int) -> int:
+        return self.live.get(seq_id, -1)
+
+    def can_open(self) -> bool:
+        """Whether `open` would find a live slot (a pinned restore source is not
+        evictable, so not counted)."""
+        return bool(self._free) or bool(self._lru)
+
+    def best(self, chain: BlockHashChain, num_blocks: int) -> tuple[int, int]:
+        """(n, slot): the longest prefix of at most ``num_blocks`` blocks of ``chain``
+        (hashed that far) whose state is cached and ready, and the slot holding it;
+        (0, -1) if none."""
+        stop = num_blocks
+        while stop > 0 and self._index:
+            start = max(0, stop - _MATCH_CHUNK)
+            lo, hi = chain.keys(start, stop)
+            for i, key in enumerate(reversed(list(zip(lo.tolist(), hi.tolist())))):
+                slot = self._index.get(key)
+                if slot is not None and slot not in self._not_ready:
+                    return stop - i, slot
+            stop = start
+        return 0, -1
+
+    def registered(self) -> dict[int, int]:
+        """Cached slot -> its hash's lo word: what the state digest must hold."""
+        return {slot: key[0] for slot, key in self._key.items()}
+
+    # --- sequences --------------------------------------------------------------------
+
+    def pin(self, slot: int) -> None:
+        """A waiting sequence will restore this cached snapshot: not evictable until
+        `unpin` (or `open`, which unpins it)."""
+        assert slot in self._key and slot not in self._not_ready, f"state slot {slot}"
+        self._pins[slot] = self._pins.get(slot, 0) + 1
+        self._lru.pop(slot, None)
+
+    def unpin(self, slot: int) -> None:
+        n = self._pins[slot] - 1
+        if n:
+            self._pins[slot] = n
+            return
+        del self._pins[slot]
+        self._lru[slot] = None  # most recently used: a hit was just taken from it
+
+    def open(self, seq_id: int, restore: int = -1) -> int:
+        """The live slot of a sequence admitted now; with ``restore`` (a slot pinned for
+        it, so the eviction here cannot take it), a copy of that snapshot into it, and the
+        pin let go."""
+        assert seq_id not in self.live, f"seq {seq_id} has a live state slot already"
+        assert restore < 0 or restore in self._pins, f"state slot {restore} is not pinned"
+        slot = self._take()
+        assert slot >= 0, "no state slot for an admitted sequence (call can_open first)"
+        self.live[seq_id] = slot
+        if restore >= 0:
+            self._copies.append((restore, slot))
+            self.unpin(restore)
+        return slot
+
+    def close(self, seq_id: int) -> None:
+        """A sequence closes: its live slot is free, its snapshots not yet registered too
+        (their blocks were never committed); the registered ones stay cached."""
+        slot = self.live.pop(seq_id, -1)
+        if slot >= 0:
+            self._released.append(slot)
+        for _, snap in self._pending.pop(seq_id, ()):
+            self._released.append(snap)
+        self._latest.pop(seq_id, None)
+
+    def take_snapshot(self, seq_id: int, num_blocks: int, keep: bool) -> int:
+        """A slot for the state of ``seq_id`` after its first ``num_blocks`` blocks, taken
+        by this plan's forward and registered once the block is committed (`commit`); -1
+        when every slot is in use (no snapshot: a later hit starts further back). Unless
+        ``keep`` (a boundary on the snapshot interval), it replaces the sequence's
+        previous such snapshot: only its latest boundary is worth a slot."""
+        assert seq_id in self.live, f"seq {seq_id} snapshots without a live state slot"
+        slot = self._take()
+        if slot < 0:
+            return -1
+        previous = self._latest.pop(seq_id, -1)
+        if previous >= 0:
+            self._drop_own(seq_id, previous)
+        self._pending.setdefault(seq_id, []).append((num_blocks, slot))
+        if not keep:
+            self._latest[seq_id] = slot
+        return slot
+
+    def commit(self, seq_id: int, chain: BlockHashChain, num_registered: int) -> None:
+        """Register the snapshots of ``seq_id`` whose block is committed now (the first
+        ``num_registered`` blocks, hashed in ``chain``). A hash already cached keeps its
+        slot; this one is freed."""
+        pending = self._pending.get(seq_id)
+        if not pending:
+            return
+        ready = [(n, slot) for n, slot in pending if n <= num_registered]
+        if not ready:
+            return
+        self._pending[seq_id] = [p for p in pending if p[0] > num_registered]
+        for n, slot in ready:
+            lo, hi = chain.keys(n - 1, n)
+            key = (int(lo[0]), int(hi[0]))
+            if key in self._index:
+                self._free.append(slot)
+                if self._latest.get(seq_id) == slot:
+                    del self._latest[seq_id]
+                continue
+            self._index[key] = slot
+            self._key[slot] = key
+            self._not_ready[slot] = None
+            self._registers[slot] = key[0]
+
+    # --- per plan ---------------------------------------------------------------------
+
+    def take_ops(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This plan's (state_copy, state_register); the snapshots it registered become
+        hittable and evictable for the plans after it."""
+        copies, self._copies = self._copies, []
+        self._free.extend(self._released)
+        self._released = []
+        registers = list(self._registers.items())
+        self._registers = {}
+        for slot in self._not_ready:
+            if slot in self._key and slot not in self._pins:
+                self._lru[slot] = None
+        self._not_ready.clear()
+        return copies, registers
+
+    def peek_ops(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        return list(self._copies), list(self._registers.items())
+
+    def drop_cached(self) -> int:
+        """Forget every cached snapshot nobody holds (a reset of the prefix cache)."""
+        victims = list(self._lru)
+        for slot in victims:
+            self._unindex(slot)
+            self._free.append(slot)
+        return len(victims)
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _take(self) -> int:
+        """A free slot, else the least valuable cached one (unindexed); -1 if none."""
+        if self._free:
+            return self._free.pop()
+        if not self._lru:
+            return -1
+        slot = self._victim()
+        self._unindex(slot)
+        return slot
+
+    def _victim(self) -> int:
+        """Of the oldest cached snapshots, one whose block no KV tier holds any more (it
+        can never be hit), else the oldest."""
+        oldest = next(iter(self._lru))
+        if self._chain_alive is None:
+            return oldest
+        scan = [s for s, _ in zip(self._lru, range(USELESS_SCAN))]
+        keys = np.array([self._key[s] for s in scan], dtype=np.uint64)
+        alive = self._chain_alive(keys[:, 0].copy(), keys[:, 1].copy())
+        dead = np.flatnonzero(~alive)
+        return scan[int(dead[0])] if len(dead) else oldest
+
+    def _unindex(self, slot: int) -> None:
+        key = self._key.pop(slot)
+        del self._index[key]
+        self._lru.pop(slot, None)
+        self._not_ready.pop(slot, None)
+        self._registers[slot] = 0
+
+    def _drop_own(self, seq_id: int, slot: int) -> None:
+        """Drop a snapshot of ``seq_id`` replaced by a later one: freed if pending or
+        cached and unpinned; a pinned one stays (the LRU takes it once let go)."""
+        pending = self._pending.get(seq_id, [])
+        for i, (_, s) in enumerate(pending):
+            if s == slot:
+                del pending[i]
+                self._free.append(slot)
+                return
+        if slot in self._key and slot not in self._pins:
+            self._unindex(slot)
+            self._free.append(slot)
+
+    def check(self) -> None:
+        """Every slot in exactly one state; the indexes agree (O(slots): tests)."""
+        live = list(self.live.values())
+        pending = [s for p in self._pending.values() for _, s in p]
+        everything = self._free + self._released + live + pending + list(self._key)
+        assert sorted(everything) == list(range(self.num_slots)), (
+            f"state slots lost or doubled: free {self._free}, live {live}, pending "
+            f"{pending}, cached {sorted(self._key)}")
+        assert {v: k for k, v in self._index.items()} == self._key
+        assert set(self._pins) <= set(self._key) and all(n > 0 for n in self._pins.values())
+        assert set(self._lru) == set(self._key) - set(self._pins) - set(self._not_ready)
+        assert set(self._not_ready) <= set(self._key)
+        owned = set(pending) | set(self._key)
+        assert all(s in owned for s in self._latest.values())

@@ -1,0 +1,215 @@
+"""A hybrid model's state slots in the scheduler alone (no model, no ranks): each sequence
+runs in a live slot, chunks snapshot the state at block boundaries, a later prompt with
+the same prefix restores the last snapshot and computes the rest, and every slot comes
+back after the closes (cache/state_pool.py, scheduler/state_snapshots.py)."""
+
+from __future__ import annotations
+
+import random
+
+from scheduler.scheduler import Scheduler
+from scheduler.state_snapshots import snapshot_boundaries
+from wire.client import GenerateRequest
+from wire.config import EngineConfig
+from wire.digest import StateDigest
+from wire.lifecycle import EngineLimits
+from wire.step import StepPlan
+
+BS = 16
+
+
+def make(num_blocks: int = 64, num_state_slots: int = 16, **cfg) -> Scheduler:
+    config = EngineConfig(model="/models/m", block_size=BS, **cfg)
+    return Scheduler(config, EngineLimits(vocab_size=1000, max_model_len=1024,
+                                          eos_token_ids=(3,), num_device_blocks=num_blocks,
+                                          num_host_blocks=0, num_state_slots=num_state_slots,
+                                          state_bytes_per_slot=4096))
+
+
+class Ranks:
+    """What the ranks would hold of the state: each plan's digest replayed, and the live
+    slot of every open sequence (as a rank remembers it from NewSequence)."""
+
+    def __init__(self) -> None:
+        self.mirror = StateDigest(64, 0, 0)
+        self.slots: dict[int, int] = {}
+        self.copies = 0
+
+    def apply(self, plan: StepPlan) -> None:
+        cached = self.mirror.state_hashes()
+        for src, dst in plan.state_copy:  # applied before the closes
+            assert cached.get(src), f"a copy from slot {src}, which holds no snapshot"
+            assert dst not in self.slots.values(), f"a copy into slot {dst}, live on the ranks"
+        self.copies += len(plan.state_copy)
+        for seq_id in plan.close:
+            del self.slots[seq_id]
+        for new in plan.new_seqs:
+            assert new.state_slot >= 0, f"seq {new.seq_id} opened without a state slot"
+            assert new.state_slot not in self.slots.values(), "a live slot used twice"
+            self.slots[new.seq_id] = new.state_slot
+        written = [s for c in plan.chunks for _, s in c.state_snapshots]
+        assert len(set(written)) == len(written), "two snapshots into one slot in one step"
+        assert not set(written) & set(self.slots.values()), "a snapshot into a live slot"
+        self.mirror.apply(plan)
+
+
+def run(s: Scheduler, ranks: Ranks, token: int = 7, steps: int = 1) -> list[StepPlan]:
+    plans = []
+    for _ in range(steps):
+        plan = s.schedule()
+        ranks.apply(plan)
+        assert ranks.mirror.value == s.digest.value
+        assert ranks.mirror.state_hashes() == s.cache.state.registered()
+        s.cache.check_invariants()
+        s.update(plan, [(c.seq_id, token) for c in plan.batch() if c.sample])
+        plans.append(plan)
+    return plans
+
+
+def drain(s: Scheduler, ranks: Ranks, token: int = 7) -> None:
+    for _ in range(500):
+        if not s.has_work():
+            return
+        run(s, ranks, token)
+    raise AssertionError("the scheduler never ran out of work")
+
+
+def test_boundaries_are_the_interval_multiples_and_the_last():
+    assert snapshot_boundaries(0, 100, BS, 4) == [4, 6]  # 6 blocks: 4 (interval), 6 (last)
+    assert snapshot_boundaries(0, 128, BS, 4) == [4, 8]
+    assert snapshot_boundaries(100, 120, BS, 4) == [7]
+    assert snapshot_boundaries(100, 111, BS, 4) == []  # no boundary crossed
+    assert snapshot_boundaries(127, 128, BS, 4) == [8]  # a decode onto a boundary
+    assert snapshot_boundaries(0, 200, BS, 1) == list(range(1, 13))
+
+
+def test_a_prompt_runs_in_a_live_slot_and_snapshots_its_boundaries():
+    s, ranks = make(state_snapshot_interval=4), Ranks()
+    s.add_request(GenerateRequest("a", list(range(10, 110)), 4, ignore_eos=True))
+    (plan,) = run(s, ranks)
+    (new,) = plan.new_seqs
+    assert new.state_slot == 0
+    (chunk,) = plan.chunks
+    # 100 tokens: boundaries at 64 (4 blocks, the interval) and 96 (the last full block)
+    assert [n for n, _ in chunk.state_snapshots] == [64, 96]
+    assert sorted(slot for slot, _ in plan.state_register) == sorted(
+        slot for _, slot in chunk.state_snapshots)
+
+
+def test_a_decode_onto_a_boundary_is_a_chunk_with_a_snapshot_registered_next_step():
+    """Under overlap scheduling the decode's token is pending when it is planned: its
+    block, and the snapshot at its end, are registered by the next plan."""
+    s, ranks = make(), Ranks()
+    s.add_request(GenerateRequest("a", list(range(10, 40)), 8, ignore_eos=True))  # 30 tokens
+    plans = []
+    previous = None
+    for _ in range(4):  # each plan made before the results of the one before
+        plan = s.schedule()
+        ranks.apply(plan)
+        assert ranks.mirror.value == s.digest.value
+        if previous is not None:
+            s.update(previous, [(c.seq_id, 7) for c in previous.batch() if c.sample])
+        plans.append(previous := plan)
+    first, second, third, fourth = plans
+    assert [n for n, _ in first.chunks[0].state_snapshots] == [16]
+    # step 1 decodes position 30, step 2 position 31: its state is at the 32-token boundary
+    assert len(second.decodes) == 1 and not second.chunks
+    (chunk,) = third.chunks
+    assert chunk.start_pos == 31 and chunk.token_ids == [-1]
+    assert [n for n, _ in chunk.state_snapshots] == [1]
+    snap = chunk.state_snapshots[0][1]
+    assert snap not in dict(third.state_register)
+    assert dict(fourth.state_register).get(snap), "the snapshot was never registered"
+    # the latest boundary replaced the one before (16 is not on the interval of 4)
+    first_snap = first.chunks[0].state_snapshots[0][1]
+    assert dict(third.state_register)[first_snap] == 0
+    assert ranks.mirror.state_hashes() == s.cache.state.registered() == {
+        snap: dict(fourth.state_register)[snap]}
+
+
+def test_a_second_request_restores_the_snapshot_and_computes_the_rest():
+    s, ranks = make(), Ranks()
+    prompt = list(range(10, 110))
+    s.add_request(GenerateRequest("a", prompt, 2, ignore_eos=True))
+    drain(s, ranks)
+    s.add_request(GenerateRequest("b", prompt + list(range(300, 340)), 2, ignore_eos=True))
+    (plan,) = run(s, ranks)
+    (new,) = plan.new_seqs
+    (chunk,) = plan.chunks
+    b = s.sequence("b")
+    # a's prompt and its first output token (101 tokens): its last full block ends at 96
+    assert chunk.start_pos == 96 and b.num_device_cached == 96
+    (copy,) = plan.state_copy
+    assert copy[1] == new.state_slot
+    assert ranks.mirror.state_hashes()[copy[0]], "restored from a registered snapshot"
+    drain(s, ranks)
+    assert s.cache.state.live == {} and s.cache.state.num_pending == 0
+
+
+def test_a_hit_is_cut_to_the_last_snapshot_and_the_rest_has_a_reason():
+    s, ranks = make(state_snapshot_interval=4), Ranks()
+    prompt = list(range(10, 110))  # 6 full blocks: snapshots at 4 and 6
+    s.add_request(GenerateRequest("a", prompt, 1, ignore_eos=True))
+    drain(s, ranks)
+    # shares 5 blocks and a bit with a: the KV of 5 is cached, the state only at 4
+    s.add_request(GenerateRequest("b", prompt[:85] + list(range(500, 540)), 1))
+    (plan,) = run(s, ranks)
+    b = s.sequence("b")
+    assert plan.chunks[0].start_pos == 64 and b.num_device_cached == 64
+    assert b.uncached.no_state == 16  # block 5: cached KV, no state at its end
+    assert b.uncached.num_tokens == len(b.request.prompt_token_ids) - 64
+
+
+def test_without_room_for_a_live_slot_a_request_waits():
+    s, ranks = make(num_state_slots=2, max_num_seqs=4), Ranks()
+    for i in range(3):
+        s.add_request(GenerateRequest(f"r{i}", list(range(100 * i + 10, 100 * i + 20)), 3,
+                                      ignore_eos=True))
+    (plan,) = run(s, ranks)
+    assert len(plan.new_seqs) == 2  # the third waits for a slot
+    drain(s, ranks)
+    assert s.cache.state.num_free == 2
+
+
+def test_a_preempted_sequence_comes_back_from_its_snapshot():
+    # 10 blocks: "old" grows to 7, so "new" is preempted; once "old" ends, "new" finds
+    # most of its own blocks still cached, and the state at the last of them
+    s, ranks = make(num_blocks=10, max_num_batched_tokens=64, state_snapshot_interval=1), Ranks()
+    s.add_request(GenerateRequest("old", list(range(10, 50)), 60, ignore_eos=True))
+    s.add_request(GenerateRequest("new", list(range(500, 540)), 60, ignore_eos=True))
+    readmitted = []
+    for _ in range(200):
+        if not s.has_work():
+            break
+        (plan,) = run(s, ranks)
+        new = s.sequence("new")
+        if new is not None and new.num_preemptions and any(
+                n.seq_id == new.seq_id for n in plan.new_seqs):
+            readmitted.append(plan)
+    (plan,) = readmitted
+    (copy,) = plan.state_copy
+    assert plan.chunks[-1].start_pos > 0 and copy[1] == plan.new_seqs[0].state_slot
+    assert s.cache.state.live == {} and s.cache.state.num_pending == 0
+
+
+def test_a_random_workload_leaks_no_slot_and_the_digest_agrees():
+    rng = random.Random(5)
+    s, ranks = make(num_blocks=40, num_state_slots=10, max_num_seqs=4,
+                    max_num_batched_tokens=48, state_snapshot_interval=2), Ranks()
+    stems = [list(range(10, 10 + rng.randrange(20, 90))) for _ in range(3)]
+    n = 0
+    for step in range(400):
+        if step < 300 and rng.random() < 0.15:
+            prompt = rng.choice(stems)[:rng.randrange(5, 90)] + [rng.randrange(100, 900)
+                                                                   for _ in range(5)]
+            s.add_request(GenerateRequest(f"r{n}", prompt, rng.randrange(1, 30)))
+            n += 1
+        if step < 300 and n and rng.random() < 0.05:
+            s.abort_request(f"r{rng.randrange(n)}")
+        if s.has_work():
+            run(s, ranks, token=rng.choice([3, 7, 8, 9]))
+    drain(s, ranks)
+    pool = s.cache.state
+    assert pool.live == {} and pool.num_pending == 0
+    assert pool.num_free + pool.num_cached == pool.num_slots
+    assert s.cache.stats.num_device_hit_tokens > 0 and ranks.copies > 0
