@@ -96,7 +96,8 @@ class KVCacheManager:
                                   self.events, drops)
         self.num_held_blocks = 0  # blocks held for waiting sequences (`hold`)
         # a hybrid model's linear-attention state slots: a hit ends where a snapshot is
-        self.state = (StatePool(config.num_state_slots, self._chain_alive)
+        self.state = (StatePool(config.num_state_slots, self._chain_alive,
+                                config.num_host_state_slots if config.host_enabled else 0)
                       if config.num_state_slots else None)
 
     # --- queries --------------------------------------------------------------------
@@ -449,6 +450,7 @@ class KVCacheManager:
         ops, self._ops = self._ops, CacheOps()
         if self.state is not None:
             ops.state_copy, ops.state_register = self.state.take_ops()
+            ops.state_swap_out, ops.state_swap_in = self.state.take_swaps()
         self.device.clear_busy()
         self.host.unpin_all()
         self.disk.unpin_all()
@@ -467,6 +469,7 @@ class KVCacheManager:
                        list(self._ops.disk_read))
         if self.state is not None:
             ops.state_copy, ops.state_register = self.state.peek_ops()
+            ops.state_swap_out, ops.state_swap_in = self.state.peek_swaps()
         return ops
 
     def reset_prefix_cache(self) -> int:

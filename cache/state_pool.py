@@ -15,7 +15,12 @@ hit needs that state as it was at the hit's end. Each rank holds `num_slots` slo
   that block: the same key as the block's KV), restored into a live slot by a prefix hit
   (`open`: a StepPlan.state_copy). Pinned while a waiting sequence holds it as its hit;
   else in an LRU, evicted when a slot is wanted, those whose block no tier holds any more
-  first (without its KV chain a snapshot is useless).
+  first (without its KV chain a snapshot is useless); one whose block is still held is
+  demoted to the host tier, if it has one (cache/state_host.py: StepPlan.state_swap_out).
+
+A hit is restored from the device (a copy) or from the host (a swap_in), whichever holds
+the snapshot at the hit's last block: `best` names the source as a *restore handle*, a
+device slot, or `num_slots` + a host slot, which `pin`, `unpin` and `open` take.
 
 A snapshot registered in a plan is written by that plan's forward, after the plan's
 copies ran, so it is hittable (and evictable) only from the next plan on (`take_ops`).
@@ -27,24 +32,19 @@ StepPlan.state_register pair.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
-
-import numpy as np
 
 from cache.hashing import BlockHashChain
+from cache.state_host import ChainAlive, HostStates, Key, least_valuable
 
-Key = tuple[int, int]  # a block hash's (lo, hi) words
-# On eviction, this many of the least recently used snapshots are looked at for one whose
-# block is gone from every tier, before the least recently used one is taken anyway.
-USELESS_SCAN = 32
 _MATCH_CHUNK = 256  # the prefix is searched from its end in chunks of this many blocks
 
 
 class StatePool:
-    def __init__(self, num_slots: int,
-                 chain_alive: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
-                 ) -> None:
+    def __init__(self, num_slots: int, chain_alive: ChainAlive | None = None,
+                 num_host_slots: int = 0) -> None:
         self.num_slots = num_slots
+        # snapshots the device evicted, while their blocks are still cached somewhere
+        self.host = HostStates(num_host_slots, chain_alive) if num_host_slots else None
         # whether each (lo, hi) is still cached in some KV tier (cache/manager.py)
         self._chain_alive = chain_alive
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: 0, 1, 2, ... first
@@ -63,6 +63,8 @@ class StatePool:
         # closes still has on the rank.
         self._released: list[int] = []
         self._registers: dict[int, int] = {}  # this plan's digest pairs, slot -> lo (0: none)
+        self._swap_out: list[tuple[int, int]] = []  # (device slot, host slot) demotions
+        self._swap_in: list[tuple[int, int]] = []  # (host slot, live slot) restores
 
     # --- queries --------------------------------------------------------------------
 
@@ -87,17 +89,21 @@ class StatePool:
         return bool(self._free) or bool(self._lru)
 
     def best(self, chain: BlockHashChain, num_blocks: int) -> tuple[int, int]:
-        """(n, slot): the longest prefix of at most ``num_blocks`` blocks of ``chain``
-        (hashed that far) whose state is cached and ready, and the slot holding it;
+        """(n, restore): the longest prefix of at most ``num_blocks`` blocks of ``chain``
+        (hashed that far) whose state is cached and ready, on the device or the host, and
+        the restore handle of the slot holding it (the device's if both hold it);
         (0, -1) if none."""
+        host = self.host if self.host is not None and self.host.num_cached else None
         stop = num_blocks
-        while stop > 0 and self._index:
+        while stop > 0 and (self._index or host is not None):
             start = max(0, stop - _MATCH_CHUNK)
             lo, hi = chain.keys(start, stop)
             for i, key in enumerate(reversed(list(zip(lo.tolist(), hi.tolist())))):
                 slot = self._index.get(key)
                 if slot is not None and slot not in self._not_ready:
                     return stop - i, slot
+                if host is not None and (h := host.find(key)) >= 0:
+                    return stop - i, self.num_slots + h
             stop = start
         return 0, -1
 
@@ -108,13 +114,19 @@ class StatePool:
     # --- sequences --------------------------------------------------------------------
 
     def pin(self, slot: int) -> None:
-        """A waiting sequence will restore this cached snapshot: not evictable until
-        `unpin` (or `open`, which unpins it)."""
+        """A waiting sequence will restore this cached snapshot (a restore handle): not
+        evictable until `unpin` (or `open`, which unpins it)."""
+        if slot >= self.num_slots:
+            self.host.pin(slot - self.num_slots)
+            return
         assert slot in self._key and slot not in self._not_ready, f"state slot {slot}"
         self._pins[slot] = self._pins.get(slot, 0) + 1
         self._lru.pop(slot, None)
 
     def unpin(self, slot: int) -> None:
+        if slot >= self.num_slots:
+            self.host.unpin(slot - self.num_slots)
+            return
         n = self._pins[slot] - 1
         if n:
             self._pins[slot] = n
@@ -124,14 +136,19 @@ class StatePool:
 
     def open(self, seq_id: int, restore: int = -1) -> int:
         """The live slot of a sequence admitted now; with ``restore`` (a slot pinned for
-        it, so the eviction here cannot take it), a copy of that snapshot into it, and the
-        pin let go."""
+        it, so the eviction here cannot take it), a copy of that snapshot into it (from the
+        host: a swap_in), and the pin let go."""
         assert seq_id not in self.live, f"seq {seq_id} has a live state slot already"
-        assert restore < 0 or restore in self._pins, f"state slot {restore} is not pinned"
+        assert restore < 0 or (restore in self._pins if restore < self.num_slots
+                               else self.host.is_pinned(restore - self.num_slots)), (
+            f"state slot {restore} is not pinned")
         slot = self._take()
         assert slot >= 0, "no state slot for an admitted sequence (call can_open first)"
         self.live[seq_id] = slot
-        if restore >= 0:
+        if restore >= self.num_slots:
+            self._swap_in.append((restore - self.num_slots, slot))
+            self.host.restore(restore - self.num_slots)
+        elif restore >= 0:
             self._copies.append((restore, slot))
             self.unpin(restore)
         return slot
@@ -204,8 +221,19 @@ class StatePool:
         self._not_ready.clear()
         return copies, registers
 
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This plan's (state_swap_out, state_swap_in), with `take_ops`."""
+        swaps = self._swap_out, self._swap_in
+        self._swap_out, self._swap_in = [], []
+        if self.host is not None:
+            self.host.end_plan()
+        return swaps
+
     def peek_ops(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         return list(self._copies), list(self._registers.items())
+
+    def peek_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        return list(self._swap_out), list(self._swap_in)
 
     def drop_cached(self) -> int:
         """Forget every cached snapshot nobody holds (a reset of the prefix cache)."""
@@ -213,31 +241,24 @@ class StatePool:
         for slot in victims:
             self._unindex(slot)
             self._free.append(slot)
-        return len(victims)
+        return len(victims) + (self.host.drop_cached() if self.host is not None else 0)
 
     # --- internals ----------------------------------------------------------------------
 
     def _take(self) -> int:
-        """A free slot, else the least valuable cached one (unindexed); -1 if none."""
+        """A free slot, else the least valuable cached one (unindexed; demoted to the
+        host if its block is still cached somewhere); -1 if none."""
         if self._free:
             return self._free.pop()
         if not self._lru:
             return -1
-        slot = self._victim()
+        slot, alive = least_valuable(self._lru, self._key, self._chain_alive)
+        if alive and self.host is not None:
+            host_slot = self.host.demote(self._key[slot])
+            if host_slot >= 0:  # the ranks copy it out before anything writes the slot
+                self._swap_out.append((slot, host_slot))
         self._unindex(slot)
         return slot
-
-    def _victim(self) -> int:
-        """Of the oldest cached snapshots, one whose block no KV tier holds any more (it
-        can never be hit), else the oldest."""
-        oldest = next(iter(self._lru))
-        if self._chain_alive is None:
-            return oldest
-        scan = [s for s, _ in zip(self._lru, range(USELESS_SCAN))]
-        keys = np.array([self._key[s] for s in scan], dtype=np.uint64)
-        alive = self._chain_alive(keys[:, 0].copy(), keys[:, 1].copy())
-        dead = np.flatnonzero(~alive)
-        return scan[int(dead[0])] if len(dead) else oldest
 
     def _unindex(self, slot: int) -> None:
         key = self._key.pop(slot)
@@ -273,3 +294,5 @@ class StatePool:
         assert set(self._not_ready) <= set(self._key)
         owned = set(pending) | set(self._key)
         assert all(s in owned for s in self._latest.values())
+        if self.host is not None:
+            self.host.check()

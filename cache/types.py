@@ -32,6 +32,7 @@ class CacheConfig:
     # A hybrid model's state slots (cache/state_pool.py): live ones and snapshots; 0: the
     # model has no linear-attention layers.
     num_state_slots: int = 0
+    num_host_state_slots: int = 0  # snapshot slots in the host tier (cache/state_host.py)
 
     def __post_init__(self) -> None:
         assert self.block_size > 0, self.block_size
@@ -40,7 +41,7 @@ class CacheConfig:
         assert self.write_policy in WRITE_POLICIES, self.write_policy
         assert 0.0 <= self.max_retained_fraction <= 1.0, self.max_retained_fraction
         assert self.num_disk_blocks >= 0 and self.num_ranks >= 1
-        assert self.num_state_slots >= 0, self.num_state_slots
+        assert self.num_state_slots >= 0 and self.num_host_state_slots >= 0
 
     @property
     def host_enabled(self) -> bool:
@@ -79,6 +80,10 @@ class CacheOps:
     # prefix hits, and (state slot, hash lo; 0: none) for the digest.
     state_copy: list[tuple[int, int]] = field(default_factory=list)
     state_register: list[tuple[int, int]] = field(default_factory=list)
+    # ... and its snapshots between the tiers (cache/state_host.py): (device slot, host
+    # slot) demotions, (host slot, live slot) restores
+    state_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    state_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.swap_out or self.swap_in or self.disk_write or self.disk_read)

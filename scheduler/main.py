@@ -156,6 +156,8 @@ def print_budget(config: EngineConfig, limits: EngineLimits) -> None:
     if limits.is_hybrid:
         table.add_row("state", f"{limits.num_state_slots:,} slots", "",
                       f"{limits.num_state_slots * limits.state_bytes_per_slot:,}")
+        table.add_row("host state", f"{limits.num_host_state_slots:,} slots", "",
+                      f"{limits.num_host_state_slots * limits.state_bytes_per_slot:,}")
     Console(file=sys.stdout, width=100).print(table)
 
 
@@ -199,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
              host_blocks=limits.num_host_blocks,
              host_tokens=limits.num_host_blocks * config.block_size,
              state_slots=limits.num_state_slots,
+             host_state_slots=limits.num_host_state_slots,
              state_bytes_per_slot=limits.state_bytes_per_slot)
     telemetry = Telemetry(log)
     core = EngineCore(Scheduler(config, limits), executor, telemetry)

@@ -61,6 +61,7 @@ class Scheduler:
             num_disk_blocks=limits.num_disk_blocks,
             num_ranks=config.world_size,
             num_state_slots=limits.num_state_slots,
+            num_host_state_slots=limits.num_host_state_slots,
         ), clock)
         assert not (limits.is_hybrid and config.speculative is not None), (
             "speculative decoding is refused for a hybrid model (scheduler/main.py)")
@@ -420,6 +421,7 @@ class Scheduler:
         ops = self.cache.take_ops()
         plan.swap_out, plan.swap_in, plan.register = ops.swap_out, ops.swap_in, ops.registered
         plan.state_copy, plan.state_register = ops.state_copy, ops.state_register
+        plan.state_swap_out, plan.state_swap_in = ops.state_swap_out, ops.state_swap_in
         plan.disk_write, plan.disk_read = ops.disk_write, ops.disk_read
         t = time.perf_counter()
         self.digest.apply(plan)

@@ -11,7 +11,8 @@ is caught at the step it happened. It covers
   whether a rank's background write landed is reported apart, StepResult.disk_done);
 - a hybrid model's state snapshots: which block hash each state slot holds the state at
   (`StepPlan.state_register`; hash 0 removes the entry, when the slot is reused or
-  dropped).
+  dropped), and which hash each host state slot holds (`StepPlan.state_swap_out` gives it
+  the device slot's, as a KV swap_out does).
 
 It is a sum of per-entry hashes mod 2^64, so a step costs O(delta), not O(state):
 a 450K-token block table is never rehashed. Tier contents are numpy arrays, 8 bytes
@@ -119,6 +120,7 @@ class StateDigest:
     HOST_HASH = 3
     DISK_HASH = 4
     STATE_HASH = 5
+    HOST_STATE_HASH = 6
 
     def __init__(self, num_device_blocks: int = 0, num_host_blocks: int = 0,
                  num_disk_blocks: int = 0) -> None:
@@ -136,6 +138,7 @@ class StateDigest:
         # state slot -> hash: a few snapshots change per step, and no size is needed up
         # front (a model without linear-attention layers has none)
         self._state_hash: dict[int, int] = {}
+        self._host_state_hash: dict[int, int] = {}  # host state slot -> hash
 
     def add_blocks(self, seq_id: int, block_ids: list[int]) -> None:
         n = self._seq_lens.get(seq_id, 0)
@@ -249,24 +252,33 @@ class StateDigest:
             blocks, hashes = zip(*plan.register)
             self._set(self.DEVICE_HASH, self._block_hash, self._block_view, list(blocks),
                       list(hashes))
+        if plan.state_swap_out:  # the device slots' hashes as the plan found them
+            self._set_states([(host, self._state_hash.get(slot, 0))
+                              for slot, host in plan.state_swap_out],
+                             self._host_state_hash, self.HOST_STATE_HASH)
         if plan.state_register:
             self._set_states(plan.state_register)
 
-    def _set_states(self, pairs: list[tuple[int, int]]) -> None:
+    def _set_states(self, pairs: list[tuple[int, int]], table: dict[int, int] | None = None,
+                    kind: int = STATE_HASH) -> None:
         """(state slot, hash lo) pairs, in order; hash 0: the slot holds no snapshot."""
-        table, delta = self._state_hash, 0
+        table, delta = self._state_hash if table is None else table, 0
         for slot, h in pairs:
             old = table.pop(slot, 0)
             if old:
-                delta -= _entry(self.STATE_HASH, slot, old)
+                delta -= _entry(kind, slot, old)
             if h:
-                delta += _entry(self.STATE_HASH, slot, h)
+                delta += _entry(kind, slot, h)
                 table[slot] = h
         self.value = (self.value + delta) & _MASK64
 
     def state_hashes(self) -> dict[int, int]:
         """State slot -> the hash (lo) of the block its snapshot ends at (a copy)."""
         return dict(self._state_hash)
+
+    def host_state_hashes(self) -> dict[int, int]:
+        """Host state slot -> the hash (lo) its snapshot was last told to hold (a copy)."""
+        return dict(self._host_state_hash)
 
     def restore_disk(self, slots: list[int] | np.ndarray, hashes: list[int] | np.ndarray) -> None:
         """Warm restart: disk slots found holding these hashes (low 64 bits), on every
@@ -307,4 +319,8 @@ class StateDigest:
         for slot, h in list(self._state_hash.items()):
             state = (state + _entry(self.STATE_HASH, slot, h)) & _MASK64
         out["state"] = state
+        host_state = 0
+        for slot, h in list(self._host_state_hash.items()):
+            host_state = (host_state + _entry(self.HOST_STATE_HASH, slot, h)) & _MASK64
+        out["host_state"] = host_state
         return out

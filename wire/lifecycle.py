@@ -44,6 +44,9 @@ class EngineLimits:
     # together (cache/state_pool.py), and the bytes of one on a rank. 0: no such layers.
     num_state_slots: int = 0
     state_bytes_per_slot: int = 0
+    # ... and the host tier's snapshot slots (cache/state_host.py), from the host budget
+    # as the device's from its own: one every --state-snapshot-interval host blocks
+    num_host_state_slots: int = 0
 
     @property
     def is_hybrid(self) -> bool:

@@ -159,12 +159,21 @@ class StepPlan:
     disk_write: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     disk_read: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     # A hybrid model's state slots (worker/linear_state.py), applied after the swaps and
-    # before closes, in list order: (source slot, destination slot), a snapshot restored
-    # into a sequence's slot on a prefix hit; and (snapshot slot, low 64 bits of the hash
-    # of the block it ends at): snapshots registered in the prefix index this step,
-    # mirrored for the digest only, as `register` is for blocks.
+    # before closes, in list order (between state_swap_out and state_swap_in, below):
+    # (source slot, destination slot), a snapshot restored into a sequence's slot on a
+    # prefix hit; and (snapshot slot, low 64 bits of the hash of the block it ends at):
+    # snapshots registered in the prefix index this step, mirrored for the digest only,
+    # as `register` is for blocks.
     state_copy: list[tuple[int, int]] = field(default_factory=list)
     state_register: list[tuple[int, int]] = field(default_factory=list)
+    # Snapshots between the device's state slots and the host's (cache/state_host.py),
+    # applied as: state_swap_out (device slot, host slot), a snapshot the device evicts
+    # demoted to the host (the host slot then holds its hash, in the digest); state_copy;
+    # state_swap_in (host slot, device slot), a host snapshot restored into a sequence's
+    # live slot on a prefix hit. Read before written: a slot a swap_out or a copy reads may
+    # be the destination of a later op of the same plan.
+    state_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    state_swap_in: list[tuple[int, int]] = field(default_factory=list)
     # The batch is `decodes`, then `chunks`: rows, samples and results in that order.
     decodes: DecodeBatch = field(default_factory=DecodeBatch)
 

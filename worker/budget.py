@@ -185,3 +185,18 @@ def state_slots_for(num_device_blocks: int, max_num_seqs: int, interval: int,
     prefix caching), as `split_state_budget` sizes them; also where the blocks were given
     rather than sized from the budget."""
     return max_num_seqs + (num_device_blocks // interval if prefix_caching else 0)
+
+
+def host_tier_blocks(budget_bytes: int, block_bytes: int, state_bytes: int,
+                     interval: int) -> int:
+    """The host tier's KV blocks in --host-cache-memory: all of it, or for a hybrid model
+    (`state_bytes` a slot, else 0) the same split as the device's, less the live slots
+    (nothing runs there): n blocks and n / interval snapshots (cache/state_host.py),
+    n = B / (block_bytes + state_bytes / interval)."""
+    return budget_bytes * interval // (interval * block_bytes + state_bytes)
+
+
+def host_state_slots_for(num_host_blocks: int, interval: int) -> int:
+    """A hybrid model's host snapshot slots beside `num_host_blocks`, as
+    `host_tier_blocks` sizes them (from the blocks every rank agreed on)."""
+    return num_host_blocks // interval

@@ -90,11 +90,11 @@ class HybridModel:
 
     # --- state -----------------------------------------------------------------
 
-    def new_state_cache(self, num_slots: int) -> LinearStateCache:
+    def new_state_cache(self, num_slots: int, num_host_slots: int = 0) -> LinearStateCache:
         s = self.delta_shape
         return LinearStateCache(len(self.state_index), num_slots, s.conv_dim, s.conv_width,
                                 s.num_v_heads, s.head_k_dim, s.head_v_dim, self.dtype,
-                                self.device)
+                                self.device, num_host_slots)
 
     def state_bytes_per_slot(self) -> int:
         s = self.delta_shape

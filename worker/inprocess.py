@@ -63,6 +63,7 @@ def ready_message(runner: ModelRunner, rank: int) -> WorkerReady:
         # split_state_budget); any other has none
         num_state_slots=runner.num_state_slots,
         state_bytes_per_slot=runner.state_bytes_per_slot,
+        num_host_state_slots=runner.num_host_state_slots,
     ), disk_found=disk.found if disk is not None else [],
        disk_torn=disk.num_torn if disk is not None else 0,
        disk_identity_mismatch=disk.store.stats.identity_mismatch if disk is not None else False)

@@ -8,7 +8,9 @@ layer. The scheduler owns the slots (wire/step.py): a running sequence's live sl
 (`NewSequence.state_slot`), snapshots a chunk leaves in other slots at block boundaries
 (`ScheduledChunk.state_snapshots`), and `StepPlan.state_copy` to restore one on a prefix
 hit. A slot is a copy, never shared: restoring a snapshot copies it, so the snapshot
-stays as it was for the next hit.
+stays as it was for the next hit. The host tier holds more snapshots, in RAM (pinned on
+CUDA): `StepPlan.state_swap_out` demotes one there, `state_swap_in` restores one from
+there into a live slot (cache/state_host.py).
 
 `StateBatch` is a step's view of the slots: per chunk, in batch order, where its rows
 are, which slot it reads and writes, whether it starts from zero, and its snapshots.
@@ -27,11 +29,12 @@ RECURRENT_DTYPE = torch.float32  # the delta rule accumulates in float32, as its
 class LinearStateCache:
     def __init__(self, num_linear_layers: int, num_slots: int, conv_dim: int, conv_width: int,
                  num_v_heads: int, head_k_dim: int, head_v_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, num_host_slots: int = 0) -> None:
         """Shapes on this rank: `conv_dim` its conv channels (q, k and v of its heads),
         `num_v_heads` its value heads. The conv windows are in the model's dtype (the
         inputs they hold are), the recurrent matrices in float32."""
         self.num_slots = num_slots
+        self.num_host_slots = num_host_slots
         self.conv_width = conv_width
         # [L, S, conv channels on this rank, K-1]
         self.conv = torch.zeros(num_linear_layers, num_slots, conv_dim, conv_width - 1,
@@ -39,6 +42,32 @@ class LinearStateCache:
         # [L, S, value heads on this rank, Dk, Dv]
         self.recurrent = torch.zeros(num_linear_layers, num_slots, num_v_heads, head_k_dim,
                                      head_v_dim, dtype=RECURRENT_DTYPE, device=device)
+        pin = device.type == "cuda" and num_host_slots > 0
+        # the host tier's slots, the same shapes: [L, host slots, ...]
+        self.conv_host = torch.zeros(self.conv.shape[0], num_host_slots, *self.conv.shape[2:],
+                                     dtype=dtype, pin_memory=pin)
+        self.recurrent_host = torch.zeros(self.recurrent.shape[0], num_host_slots,
+                                          *self.recurrent.shape[2:], dtype=RECURRENT_DTYPE,
+                                          pin_memory=pin)
+
+    def apply(self, swap_out: list[tuple[int, int]], copies: list[tuple[int, int]],
+              swap_in: list[tuple[int, int]]) -> None:
+        """A plan's state ops, in its order (wire/step.py): (slot, host slot) demotions,
+        (slot, slot) copies, then (host slot, slot) restores -- every op that reads a slot
+        before any that may write it. On the compute stream, so a snapshot written by
+        the step before is complete when it is read, and the next forward sees these."""
+        for slot, host in swap_out:
+            self._check(slot)
+            self._check_host(host)
+            self.conv_host[:, host].copy_(self.conv[:, slot], non_blocking=True)
+            self.recurrent_host[:, host].copy_(self.recurrent[:, slot], non_blocking=True)
+        for src, dst in copies:
+            self.copy(src, dst)
+        for host, slot in swap_in:
+            self._check(slot)
+            self._check_host(host)
+            self.conv[:, slot].copy_(self.conv_host[:, host], non_blocking=True)
+            self.recurrent[:, slot].copy_(self.recurrent_host[:, host], non_blocking=True)
 
     def copy(self, src: int, dst: int) -> None:
         """Slot `dst` becomes a copy of slot `src`, every layer."""
@@ -49,6 +78,10 @@ class LinearStateCache:
 
     def _check(self, slot: int) -> None:
         assert 0 <= slot < self.num_slots, f"state slot {slot} out of range ({self.num_slots})"
+
+    def _check_host(self, slot: int) -> None:
+        assert 0 <= slot < self.num_host_slots, (
+            f"host state slot {slot} out of range ({self.num_host_slots})")
 
     @staticmethod
     def bytes_per_slot(num_linear_layers: int, conv_dim: int, conv_width: int,

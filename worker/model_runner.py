@@ -24,6 +24,8 @@ from worker.block_table import BlockTables
 from worker.budget import (
     check_holds_one_sequence,
     device_tier_bytes,
+    host_state_slots_for,
+    host_tier_blocks,
     local_world_size,
     resolve_dtype,
     resolve_kv_dtype,
@@ -137,9 +139,15 @@ class ModelRunner:
         self.num_state_slots = (state_slots_for(
             self.num_device_blocks, config.max_num_seqs, config.state_snapshot_interval,
             config.enable_prefix_caching) if self.state_bytes_per_slot else 0)
+        interval = config.state_snapshot_interval
+        # the host tier's budget counts the host snapshots' bytes too, split alike
+        self.num_host_blocks = tp.all_min(host_tier_blocks(
+            config.host_cache_memory, block_bytes, self.state_bytes_per_slot, interval))
+        self.num_host_state_slots = (host_state_slots_for(self.num_host_blocks, interval)
+                                     if self.num_state_slots else 0)
         if isinstance(m, HybridModel):
-            self.state = self.forward_pass.state = m.new_state_cache(self.num_state_slots)
-        self.num_host_blocks = tp.all_min(config.host_cache_memory // block_bytes)
+            self.state = self.forward_pass.state = m.new_state_cache(
+                self.num_state_slots, self.num_host_state_slots)
         check_holds_one_sequence(self.num_device_blocks, config.block_size, block_bytes,
                                  self.max_model_len)
         self.kv = KVCache(
@@ -307,10 +315,10 @@ class ModelRunner:
             if self.disk is not None:  # a read in flight into a slot a copy touches
                 self.disk.join([s for _, s in plan.swap_out] + [s for s, _ in plan.swap_in])
             self.kv.swap(plan.swap_out, plan.swap_in)
-        if plan.state_copy:  # after the swaps, before the closes (wire/step.py)
-            assert self.state is not None, "a state copy for a model that keeps no state"
-            for src, dst in plan.state_copy:
-                self.state.copy(src, dst)
+        if plan.state_copy or plan.state_swap_out or plan.state_swap_in:
+            # after the KV swaps, before the closes (wire/step.py)
+            assert self.state is not None, "a state op for a model that keeps no state"
+            self.state.apply(plan.state_swap_out, plan.state_copy, plan.state_swap_in)
         running = set(plan.decodes.seq_ids).union(c.seq_id for c in plan.chunks) \
             if plan.close else set()
         for seq_id in plan.close:

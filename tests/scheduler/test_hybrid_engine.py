@@ -63,3 +63,40 @@ def test_an_agents_next_turn_goes_on_from_the_last_full_block():
     assert warm["cached"] == (len(prompt) + len(first["tokens"]) - 1) // bs * bs
     assert warm["tokens"] == answer(engine(), "cold", turn1)["tokens"]
     assert_clean(core)
+
+
+STATE_BYTES = 116_736  # one state slot of models/tiny-qwen3-5 in float32
+BLOCK_BYTES = 16_384  # one KV block of it
+
+
+def small_device_engine(**overrides):
+    """A device tier of 24 blocks and 6 snapshot slots (2 live ones), a host tier of 92
+    blocks and 23 snapshots: a few prompts push a prefix and its snapshots to the host."""
+    return inprocess_engine(str(MODEL), max_model_len=256, max_num_batched_tokens=64,
+                            max_num_seqs=2, kv_cache_memory=8 * STATE_BYTES + 24 * BLOCK_BYTES,
+                            host_cache_memory=4 << 20, **overrides)
+
+
+def test_a_snapshot_demoted_to_the_host_and_back_answers_as_a_cold_one():
+    rng = random.Random(9)
+    shared = [rng.randrange(10, 1000) for _ in range(150)]
+    prompt = shared + [rng.randrange(10, 1000) for _ in range(37)]
+    cold = answer(small_device_engine(), "cold", prompt)
+    core = small_device_engine()
+    limits = core.scheduler.limits
+    assert (limits.num_device_blocks, limits.num_state_slots) == (24, 8)
+    assert (limits.num_host_blocks, limits.num_host_state_slots) == (92, 23)
+    answer(core, "first", shared + [rng.randrange(10, 1000) for _ in range(20)])
+    for i in range(3):  # other prompts take the device tier: the shared prefix goes down
+        answer(core, f"other{i}", [rng.randrange(10, 1000) for _ in range(150)])
+    plans = core.executor.plans
+    n = len(plans)
+    assert any(p.state_swap_out for p in plans), "no snapshot was demoted to the host"
+    warm = answer(core, "warm", prompt)
+    (admit,) = [p for p in plans[n:] if p.new_seqs]
+    assert admit.state_swap_in and admit.swap_in, "the hit came back from the host tier"
+    assert not admit.state_copy
+    assert warm["cached"] == 128  # the snapshot at block 8 (the interval's), of 9 blocks
+    assert warm["tokens"] == cold["tokens"]
+    assert_clean(core)
+    core.scheduler.cache.check_invariants()
