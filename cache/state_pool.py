@@ -266,6 +266,11 @@ class StatePool:
         self._lru.pop(slot, None)
         self._not_ready.pop(slot, None)
         self._registers[slot] = 0
+        # a running sequence's latest snapshot evicted: none of its own to replace now
+        # (the slot goes to another use, which `_drop_own` must not free)
+        owner = next((q for q, s in self._latest.items() if s == slot), None)
+        if owner is not None:
+            del self._latest[owner]
 
     def _drop_own(self, seq_id: int, slot: int) -> None:
         """Drop a snapshot of ``seq_id`` replaced by a later one: freed if pending or

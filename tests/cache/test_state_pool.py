@@ -127,3 +127,91 @@ def test_eviction_takes_a_snapshot_whose_block_is_gone_first():
     # LRU order: 2, 1, 3 (as registered); block 1's snapshot goes first all the same
     assert pool.open(2) == snaps[1]
     pool.check()
+
+
+def cached_snapshot(pool: StatePool, seq_id: int, chain: BlockHashChain, n: int) -> int:
+    """Open ``seq_id``, snapshot it at block ``n``, commit, seal the plan, close it: a
+    cached snapshot, hittable and evictable."""
+    pool.open(seq_id)
+    snap = pool.take_snapshot(seq_id, n, keep=True)
+    pool.commit(seq_id, chain, n)
+    pool.close(seq_id)
+    pool.take_ops()
+    pool.take_swaps()
+    return snap
+
+
+def test_an_evicted_snapshot_goes_to_the_host_and_a_hit_swaps_it_in_from_there():
+    pool = StatePool(2, num_host_slots=2)
+    chain = chain_of(list(range(12)))
+    snap = cached_snapshot(pool, 1, chain, 2)
+    lo = int(chain.keys(1, 2)[0][0])
+    pool.open(2)  # the free slot
+    pool.open(3)  # evicts the snapshot: demoted, its slot reused at once
+    swap_out, swap_in = pool.peek_swaps()
+    assert swap_out == [(snap, 0)] and swap_in == []
+    assert pool.take_ops()[1] == [(snap, 0)]  # the device slot holds it no more
+    assert pool.take_swaps() == ([(snap, 0)], [])
+    assert pool.host.registered() == {0: lo}
+    n, restore = pool.best(chain, 3)
+    assert (n, restore) == (2, pool.num_slots + 0), "found on the host: a host handle"
+    pool.close(2)
+    pool.take_ops()
+    pool.pin(restore)
+    live = pool.open(4, restore)
+    assert pool.take_swaps() == ([], [(0, live)]) and pool.take_ops()[0] == []
+    assert pool.host.registered() == {0: lo}, "a restore copies: the host keeps it"
+    pool.check()
+
+
+def test_a_host_slot_a_plan_swaps_is_not_overwritten_by_that_plan():
+    """The ranks run a plan's swap_outs before its swap_ins: a host slot read by a swap_in
+    must not take a demotion in the same plan."""
+    pool = StatePool(3, num_host_slots=1)
+    a, b = chain_of(list(range(8))), chain_of(list(range(100, 108)))
+    snap_a = cached_snapshot(pool, 1, a, 2)
+    snap_b = cached_snapshot(pool, 2, b, 2)
+    pool.open(3)  # the free slot
+    pool.open(4)  # evicts a's snapshot (the oldest) to host slot 0
+    assert pool.take_swaps()[0] == [(snap_a, 0)]
+    pool.take_ops()
+    pool.close(3)
+    pool.take_ops()
+    pool.take_swaps()
+    _, restore = pool.best(a, 2)
+    pool.pin(restore)
+    live = pool.open(5, restore)  # a's state from host slot 0, into the slot 3 left
+    # evicts b's snapshot: the host's one slot is read by this plan, so b's is dropped
+    assert pool.take_snapshot(5, 3, keep=True) == snap_b
+    swap_out, swap_in = pool.take_swaps()
+    assert swap_out == [] and swap_in == [(0, live)]
+    assert pool.host.registered() == {0: int(a.keys(1, 2)[0][0])}
+    assert snap_b not in pool.registered()
+    pool.check()
+
+
+def test_a_snapshot_whose_blocks_are_gone_is_not_demoted():
+    gone: set[int] = set()
+    pool = StatePool(1, lambda lo, hi: ~np.isin(lo, list(gone)), num_host_slots=2)
+    chain = chain_of(list(range(8)))
+    cached_snapshot(pool, 1, chain, 2)
+    gone.add(int(chain.keys(1, 2)[0][0]))
+    pool.open(2)
+    assert pool.take_swaps() == ([], []) and pool.host.num_cached == 0
+    pool.check()
+
+
+def test_a_running_sequences_latest_snapshot_evicted_is_not_its_own_any_more():
+    """Found by the state machine: the evicted slot went on naming the sequence's latest
+    snapshot, so its next boundary would have freed a slot another sequence now used."""
+    pool = StatePool(2)
+    chain = chain_of(list(range(8)))
+    pool.open(1)
+    snap = pool.take_snapshot(1, 1, keep=False)  # its latest boundary
+    pool.commit(1, chain, 1)
+    pool.take_ops()
+    assert pool.open(2) == snap  # no free slot: the snapshot is evicted for seq 2
+    pool.check()
+    assert pool.take_snapshot(1, 2, keep=False) == -1  # no slot; seq 2's is left alone
+    assert pool.live[2] == snap
+    pool.check()

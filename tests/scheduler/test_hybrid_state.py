@@ -18,25 +18,43 @@ from wire.step import StepPlan
 BS = 16
 
 
-def make(num_blocks: int = 64, num_state_slots: int = 16, **cfg) -> Scheduler:
+def make(num_blocks: int = 64, num_state_slots: int = 16, num_host_blocks: int = 0,
+         num_host_state_slots: int = 0, **cfg) -> Scheduler:
     config = EngineConfig(model="/models/m", block_size=BS, **cfg)
     return Scheduler(config, EngineLimits(vocab_size=1000, max_model_len=1024,
                                           eos_token_ids=(3,), num_device_blocks=num_blocks,
-                                          num_host_blocks=0, num_state_slots=num_state_slots,
-                                          state_bytes_per_slot=4096))
+                                          num_host_blocks=num_host_blocks,
+                                          num_state_slots=num_state_slots,
+                                          state_bytes_per_slot=4096,
+                                          num_host_state_slots=num_host_state_slots))
 
 
 class Ranks:
     """What the ranks would hold of the state: each plan's digest replayed, and the live
     slot of every open sequence (as a rank remembers it from NewSequence)."""
 
-    def __init__(self) -> None:
-        self.mirror = StateDigest(64, 0, 0)
+    def __init__(self, num_host_blocks: int = 0) -> None:
+        self.mirror = StateDigest(64, num_host_blocks, 0)
         self.slots: dict[int, int] = {}
         self.copies = 0
+        self.swaps_in = 0
 
     def apply(self, plan: StepPlan) -> None:
         cached = self.mirror.state_hashes()
+        # demoted: snapshots the device holds, each to its own host slot (the swap_outs run
+        # first: a swap_in of the same plan may restore one of them)
+        for slot, _ in plan.state_swap_out:
+            assert cached.get(slot), f"a swap_out of slot {slot}, which holds no snapshot"
+        host_targets = [h for _, h in plan.state_swap_out]
+        assert len(set(host_targets)) == len(host_targets), "a host slot written twice"
+        on_host = self.mirror.host_state_hashes()
+        on_host.update((h, cached[s]) for s, h in plan.state_swap_out)
+        for host, dst in plan.state_swap_in:
+            assert on_host.get(host), f"a swap_in from host slot {host}, which holds nothing"
+            assert dst not in self.slots.values(), f"a swap_in into slot {dst}, live on the ranks"
+        restored = [d for _, d in plan.state_copy] + [d for _, d in plan.state_swap_in]
+        assert len(set(restored)) == len(restored), "two restores into one slot"
+        self.swaps_in += len(plan.state_swap_in)
         for src, dst in plan.state_copy:  # applied before the closes
             assert cached.get(src), f"a copy from slot {src}, which holds no snapshot"
             assert dst not in self.slots.values(), f"a copy into slot {dst}, live on the ranks"
@@ -213,3 +231,20 @@ def test_a_random_workload_leaks_no_slot_and_the_digest_agrees():
     assert pool.live == {} and pool.num_pending == 0
     assert pool.num_free + pool.num_cached == pool.num_slots
     assert s.cache.stats.num_device_hit_tokens > 0 and ranks.copies > 0
+
+
+def test_with_a_host_tier_evicted_snapshots_come_back_from_it():
+    rng = random.Random(6)
+    s = make(num_blocks=24, num_state_slots=6, num_host_blocks=48, num_host_state_slots=8,
+             max_num_seqs=2, max_num_batched_tokens=48, state_snapshot_interval=2)
+    ranks = Ranks(48)
+    stems = [list(range(10 + 100 * i, 10 + 100 * i + rng.randrange(40, 90))) for i in range(4)]
+    for n in range(40):
+        prompt = rng.choice(stems) + [rng.randrange(500, 900) for _ in range(5)]
+        s.add_request(GenerateRequest(f"r{n}", prompt, rng.randrange(1, 8)))
+        drain(s, ranks, token=rng.choice([7, 8, 9]))
+        assert ranks.mirror.host_state_hashes() == s.cache.state.host.registered()
+    assert ranks.swaps_in > 0, "no hit restored its state from the host"
+    pool = s.cache.state
+    assert pool.live == {} and pool.num_pending == 0
+    assert pool.num_free + pool.num_cached == pool.num_slots

@@ -21,12 +21,17 @@ STEMS = [list(range(10, 110)), list(range(200, 260)), [5] * 70]
 
 class HybridMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(12, 40), num_slots=st.integers(2, 12),
-                interval=st.integers(1, 4), max_seqs=st.integers(1, 4))
-    def start(self, num_blocks: int, num_slots: int, interval: int, max_seqs: int) -> None:
+                interval=st.integers(1, 4), max_seqs=st.integers(1, 4),
+                host_blocks=st.sampled_from([0, 0, 8, 30]), host_slots=st.integers(1, 6))
+    def start(self, num_blocks: int, num_slots: int, interval: int, max_seqs: int,
+              host_blocks: int, host_slots: int) -> None:
+        """With host_blocks, a host tier: snapshots the device evicts go down to it."""
         self.s: Scheduler = make(num_blocks=num_blocks, num_state_slots=num_slots,
+                                 num_host_blocks=host_blocks,
+                                 num_host_state_slots=host_slots if host_blocks else 0,
                                  max_num_seqs=max_seqs, max_num_batched_tokens=40,
                                  state_snapshot_interval=interval, session_ttl_s=0)
-        self.ranks = Ranks()
+        self.ranks = Ranks(host_blocks)
         self.in_flight: StepPlan | None = None
         self.n = 0
 
@@ -65,6 +70,9 @@ class HybridMachine(RuleBasedStateMachine):
             return
         assert self.ranks.mirror.value == self.s.digest.value
         assert self.ranks.mirror.state_hashes() == self.s.cache.state.registered()
+        host = self.s.cache.state.host
+        assert self.ranks.mirror.host_state_hashes() == (
+            host.registered() if host is not None else {})
         self.s.cache.check_invariants()  # StatePool.check: every slot in one state
         self.s.check_accounting()
         live = self.s.cache.state.live
@@ -84,6 +92,8 @@ class HybridMachine(RuleBasedStateMachine):
         assert not self.s.has_work()
         assert pool.live == {} and pool.num_pending == 0
         assert pool.num_free + pool.num_cached == pool.num_slots
+        if pool.host is not None:
+            assert pool.host.num_free + pool.host.num_cached == pool.host.num_slots
 
 
 HybridMachine.TestCase.settings = settings(

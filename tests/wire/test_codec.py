@@ -294,3 +294,23 @@ def test_digest_covers_which_hash_each_state_slot_holds():
     assert sum(a.tier_digests().values()) == a.value  # the state's part is one of them
     b.apply(StepPlan(1, state_register=[(5, 0)]))
     assert b.value == 0
+
+
+def test_host_state_swaps_round_trip_and_move_the_digest():
+    """Schema 16: a plan's snapshots demoted to the host and restored from it, the ranks'
+    host snapshot slots; a swap_out gives the host slot the device slot's hash."""
+    from wire.lifecycle import EngineLimits
+    plan = StepPlan(3, state_swap_out=[(4, 0), (6, 9)], state_swap_in=[(9, 1)])
+    limits = EngineLimits(1000, 512, (3,), 64, 32, 4096, num_state_slots=20,
+                          state_bytes_per_slot=1 << 20, num_host_state_slots=8)
+    for msg in (plan, limits):
+        assert codec.decode(codec.encode(msg)) == msg
+    a, b = StateDigest(4, 0), StateDigest(4, 0)
+    for d in (a, b):
+        d.apply(StepPlan(0, state_register=[(4, 11), (6, 12)]))
+    # the swap_out reads the hashes the slots held before this plan's registrations
+    a.apply(StepPlan(1, state_swap_out=[(4, 0), (6, 9)], state_register=[(4, 0), (6, 13)]))
+    assert a.host_state_hashes() == {0: 11, 9: 12} and a.state_hashes() == {6: 13}
+    b.apply(StepPlan(1, state_swap_out=[(4, 0)], state_register=[(4, 0), (6, 13)]))
+    assert a.value != b.value, "a rank that missed a demotion differs"
+    assert sum(a.tier_digests().values()) % 2**64 == a.value
