@@ -97,7 +97,7 @@ def test_hybrids_match_hf(world_size, hybrid_models, hf_reference, tmp_path):
 
 def runner_for(model, **config) -> ModelRunner:
     return ModelRunner(EngineConfig(model=str(model), dtype="float32", kv_cache_memory=4 << 20,
-                                    max_model_len=256, **config),
+                                    max_model_len=256, max_num_seqs=4, **config),
                        TensorParallelGroup(0, 1), torch.device("cpu"))
 
 
