@@ -166,3 +166,22 @@ def test_an_abort_mid_read_frees_its_slots_once_every_rank_read() -> None:
     assert not m.disk.reading.any() and m.usage()["disk"]["cached"] == 3  # still on disk
     m.check_invariants()
     assert m.lookup(p, KEY) == PrefixHit(0, 0, 12)
+
+
+def test_a_retry_takes_its_reads_where_lookup_sees_no_room_for_them() -> None:
+    """`lookup` counts a disk block only where a host slot could take it now; a waiting
+    sequence's reads hold theirs already. With every host slot reserved by its reads,
+    `lookup` of its prompt finds nothing, and its retry still takes all it read."""
+    m = mgr(num_device_blocks=8, num_host_blocks=3)
+    p = list(range(13))  # three full blocks, on disk only
+    on_disk(m, p)
+    assert m.allocate(2, p, 13, KEY) is None
+    assert m.usage()["host"]["used"] == m.usage()["host"]["capacity"] == 3
+    assert m.lookup(p, KEY) == PrefixHit(0, 0, 0)  # no host slot left to read into
+    reads = [op[0] for op in m.take_ops().disk_read]
+    for r in (0, 1):
+        m.report_disk_writes(r, [], [], reads)
+    assert m.lookup(p, KEY) == PrefixHit(0, 0, 0)  # read, not yet taken: still reserved
+    assert m.allocate(2, p, 13, KEY) is not None
+    assert m.num_cached_tokens(2) == PrefixHit(0, 0, 12)
+    m.check_invariants()
