@@ -526,8 +526,24 @@ def kv_is_fp8(e: Launched) -> None:
     prompt = list(range(900, 964))  # 4 full blocks
     outs = [e.complete(prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True)
             for _ in range(2)]
-    assert outs[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+    assert outs[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
     assert outs[0]["choices"][0]["token_ids"] == outs[1]["choices"][0]["token_ids"]
+
+
+def hybrid_hits_end_at_its_snapshots(e: Launched) -> None:
+    """A hybrid model (Qwen3.5) with --state-snapshot-interval 2: a prompt sent again hits up
+    to its last full block, where a snapshot is; one that shares only the first 3 blocks
+    hits 2, the last multiple of the interval (the linear layers' state is kept there and
+    at a sequence's last block boundary only), and both answer as a cold engine would
+    (the first request's own answer for the repeat)."""
+    assert e.config().state_snapshot_interval == 2
+    prompt = list(range(700, 772))  # 4 full blocks and 8 tokens
+    outs = [e.complete(prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True)
+            for _ in range(2)]
+    assert outs[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+    assert outs[0]["choices"][0]["token_ids"] == outs[1]["choices"][0]["token_ids"]
+    other = e.complete(prompt=prompt[:56] + list(range(300, 320)), max_tokens=1)
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
 
 
 def disk_is_written(e: Launched) -> None:
@@ -630,6 +646,9 @@ ROWS = [
     Row("restart", BASE, a_request_in_flight_goes_on,
         launcher=("--restart", "1", "--resume-timeout", "60")),
     Row("disk-dir-alone", ("--kv-cache-dtype", "fp8"), kv_is_fp8),
+    Row("hybrid", ("--model", "models/tiny-qwen3-5", "--port", "{port}", "--dtype", "float32",
+                   "--device", "cpu", *SMALL, "--state-snapshot-interval", "2"),
+        hybrid_hits_end_at_its_snapshots),
 ]
 LAUNCHES = list(dict.fromkeys(row.launch for row in ROWS))
 
