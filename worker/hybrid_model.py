@@ -27,11 +27,9 @@ import torch
 
 from worker.attention import AttentionBackend
 from worker.distributed import TensorParallelGroup
-from worker.elementwise import Elementwise
 from worker.gguf import is_gguf_path
 from worker.kv_cache import KVCache
 from worker.layers import ParallelLMHead, Rotary, VocabParallelEmbedding, rms_norm
-from worker.linear import Linear
 from worker.linear_attention import (
     DeltaNetShape,
     DeltaNetWeights,
@@ -39,6 +37,7 @@ from worker.linear_attention import (
     load_delta_net,
 )
 from worker.linear_state import LinearStateCache, StateBatch
+from worker.model import LlamaModel
 from worker.model_config import ModelConfig
 from worker.moe import MoEWeights, SharedExpert, fused_names, load_moe_weights, moe_forward
 from worker.weights import CheckpointReader, TextModelReader
@@ -59,34 +58,24 @@ class HybridLayer:
     shared: SharedExpert | None = None
 
 
-class HybridModel:
+class HybridModel(LlamaModel):
+    """Gated DeltaNet layers beside output-gated attention layers (Qwen3.5, Qwen3.5-MoE,
+    Qwen3-Next): the Llama model's parallel pieces (embedding, LM head, rotary, linear and
+    elementwise ops), its own layers, load and forward."""
+
     def __init__(self, config: ModelConfig, tp: TensorParallelGroup, dtype: torch.dtype,
                  device: torch.device, logits_everywhere: bool = False,
                  kv_dtype: torch.dtype | None = None) -> None:
         if device.type != "cpu":
             raise NotImplementedError(f"{config.architecture} (a hybrid model) runs on the "
                                       f"CPU only for now, not on {device.type}")
-        config.check_tensor_parallel(tp.world_size)
-        self.config = config
-        self.tp = tp
-        self.logits_everywhere = logits_everywhere
-        self.dtype = dtype
-        self.kv_dtype = kv_dtype or dtype
-        self.device = device
-        self.num_heads = config.num_heads // tp.world_size
-        self.num_kv_heads = config.num_kv_heads // tp.world_size
-        self.head_dim = config.head_dim
+        super().__init__(config, tp, dtype, device, logits_everywhere, kv_dtype)
         self.rotary_dim = config.rotary_dim
-        inv_freq, scaling = config.rope()
-        self.rotary = Rotary(inv_freq, device, scaling, config.dynamic_rope)
-        self.linear = Linear(device)
-        self.elementwise = Elementwise(device, dtype)
-        self.kernel_choice = None  # the kernels' defaults: nothing measured for this model
         self.delta_shape = DeltaNetShape.of(config, tp.world_size)
         # layer index -> its index in the KV cache (attention) or the state cache (linear)
         self.kv_index = {layer: i for i, layer in enumerate(config.attention_layers)}
         self.state_index = {layer: i for i, layer in enumerate(config.linear_layers)}
-        self.layers: list[HybridLayer] = []
+        self.layers: list[HybridLayer] = []  # type: ignore[assignment]
 
     # --- state -----------------------------------------------------------------
 
@@ -164,9 +153,6 @@ class HybridModel:
         """A Gemma-style RMSNorm weight w as 1 + w (added in float32), for rms_norm."""
         return self._dev((reader.full(name).float() + 1.0).to(self.dtype))
 
-    def _dev(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(self.device).contiguous()
-
     # --- forward ---------------------------------------------------------------
 
     @torch.inference_mode()
@@ -194,10 +180,6 @@ class HybridModel:
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x = ops.add_rms_norm(h, self._mlp(layer, x), after, eps)
         return x
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        out = self.lm_head(hidden)
-        return None if out is None else out.float()
 
     def _attention(self, i: int, w: HybridLayer, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, slots: torch.Tensor, kv: KVCache,
