@@ -22,7 +22,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from orchestrator.shim.chat import ChatRequest, ToolChoice, session_key, tool_choice
+from orchestrator.shim.chat import (
+    ChatRequest,
+    ToolChoice,
+    header_session_id,
+    session_key,
+    tool_choice,
+)
 from orchestrator.shim.chat_template import Message, join_text, split_billing_header
 from orchestrator.shim.generation import Delivery
 from orchestrator.shim.placeholders import anthropic_readable
@@ -292,8 +298,7 @@ def parse_messages_request(body: dict[str, Any], headers: Any, *,
 
     metadata = body.get("metadata")
     user_id = metadata.get("user_id") if isinstance(metadata, dict) else None
-    explicit = headers.get("x-claude-code-session-id") or (
-        user_id if isinstance(user_id, str) else None)
+    explicit = header_session_id(headers) or (user_id if isinstance(user_id, str) else None)
     return ChatRequest(
         messages=messages,
         tools=tools,

@@ -92,6 +92,18 @@ class ChatRequest:
     billing_header: str = ""  # Claude Code's, taken out of the system prompt (normalise)
 
 
+# The headers a client names its session in, the first one present counts: Claude Code's,
+# opencode's and Codex's own, and `x-session-affinity`, which routers in front of several
+# engines set (the session's id, whatever the API).
+SESSION_HEADERS = ("x-claude-code-session-id", "session-id", "x-session-id",
+                   "x-session-affinity")
+
+
+def header_session_id(headers: Any) -> str | None:
+    """The session id the request's headers carry (SESSION_HEADERS), if any."""
+    return next((v for v in map(headers.get, SESSION_HEADERS) if v), None)
+
+
 def session_key(explicit: str | None, model: str, messages: list[Message],
                 tools: list[dict[str, Any]]) -> str:
     """The prefix tracker's session: the client's session id if it sent one, else a

@@ -10,7 +10,13 @@ from __future__ import annotations
 import json
 from typing import Any, TypeVar
 
-from orchestrator.shim.chat import ChatRequest, ToolChoice, session_key, tool_choice
+from orchestrator.shim.chat import (
+    ChatRequest,
+    ToolChoice,
+    header_session_id,
+    session_key,
+    tool_choice,
+)
 from orchestrator.shim.chat_template import Message, join_text
 from orchestrator.shim.errors import ApiError
 from orchestrator.shim.generation import Delivery
@@ -201,7 +207,7 @@ def parse_chat_request(body: dict[str, Any], headers: Any) -> ChatRequest:
     # cache_control on messages or their parts (OpenRouter's form), or top-level
     marks = retention_marks(body, body["messages"], 0, lambda upto: len(upto))
     user = body.get("user") if isinstance(body.get("user"), str) else None
-    explicit = headers.get("x-session-id") or headers.get("x-claude-code-session-id") or user
+    explicit = header_session_id(headers) or user
     return ChatRequest(
         messages=messages,
         tools=tools,
@@ -300,12 +306,14 @@ def prompt_input(body: dict[str, Any]) -> str | list[int]:
 
 def parse_completion(
     body: dict[str, Any], prompt_token_ids: list[int], *, vocab_size: int, max_model_len: int,
-    max_output_tokens: int = 0, request_id: str = "",
+    max_output_tokens: int = 0, request_id: str = "", session: str | None = None,
 ) -> tuple[GenerateRequest, Delivery]:
     """Validate a /v1/completions body whose prompt (see `prompt_input`) is already
     tokenized to `prompt_token_ids`: the request for the engine, and what the shim does
     with its output. Raises ApiError for anything the engine must not see.
     `max_output_tokens` > 0: the server's cap on any request's output (--max-output-tokens).
+    `session`: the client's session id (`completion_session`), for the engine's session
+    retention and miss reasons; None: the engine tells sessions by their prefixes.
     """
     _opt(body, "model", str, "")  # any name is served (agents send their own); type only
     _refuse_unsupported(body)
@@ -349,6 +357,7 @@ def parse_completion(
         stop_token_ids=stop_token_ids or [],
         ignore_eos=_opt(body, "ignore_eos", bool, False),
         cache_salt=cache_salt(body, CACHE_SALT_ERROR),
+        session_id=session,
         # a top-level cache_control keeps the whole prompt (orchestrator/shim/retention.py)
         retention=[Retention(len(prompt_token_ids), ttl) for ttl in
                    [ttl_of(body.get("cache_control"), "body")] if ttl is not None],
@@ -385,4 +394,13 @@ async def parse_completion_body(state: ServerState, body: dict[str, Any],
     ids = await tokenize(state.tokenizer, prompt) if isinstance(prompt, str) else prompt
     return parse_completion(body, ids, vocab_size=state.vocab_size,
                             max_model_len=state.max_model_len,
-                            max_output_tokens=state.options.max_output_tokens)
+                            max_output_tokens=state.options.max_output_tokens,
+                            session=completion_session(body, headers))
+
+
+def completion_session(body: dict[str, Any], headers: Any) -> str | None:
+    """A /v1/completions request's session: a session header, else the body's `user`,
+    keyed by the model name as the chat endpoints key theirs; None if neither is sent."""
+    user = body.get("user") if isinstance(body.get("user"), str) else None
+    explicit = header_session_id(headers) or user
+    return f"{body.get('model', '')}|{explicit}" if explicit else None

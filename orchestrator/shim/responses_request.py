@@ -39,7 +39,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.shim.chat import ChatRequest, ToolChoice, session_key, tool_choice
+from orchestrator.shim.chat import (
+    ChatRequest,
+    ToolChoice,
+    header_session_id,
+    session_key,
+    tool_choice,
+)
 from orchestrator.shim.chat_template import Message, join_text
 from orchestrator.shim.errors import ApiError
 from orchestrator.shim.generation import Delivery
@@ -380,7 +386,7 @@ def _session(body: dict[str, Any], headers: Any) -> tuple[str | None, str]:
                       "prompt_cache_key")
     if key:
         return key, "prompt_cache_key"
-    header = headers.get("session-id") or headers.get("x-session-id")
+    header = header_session_id(headers)
     return (header, "session-id") if header else (None, "none")
 
 
