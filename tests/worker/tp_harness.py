@@ -4,7 +4,9 @@ Each rank loads its shard, prefills a prompt in chunks, then decodes greedily,
 all through `ModelRunner.execute` with the same plans on every rank. Rank 0
 writes the prompt logits and tokens to a safetensors file (no pickle crosses
 the process boundary); every rank writes its digest, and a hash of the experts and
-weights its MoE router chose for every token (empty for a dense model).
+weights its MoE router chose for every token (empty for a dense model). With a list of
+`runs` (each its own model, prompt and output), the ranks do them one after another in
+one launch: the process group and the imports are paid for once.
 """
 
 from __future__ import annotations
@@ -50,6 +52,14 @@ def main() -> None:
     info = RankInfo.from_env()
     set_torch_threads(info.local_world_size)
     tp = init_tensor_parallel(info, torch.device("cpu"))
+    for run_args in args.get("runs") or [args]:
+        run_one(run_args, info, tp)
+    if info.world_size > 1:
+        torch.distributed.barrier()  # every rank is past its last collective
+    shutdown_tensor_parallel()
+
+
+def run_one(args: dict, info: RankInfo, tp) -> None:
     kv_cache_memory = args.get("kv_cache_memory", 64 << 20)
     config = EngineConfig(model=args["model"], dtype=args["dtype"], world_size=info.world_size,
                           kv_cache_memory=kv_cache_memory,
@@ -94,9 +104,6 @@ def main() -> None:
         f.write(str(runner.digest.value))
     with open(f"{args['out']}.routing{info.rank}", "w") as f:
         f.write(routing() if routing else "")
-    if info.world_size > 1:
-        torch.distributed.barrier()  # every rank is past its last collective
-    shutdown_tensor_parallel()
 
 
 if __name__ == "__main__":
