@@ -17,6 +17,7 @@ Two facts about the format drive the code:
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -106,6 +107,16 @@ def open_gguf(path: str | Path) -> gguf.GGUFReader:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise UnsupportedModelError(f"{path} is not a GGUF file (it starts {magic!r}, not b'GGUF')")
+    stat = path.stat()
+    return _parsed(path.resolve(), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+# GGUFReader parses every metadata entry in Python, the vocabulary's strings one by one:
+# seconds for SmolLM2's 49,152 tokens and merges. A rank reads its model's config and then
+# its weights, so the second read takes the parsed reader (its tensors memory-mapped,
+# read-only). Keyed by the file's identity: a file rewritten in place is parsed again.
+@functools.lru_cache(maxsize=2)
+def _parsed(path: Path, inode: int, size: int, mtime_ns: int) -> gguf.GGUFReader:
     return gguf.GGUFReader(path)
 
 

@@ -39,23 +39,38 @@ def test_multi_turn_conversation_hits_at_world_size_4(default_model, overlap):
         assert core.scheduler.cache.usage()["device"]["used"] == 0
 
 
+SHARED = 120  # tokens of context the two agents below share
+
+
+def sharing_prompts() -> dict[str, list[int]]:
+    """Two agents' prompts: the same fresh context, then each its own turn."""
+    rng = random.Random(3)
+    shared = tokens(rng, SHARED)
+    return {"a": shared + tokens(rng, 9), "b": shared + tokens(rng, 21)}
+
+
+@pytest.fixture(scope="module")
+def alone(default_model) -> dict[str, list[int]]:
+    """Each prompt's 8 tokens, run alone on an engine of its own (the same for every
+    budget below, so run once)."""
+    return {rid: run_until_done(inprocess_engine(default_model),
+                                [GenerateRequest(rid, p, 8, ignore_eos=True)])[rid]["tokens"]
+            for rid, p in sharing_prompts().items()}
+
+
 @pytest.mark.parametrize("budget", [512, 70, 40])
-def test_requests_sharing_a_prefix_in_one_step_match_running_alone(default_model, budget):
+def test_requests_sharing_a_prefix_in_one_step_match_running_alone(default_model, budget,
+                                                                   alone):
     """Two agents sent the same fresh context at once: the second reads blocks the first
     writes in that very step (whole, or a chunk at a time under a small token budget),
     and both answer exactly as each does alone."""
-    rng = random.Random(3)
-    shared = tokens(rng, 120)
-    prompts = {"a": shared + tokens(rng, 9), "b": shared + tokens(rng, 21)}
-    alone = {rid: run_until_done(inprocess_engine(default_model),
-                                 [GenerateRequest(rid, p, 8, ignore_eos=True)])[rid]["tokens"]
-             for rid, p in prompts.items()}
+    prompts = sharing_prompts()
     core = inprocess_engine(default_model, max_num_batched_tokens=budget)
     both = run_until_done(core, [GenerateRequest(rid, p, 8, ignore_eos=True)
                                  for rid, p in prompts.items()])
     assert {rid: r["tokens"] for rid, r in both.items()} == alone
     first = core.executor.plans[0]
-    if budget >= 2 * len(shared):  # one step: b admitted beside a, onto a's fresh blocks
+    if budget >= 2 * SHARED:  # one step: b admitted beside a, onto a's fresh blocks
         assert both["b"]["cached"] == 112 and len(first.batch()) == 2
 
 

@@ -6,6 +6,7 @@ is leaked and the prefix index holds no rejected draft."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import llguidance
@@ -211,13 +212,19 @@ def test_greedy_tokens_are_the_same_over_four_ranks(default_model):
 SMOLLM2_CODE = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}" for i in range(8))
 
 
-def smollm2_chat(question: str) -> list[int]:
-    """SmolLM2's prompt for a user's question about the file above."""
+@functools.cache
+def smollm2_tokenizer() -> Tokenizer:
+    """SmolLM2's tokenizer, read from its GGUF once (its vocabulary takes seconds to parse)."""
     from orchestrator.gguf_tokenizer import load_gguf_tokenizer
 
-    tok = load_gguf_tokenizer(SMOLLM2).tokenizer
-    return tok.encode("<|im_start|>user\nHere is a file:\n```python\n" + SMOLLM2_CODE
-                      + "\n```\n" + question + "<|im_end|>\n<|im_start|>assistant\n").ids
+    return load_gguf_tokenizer(SMOLLM2).tokenizer
+
+
+def smollm2_chat(question: str) -> list[int]:
+    """SmolLM2's prompt for a user's question about the file above."""
+    return smollm2_tokenizer().encode(
+        "<|im_start|>user\nHere is a file:\n```python\n" + SMOLLM2_CODE
+        + "\n```\n" + question + "<|im_end|>\n<|im_start|>assistant\n").ids
 
 
 EDIT = "Rewrite the whole file, renaming f3 to g3."
@@ -269,10 +276,9 @@ def test_the_real_model_stops_where_plain_decoding_stops():
     speculation, though the stop comes inside a run of kept drafts."""
     import asyncio
 
-    from orchestrator.gguf_tokenizer import load_gguf_tokenizer
     from orchestrator.shim.generation import Delivery, Generation
 
-    tok = load_gguf_tokenizer(SMOLLM2).tokenizer
+    tok = smollm2_tokenizer()
     ids = smollm2_chat(EDIT)
     nine = tok.token_to_id("9")  # first written in "return x * 3 + 9", mid-output
     reqs = [GenerateRequest("edit", ids, 100, stop_token_ids=[nine])]

@@ -33,6 +33,7 @@ from worker.gguf import (
     load_config,
     load_gguf_config,
     open_checkpoint,
+    open_gguf,
     unpermute_rotary_rows,
 )
 from worker.model_config import UnsupportedModelError, load_model_config
@@ -174,6 +175,19 @@ def test_dequantizes_to_the_requested_dtype(tmp_path):
         t = reader.rows("model.layers.0.mlp.down_proj.weight", 0, 64)
         assert t.dtype == dtype and t.shape == (64, 512)
     assert load_gguf_config(path).tie_word_embeddings  # no output.weight
+
+
+def test_a_parsed_file_is_read_again_only_once_rewritten(tmp_path):
+    """A rank reads its model's config, then its weights: the second read takes the first's
+    parse (the vocabulary's strings cost seconds); a file written anew is parsed anew."""
+    path = write_small(tmp_path / "small.gguf", Q.F32)
+    first = open_gguf(path)
+    assert open_gguf(path) is first
+    assert open_gguf(tmp_path / "." / "small.gguf") is first  # the same file, another spelling
+    write_small(path, Q.Q8_0)
+    again = open_gguf(path)
+    assert again is not first
+    assert {t.tensor_type for t in again.tensors if t.name == "blk.0.ffn_down.weight"} == {Q.Q8_0}
 
 
 # --- refusals --------------------------------------------------------------------------

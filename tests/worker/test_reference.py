@@ -3,6 +3,9 @@
 World sizes 1, 2 and 4 on gloo, float32: prompt logits within 1e-3 of the
 logits' scale and 32 identical greedy tokens, for the default Llama model and a
 small Qwen3-style model (q/k norm, head_dim != hidden / heads, tied embeddings).
+Runs that need no fresh process group share one launch of the ranks (each launch costs
+every rank its process start and torch import): every model at one world size, and the
+float32 and bfloat16 / FP8 runs of one comparison.
 """
 
 from __future__ import annotations
@@ -10,11 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.worker.ranks import run_ranks
+from tests.worker.ranks import run_ranks_many
 
 NEW_TOKENS = 32
 PROMPT_LEN = 61
 MOE_MODELS = ("qwen3_moe_model", "mixtral_model")
+MODELS = ("default_model", "qwen3_model", *MOE_MODELS)
 
 
 def make_prompt(vocab: int, n: int = PROMPT_LEN, seed: int = 0) -> list[int]:
@@ -22,16 +26,36 @@ def make_prompt(vocab: int, n: int = PROMPT_LEN, seed: int = 0) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
+@pytest.fixture(scope="module")
+def every_model_at(hf_reference, request, tmp_path_factory):
+    """world size -> {model fixture name: its ranks' output}: every model's run on HF's
+    prompt, in one launch of the ranks per world size (made at its first test)."""
+    launched: dict[int, dict[str, dict]] = {}
+
+    def get(world_size: int) -> dict[str, dict]:
+        if world_size not in launched:
+            out = tmp_path_factory.mktemp(f"world{world_size}")
+            runs = []
+            for name in MODELS:
+                model_dir = str(request.getfixturevalue(name))
+                prompt = hf_reference(model_dir)[0]
+                runs.append(dict(out=out / f"{name}.st", model=model_dir, dtype="float32",
+                                 prompt=prompt, chunk=len(prompt), new_tokens=NEW_TOKENS))
+            launched[world_size] = dict(zip(MODELS, run_ranks_many(world_size, runs)))
+        return launched[world_size]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 # dense Llama and Qwen3, and the MoE families (Qwen3-MoE, Mixtral: experts split over ranks)
-@pytest.mark.parametrize("model_name", ["default_model", "qwen3_model", *MOE_MODELS])
+@pytest.mark.parametrize("model_name", MODELS)
 def test_logits_and_greedy_tokens_match_hf(model_name, world_size, hf_reference, request,
-                                           tmp_path):
+                                           every_model_at):
     model_dir = str(request.getfixturevalue(model_name))
     prompt, ref_logits, ref_tokens = hf_reference(model_dir)
-    out = run_ranks(world_size, tmp_path / "out.st", model=model_dir, dtype="float32",
-                    prompt=prompt, chunk=len(prompt), new_tokens=NEW_TOKENS)
+    out = every_model_at(world_size)[model_name]
     scale = ref_logits.abs().max().item()
     diff = (out["logits"] - ref_logits).abs().max().item()
     assert diff < 1e-3 * scale, f"max |logits - HF| = {diff:.3g}, scale {scale:.3g}"
@@ -57,15 +81,17 @@ def test_bfloat16_close_to_float32(default_model, world_size, tmp_path):
     prompt = make_prompt(8192)
 
     def run(dtype, tokens, new_tokens, name):
-        return run_ranks(world_size, tmp_path / f"{name}.st", model=str(default_model),
-                         dtype=dtype, prompt=tokens, chunk=len(tokens), new_tokens=new_tokens)
+        return dict(out=tmp_path / f"{name}.st", model=str(default_model), dtype=dtype,
+                    prompt=tokens, chunk=len(tokens), new_tokens=new_tokens)
 
-    f32_gen = run("float32", prompt, NEW_TOKENS, "f32gen")["tokens"].tolist()
-    bf16_gen = run("bfloat16", prompt, NEW_TOKENS, "bf16gen")["tokens"].tolist()
+    # two launches: the generations, then (on float32's) the teacher-forced runs
+    f32_gen, bf16_gen = (out["tokens"].tolist() for out in run_ranks_many(world_size, [
+        run("float32", prompt, NEW_TOKENS, "f32gen"),
+        run("bfloat16", prompt, NEW_TOKENS, "bf16gen")]))
     # Teacher-forced over prompt + float32 continuation: logits at every position.
     full = prompt + f32_gen
-    f32 = run("float32", full, 1, "f32")["logits"]
-    bf16 = run("bfloat16", full, 1, "bf16")["logits"]
+    f32, bf16 = (out["logits"] for out in run_ranks_many(world_size, [
+        run("float32", full, 1, "f32"), run("bfloat16", full, 1, "bf16")]))
 
     scale = f32.abs().max().item()
     deviation = (bf16 - f32).abs().max().item()
@@ -99,16 +125,18 @@ def test_fp8_kv_close_to_float32_kv(default_model, world_size, tmp_path):
     prompt = make_prompt(8192)
 
     def run(kv, tokens, new_tokens, name):
-        return run_ranks(world_size, tmp_path / f"{name}.st", model=str(default_model),
-                         dtype="float32", kv_cache_dtype=kv, prompt=tokens, chunk=len(tokens),
-                         new_tokens=new_tokens)
+        return dict(out=tmp_path / f"{name}.st", model=str(default_model), dtype="float32",
+                    kv_cache_dtype=kv, prompt=tokens, chunk=len(tokens), new_tokens=new_tokens)
 
-    full = prompt + run("auto", prompt, NEW_TOKENS, "gen")["tokens"].tolist()
-    f32 = run("auto", full, 1, "f32")["logits"]
+    (gen,) = run_ranks_many(world_size, [run("auto", prompt, NEW_TOKENS, "gen")])
+    full = prompt + gen["tokens"].tolist()
+    # one launch: float32 KV and each FP8 format, teacher-forced over the same tokens
+    f32_out, *fp8_outs = run_ranks_many(world_size, [
+        run("auto", full, 1, "f32"), *(run(kv, full, 1, kv) for kv in FP8_LOGIT_TOL)])
+    f32 = f32_out["logits"]
     scale = f32.abs().max().item()
     means = {}
-    for kv, (max_tol, mean_tol) in FP8_LOGIT_TOL.items():
-        out = run(kv, full, 1, kv)
+    for (kv, (max_tol, mean_tol)), out in zip(FP8_LOGIT_TOL.items(), fp8_outs, strict=True):
         diff = (out["logits"] - f32).abs()
         assert diff.max() < max_tol * scale, f"{kv}: {diff.max():.3g}, scale {scale:.3g}"
         means[kv] = diff.mean().item()
