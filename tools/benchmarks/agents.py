@@ -2,7 +2,8 @@
 
     python -m tools.benchmarks.agents --model models/tiny-llama [--world-size 4] [--agents 4]
         [--system-tokens 1024] [--turns 6] [--tool-tokens 64] [--output-tokens 16]
-        [--host-cache-memory BYTES] [--state-snapshot-interval K] [--json OUT]
+        [--host-cache-memory BYTES] [--state-snapshot-interval K] [--stagger-s S]
+        [--max-model-len N] [--caching on,off] [--json OUT]
 
 Each agent shares one long system prompt, then resends its whole growing history
 every turn (previous prompt + its answer + a new tool result), as Claude Code does.
@@ -60,7 +61,8 @@ def percentile(xs: list[float], q: float) -> float:
 def run_workload(core: EngineCore, args: argparse.Namespace, progress: tqdm) -> dict:
     rng = random.Random(args.seed)
     system = [rng.randrange(10, 8000) for _ in range(args.system_tokens)]
-    agents = [Agent(f"agent{i}", system + [rng.randrange(10, 8000) for _ in range(48)])
+    agents = [Agent(f"agent{i}", system + [rng.randrange(10, 8000) for _ in range(48)],
+                    ready_at=time.perf_counter() + i * args.stagger_s)
               for i in range(args.agents)]
     ttfts: list[float] = []
     prompt_tokens = device_hits = host_hits = 0
@@ -128,7 +130,8 @@ def start_engine(args: argparse.Namespace, run_dir: str, caching: bool):
                           host_cache_memory=args.host_cache_memory,
                           enable_prefix_caching=caching,
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          state_snapshot_interval=args.state_snapshot_interval)
+                          state_snapshot_interval=args.state_snapshot_interval,
+                          **({"max_model_len": args.max_model_len} if args.max_model_len else {}))
     address = f"ipc://{run_dir}/workers-{int(caching)}.sock"
     executor = ZmqExecutor(address, config)
     ranks = spawn_local_ranks(address, args.world_size)
@@ -154,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-memory", type=int, default=0,
                    help="bytes per rank (0: sized from the model, as the engine does)")
     p.add_argument("--host-cache-memory", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="0: the model's (a small --kv-cache-memory must hold one such sequence)")
+    p.add_argument("--stagger-s", type=float, default=0.0,
+                   help="agent i starts i times this late (0: all in the first step)")
+    p.add_argument("--caching", default="on,off",
+                   help="the runs: prefix cache on, off, or both (the on/off ratios)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--state-snapshot-interval", type=int,
                    default=EngineConfig.state_snapshot_interval,
@@ -162,10 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
+    runs = args.caching.split(",")
+    assert set(runs) <= {"on", "off"}, f"--caching: on, off or both, not {args.caching}"
     results = {}
     with tempfile.TemporaryDirectory(prefix="deepinfer-agents-") as run_dir, \
-            tqdm(total=2 * args.agents * args.turns, desc="agent turns") as progress:
-        for caching in (True, False):
+            tqdm(total=len(runs) * args.agents * args.turns, desc="agent turns") as progress:
+        for caching in (run == "on" for run in runs):
             core, executor, ranks, limits = start_engine(args, run_dir, caching)
             try:
                 results["on" if caching else "off"] = run_workload(core, args, progress)
@@ -174,13 +185,12 @@ def main(argv: list[str] | None = None) -> int:
                 executor.shutdown()
                 stop_all(ranks)
 
-    on, off = results["on"], results["off"]
     table = Table(title=f"{args.agents} agents x {args.turns} turns, {args.system_tokens}-token "
                         f"shared system prompt, world size {args.world_size}")
     for col in ("prefix cache", "prompt tokens", "from device", "from host", "read tok/s",
                 "TTFT p50 ms", "TTFT p95 ms", "wall s"):
         table.add_column(col, justify="right")
-    for name, r in (("on", on), ("off", off)):
+    for name, r in results.items():
         table.add_row(name, str(r["prompt_tokens"]), f"{100 * r['device_hit_share']:.1f}%",
                       f"{100 * r['host_hit_share']:.1f}%", f"{r['prompt_tokens_read_per_s']:.0f}",
                       f"{r['ttft_p50_ms']:.0f}", f"{r['ttft_p95_ms']:.0f}", f"{r['wall_s']:.1f}")
@@ -188,19 +198,23 @@ def main(argv: list[str] | None = None) -> int:
     machine = describe(measure=False)
     print_summary(console, machine)
     console.print(table)
-    computed = {k: n for k, n in on["uncached_tokens"].items() if n}
-    console.print("prompt tokens computed with the cache on, by reason: "
-                  + (", ".join(f"{k} {n}" for k, n in computed.items()) or "none"))
-    if limits.is_hybrid:
+    on, off = results.get("on"), results.get("off")
+    if on:
+        computed = {k: n for k, n in on["uncached_tokens"].items() if n}
+        console.print("prompt tokens computed with the cache on, by reason: "
+                      + (", ".join(f"{k} {n}" for k, n in computed.items()) or "none"))
+    if limits.is_hybrid and on:
         tier = on["device_tier"]
         console.print(f"hybrid, a state snapshot every {args.state_snapshot_interval} blocks: "
                       f"{tier['num_state_slots']} state slots "
                       f"({tier['state_bytes'] / 2**20:.1f} MiB) beside "
                       f"{tier['num_device_blocks']} KV blocks: state "
                       f"{100 * tier['state_share']:.1f}% of the device tier")
-    ratio = on["prompt_tokens_read_per_s"] / off["prompt_tokens_read_per_s"]
-    console.print(f"read-rate ratio cache on/off: {ratio:.2f}x; "
-                  f"TTFT p50 ratio off/on: {off['ttft_p50_ms'] / on['ttft_p50_ms']:.2f}x")
+    ratio = None
+    if on and off:
+        ratio = on["prompt_tokens_read_per_s"] / off["prompt_tokens_read_per_s"]
+        console.print(f"read-rate ratio cache on/off: {ratio:.2f}x; "
+                      f"TTFT p50 ratio off/on: {off['ttft_p50_ms'] / on['ttft_p50_ms']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "machine": machine, "results": results,
