@@ -96,10 +96,8 @@ def test_hybrids_match_hf(world_size, hybrid_models, hf_reference, tmp_path):
 
 
 def runner_for(model, **config) -> ModelRunner:
-    # 4 MiB holds the state slots of 8 sequences beside the KV (the device tier's budget
-    # pays for them, worker/budget.py), not of the default 64
     return ModelRunner(EngineConfig(model=str(model), dtype="float32", kv_cache_memory=4 << 20,
-                                    max_model_len=256, max_num_seqs=8, **config),
+                                    max_model_len=256, **config),
                        TensorParallelGroup(0, 1), torch.device("cpu"))
 
 
