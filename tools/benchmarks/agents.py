@@ -2,13 +2,17 @@
 
     python -m tools.benchmarks.agents --model models/tiny-llama [--world-size 4] [--agents 4]
         [--system-tokens 1024] [--turns 6] [--tool-tokens 64] [--output-tokens 16]
-        [--host-cache-memory BYTES] [--json OUT]
+        [--host-cache-memory BYTES] [--state-snapshot-interval K] [--stagger-s S]
+        [--max-model-len N] [--caching on,off] [--json OUT]
 
 Each agent shares one long system prompt, then resends its whole growing history
 every turn (previous prompt + its answer + a new tool result), as Claude Code does.
 Driven through the real scheduler and real ranks (ZeroMQ, no HTTP). Reports the
 share of prompt tokens served per tier, prompt tokens read per second (cached
-tokens count as read), its on/off ratio, and time to first token p50/p95.
+tokens count as read), its on/off ratio, time to first token p50/p95, the prompt
+tokens computed by reason (wire/client.py UNCACHED_REASONS: `no_state` is a hybrid
+model's hit cut back to its last linear-attention state snapshot) and, for a hybrid
+model, the state slots' share of the device tier.
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ from orchestrator.launcher import stop_all
 from scheduler.engine import EngineCore, agree_limits
 from scheduler.executor import ZmqExecutor
 from scheduler.scheduler import Scheduler
+from tools.benchmarks.machine import describe, print_summary
 from tools.harness.local_ranks import spawn_local_ranks
-from wire.client import GenerateRequest
+from wire.client import UNCACHED_REASONS, GenerateRequest
 from wire.config import EngineConfig
 from wire.gc_policy import settle_heap
+from wire.lifecycle import EngineLimits
 
 
 @dataclass
@@ -55,10 +61,12 @@ def percentile(xs: list[float], q: float) -> float:
 def run_workload(core: EngineCore, args: argparse.Namespace, progress: tqdm) -> dict:
     rng = random.Random(args.seed)
     system = [rng.randrange(10, 8000) for _ in range(args.system_tokens)]
-    agents = [Agent(f"agent{i}", system + [rng.randrange(10, 8000) for _ in range(48)])
+    agents = [Agent(f"agent{i}", system + [rng.randrange(10, 8000) for _ in range(48)],
+                    ready_at=time.perf_counter() + i * args.stagger_s)
               for i in range(args.agents)]
     ttfts: list[float] = []
     prompt_tokens = device_hits = host_hits = 0
+    uncached = dict.fromkeys(UNCACHED_REASONS, 0)
     start = time.perf_counter()
     while any(a.turn < args.turns for a in agents) or core.has_work():
         # an agent's pause does not count in its TTFT: it is measured from submission
@@ -79,6 +87,9 @@ def run_workload(core: EngineCore, args: argparse.Namespace, progress: tqdm) -> 
                 a.first_token_at = time.perf_counter()
                 ttfts.append(a.first_token_at - a.submitted_at)
             a.output.extend(out.token_ids)
+            if out.finished and out.uncached is not None:
+                for reason, n in out.uncached.by_reason().items():
+                    uncached[reason] += n
             if out.finished:
                 prompt_tokens += out.num_prompt_tokens
                 device_hits += out.num_device_cached_tokens
@@ -100,7 +111,17 @@ def run_workload(core: EngineCore, args: argparse.Namespace, progress: tqdm) -> 
         "ttft_p50_ms": 1000 * percentile(ttfts, 0.5),
         "ttft_p95_ms": 1000 * percentile(ttfts, 0.95),
         "ttft_mean_ms": 1000 * statistics.fmean(ttfts),
+        "uncached_tokens": uncached,
     }
+
+
+def device_tier(limits: EngineLimits) -> dict:
+    """What a rank's device tier holds: KV blocks, and a hybrid model's state slots."""
+    kv = limits.num_device_blocks * limits.kv_bytes_per_block
+    state = limits.num_state_slots * limits.state_bytes_per_slot
+    return {"num_device_blocks": limits.num_device_blocks,
+            "num_state_slots": limits.num_state_slots, "kv_bytes": kv, "state_bytes": state,
+            "state_share": state / (kv + state)}
 
 
 def start_engine(args: argparse.Namespace, run_dir: str, caching: bool):
@@ -108,13 +129,16 @@ def start_engine(args: argparse.Namespace, run_dir: str, caching: bool):
                           kv_cache_memory=args.kv_cache_memory,
                           host_cache_memory=args.host_cache_memory,
                           enable_prefix_caching=caching,
-                          max_num_batched_tokens=args.max_num_batched_tokens)
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          state_snapshot_interval=args.state_snapshot_interval,
+                          **({"max_model_len": args.max_model_len} if args.max_model_len else {}))
     address = f"ipc://{run_dir}/workers-{int(caching)}.sock"
     executor = ZmqExecutor(address, config)
     ranks = spawn_local_ranks(address, args.world_size)
-    core = EngineCore(Scheduler(config, agree_limits(executor.start())), executor)
+    limits = agree_limits(executor.start())
+    core = EngineCore(Scheduler(config, limits), executor)
     settle_heap()  # as the scheduler process does before it serves
-    return core, executor, ranks
+    return core, executor, ranks, limits
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,41 +157,68 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-memory", type=int, default=0,
                    help="bytes per rank (0: sized from the model, as the engine does)")
     p.add_argument("--host-cache-memory", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="0: the model's (a small --kv-cache-memory must hold one such sequence)")
+    p.add_argument("--stagger-s", type=float, default=0.0,
+                   help="agent i starts i times this late (0: all in the first step)")
+    p.add_argument("--caching", default="on,off",
+                   help="the runs: prefix cache on, off, or both (the on/off ratios)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--state-snapshot-interval", type=int,
+                   default=EngineConfig.state_snapshot_interval,
+                   help="a hybrid model's snapshot of its linear-attention state every K blocks")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
+    runs = args.caching.split(",")
+    assert set(runs) <= {"on", "off"}, f"--caching: on, off or both, not {args.caching}"
     results = {}
     with tempfile.TemporaryDirectory(prefix="deepinfer-agents-") as run_dir, \
-            tqdm(total=2 * args.agents * args.turns, desc="agent turns") as progress:
-        for caching in (True, False):
-            core, executor, ranks = start_engine(args, run_dir, caching)
+            tqdm(total=len(runs) * args.agents * args.turns, desc="agent turns") as progress:
+        for caching in (run == "on" for run in runs):
+            core, executor, ranks, limits = start_engine(args, run_dir, caching)
             try:
                 results["on" if caching else "off"] = run_workload(core, args, progress)
+                results["on" if caching else "off"]["device_tier"] = device_tier(limits)
             finally:
                 executor.shutdown()
                 stop_all(ranks)
 
-    on, off = results["on"], results["off"]
     table = Table(title=f"{args.agents} agents x {args.turns} turns, {args.system_tokens}-token "
                         f"shared system prompt, world size {args.world_size}")
     for col in ("prefix cache", "prompt tokens", "from device", "from host", "read tok/s",
                 "TTFT p50 ms", "TTFT p95 ms", "wall s"):
         table.add_column(col, justify="right")
-    for name, r in (("on", on), ("off", off)):
+    for name, r in results.items():
         table.add_row(name, str(r["prompt_tokens"]), f"{100 * r['device_hit_share']:.1f}%",
                       f"{100 * r['host_hit_share']:.1f}%", f"{r['prompt_tokens_read_per_s']:.0f}",
                       f"{r['ttft_p50_ms']:.0f}", f"{r['ttft_p95_ms']:.0f}", f"{r['wall_s']:.1f}")
     console = Console(width=140)
+    machine = describe(measure=False)
+    print_summary(console, machine)
     console.print(table)
-    ratio = on["prompt_tokens_read_per_s"] / off["prompt_tokens_read_per_s"]
-    console.print(f"read-rate ratio cache on/off: {ratio:.2f}x; "
-                  f"TTFT p50 ratio off/on: {off['ttft_p50_ms'] / on['ttft_p50_ms']:.2f}x")
+    on, off = results.get("on"), results.get("off")
+    if on:
+        computed = {k: n for k, n in on["uncached_tokens"].items() if n}
+        console.print("prompt tokens computed with the cache on, by reason: "
+                      + (", ".join(f"{k} {n}" for k, n in computed.items()) or "none"))
+    if limits.is_hybrid and on:
+        tier = on["device_tier"]
+        console.print(f"hybrid, a state snapshot every {args.state_snapshot_interval} blocks: "
+                      f"{tier['num_state_slots']} state slots "
+                      f"({tier['state_bytes'] / 2**20:.1f} MiB) beside "
+                      f"{tier['num_device_blocks']} KV blocks: state "
+                      f"{100 * tier['state_share']:.1f}% of the device tier")
+    ratio = None
+    if on and off:
+        ratio = on["prompt_tokens_read_per_s"] / off["prompt_tokens_read_per_s"]
+        console.print(f"read-rate ratio cache on/off: {ratio:.2f}x; "
+                      f"TTFT p50 ratio off/on: {off['ttft_p50_ms'] / on['ttft_p50_ms']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results, "read_rate_ratio": ratio}, f,
-                      indent=2)
+            json.dump({"args": vars(args), "machine": machine, "results": results,
+                       "read_rate_ratio": ratio}, f, indent=2)
     return 0
 
 
