@@ -605,6 +605,8 @@ class KVCacheManager:
             restore = -1
             if self.state is not None:
                 n_state, restore = self.state.best(chain, m.num_blocks)
+                if self.state.written_this_plan(chain, n_state, m.num_blocks):
+                    return None  # a longer hit is restorable from the next plan on
                 m = truncated(m, n_state)
             on_disk = np.flatnonzero(m.disk >= 0)
             if len(on_disk):  # start the reads; a later call takes the hit

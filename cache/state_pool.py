@@ -107,6 +107,18 @@ class StatePool:
             stop = start
         return 0, -1
 
+    def written_this_plan(self, chain: BlockHashChain, start: int, stop: int) -> bool:
+        """Whether a snapshot at one of blocks (start, stop] of ``chain`` is registered in
+        the plan being made: its forward writes it, so the next plan may restore it. A
+        sequence whose longer hit waits on one is better admitted then than now (agents
+        sent the same fresh system prompt at once: the first computes it, the others
+        take it one step later instead of computing it again)."""
+        if not self._not_ready or stop <= start:
+            return False
+        lo, hi = chain.keys(start, stop)
+        return any(self._index.get(key) in self._not_ready
+                   for key in zip(lo.tolist(), hi.tolist()))
+
     def registered(self) -> dict[int, int]:
         """Cached slot -> its hash's lo word: what the state digest must hold."""
         return {slot: key[0] for slot, key in self._key.items()}
@@ -195,8 +207,8 @@ class StatePool:
         for n, slot in ready:
             lo, hi = chain.keys(n - 1, n)
             key = (int(lo[0]), int(hi[0]))
-            if key in self._index:
-                self._free.append(slot)
+            if key in self._index:  # reusable from the next plan: this one's forward writes it
+                self._released.append(slot)
                 if self._latest.get(seq_id) == slot:
                     del self._latest[seq_id]
                 continue
@@ -279,11 +291,11 @@ class StatePool:
         for i, (_, s) in enumerate(pending):
             if s == slot:
                 del pending[i]
-                self._free.append(slot)
+                self._released.append(slot)  # this plan's forward may still write it
                 return
         if slot in self._key and slot not in self._pins:
             self._unindex(slot)
-            self._free.append(slot)
+            self._released.append(slot)
 
     def check(self) -> None:
         """Every slot in exactly one state; the indexes agree (O(slots): tests)."""

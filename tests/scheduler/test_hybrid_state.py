@@ -248,3 +248,20 @@ def test_with_a_host_tier_evicted_snapshots_come_back_from_it():
     pool = s.cache.state
     assert pool.live == {} and pool.num_pending == 0
     assert pool.num_free + pool.num_cached == pool.num_slots
+
+
+def test_agents_sent_one_fresh_prompt_at_once_wait_a_step_for_its_snapshot():
+    """Four agents send the same new 100-token prompt together: the first computes it, and
+    the others, whose KV hit the first's blocks at once but whose state snapshot only its
+    forward writes, are admitted one step later restoring it (a dense model's KV is read
+    in the same forward; a snapshot is not), instead of computing the prompt again."""
+    s, ranks = make(state_snapshot_interval=4), Ranks()
+    prompt = list(range(10, 110))
+    for i in range(4):
+        s.add_request(GenerateRequest(f"a{i}", prompt, 2, ignore_eos=True))
+    first, second = run(s, ranks, steps=2)
+    assert [c.start_pos for c in first.chunks] == [0]
+    restored = [c for c in second.chunks if c.start_pos > 0]
+    assert [c.start_pos for c in restored] == [96, 96, 96] and len(second.state_copy) == 3
+    drain(s, ranks)
+    assert s.cache.stats.num_device_hit_tokens == 3 * 96
