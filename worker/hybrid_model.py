@@ -29,7 +29,7 @@ from worker.attention import AttentionBackend
 from worker.distributed import TensorParallelGroup
 from worker.gguf import is_gguf_path
 from worker.kv_cache import KVCache
-from worker.layers import ParallelLMHead, Rotary, VocabParallelEmbedding, rms_norm
+from worker.layers import Rotary, rms_norm
 from worker.linear_attention import (
     DeltaNetShape,
     DeltaNetWeights,
@@ -94,17 +94,11 @@ class HybridModel(LlamaModel):
     # --- loading ---------------------------------------------------------------
 
     def load(self, model_dir: str, show_progress: bool = False) -> None:
-        cfg, r, world = self.config, self.tp.rank, self.tp.world_size
+        cfg = self.config
         if is_gguf_path(model_dir):
             raise NotImplementedError(f"{cfg.architecture} from a GGUF file is not supported")
         reader = TextModelReader(CheckpointReader(model_dir, self.dtype, show_progress))
-        vocab_rows = -(-cfg.vocab_size // world)
-        v0, v1 = r * vocab_rows, min((r + 1) * vocab_rows, cfg.vocab_size)
-        embed = reader.rows("model.embed_tokens.weight", v0, v1)
-        self.embed = VocabParallelEmbedding(self._dev(embed), v0, cfg.vocab_size, self.tp)
-        head = embed if cfg.tie_word_embeddings else reader.rows("lm_head.weight", v0, v1)
-        self.lm_head = ParallelLMHead(self._dev(head), vocab_rows, cfg.vocab_size, self.tp,
-                                      self.linear, self.logits_everywhere)
+        self._load_vocab_parallel(reader)
         self.norm = self._gemma_norm(reader, "model.norm.weight")
         self.layers = [self._load_layer(reader, i) for i in range(cfg.num_layers)]
         reader.close()

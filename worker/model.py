@@ -70,8 +70,18 @@ class LlamaModel:
     # --- loading ---------------------------------------------------------------
 
     def load(self, model_dir: str, show_progress: bool = False) -> None:
-        cfg, r = self.config, self.tp.rank
+        cfg = self.config
         reader = open_checkpoint(model_dir, self.dtype, show_progress)  # HF dir or .gguf
+        self._load_vocab_parallel(reader)
+        self.norm = self._dev(reader.full("model.norm.weight"))
+        self.layers = [self._load_layer(reader, i) for i in range(cfg.num_layers)]
+        reader.close()
+        if self.device.type == "cpu":
+            self._choose_kernels()
+
+    def _load_vocab_parallel(self, reader: CheckpointReader) -> None:
+        """This rank's rows of the embedding and the LM head (the embedding's, tied)."""
+        cfg, r = self.config, self.tp.rank
         vocab_rows = -(-cfg.vocab_size // self.tp.world_size)  # ceil: last shard may be short
         v0, v1 = r * vocab_rows, min((r + 1) * vocab_rows, cfg.vocab_size)
         embed = reader.rows("model.embed_tokens.weight", v0, v1)
@@ -79,11 +89,6 @@ class LlamaModel:
         head = embed if cfg.tie_word_embeddings else reader.rows("lm_head.weight", v0, v1)
         self.lm_head = ParallelLMHead(self._dev(head), vocab_rows, cfg.vocab_size, self.tp,
                                       self.linear, self.logits_everywhere)
-        self.norm = self._dev(reader.full("model.norm.weight"))
-        self.layers = [self._load_layer(reader, i) for i in range(cfg.num_layers)]
-        reader.close()
-        if self.device.type == "cpu":
-            self._choose_kernels()
 
     def _choose_kernels(self) -> None:
         """Each compiled kernel only where it beats torch on this machine, at this rank's
