@@ -101,12 +101,7 @@ class HostStates:
         return slot in self._pins
 
     def unpin(self, slot: int) -> None:
-        n = self._pins[slot] - 1
-        if n:
-            self._pins[slot] = n
-            return
-        del self._pins[slot]
-        self._lru[slot] = None  # most recently used: a hit was just taken from it
+        unpin(self._pins, self._lru, slot)
 
     def restore(self, slot: int) -> None:
         """The pinned snapshot in ``slot`` is swapped into a live slot by this plan."""
@@ -147,3 +142,14 @@ class HostStates:
         assert set(self._pins) <= set(self._key) and all(n > 0 for n in self._pins.values())
         assert set(self._lru) == set(self._key) - set(self._pins)
         assert self._busy <= set(self._key)
+
+
+def unpin(pins: dict[int, int], lru: dict[int, None], slot: int) -> None:
+    """One pin of ``slot`` let go (the device's and the host's snapshot slots alike): the
+    last one puts it back in the LRU, most recently used (a hit was just taken from it)."""
+    n = pins[slot] - 1
+    if n:
+        pins[slot] = n
+        return
+    del pins[slot]
+    lru[slot] = None

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from cache.hashing import BlockHashChain
-from cache.state_host import ChainAlive, HostStates, Key, least_valuable
+from cache.state_host import ChainAlive, HostStates, Key, least_valuable, unpin
 
 _MATCH_CHUNK = 256  # the prefix is searched from its end in chunks of this many blocks
 
@@ -139,12 +139,7 @@ class StatePool:
         if slot >= self.num_slots:
             self.host.unpin(slot - self.num_slots)
             return
-        n = self._pins[slot] - 1
-        if n:
-            self._pins[slot] = n
-            return
-        del self._pins[slot]
-        self._lru[slot] = None  # most recently used: a hit was just taken from it
+        unpin(self._pins, self._lru, slot)
 
     def open(self, seq_id: int, restore: int = -1) -> int:
         """The live slot of a sequence admitted now; with ``restore`` (a slot pinned for
