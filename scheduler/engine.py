@@ -183,6 +183,7 @@ def restore_disk(scheduler: Scheduler, ready: list[WorkerReady]) -> None:
     """Warm restart: what the ranks agreed they hold on disk (each rank reports the same
     list; rank 0's is taken) goes into the scheduler's index and digest."""
     scheduler.restore_disk(ready[0].disk_found)
+    scheduler.restore_disk_states(ready[0].state_disk_found)
     scheduler.disk_torn_at_start = max(r.disk_torn for r in ready)
 
 
@@ -285,6 +286,10 @@ class EngineCore:
         for r in results:  # writes on every rank become readable, reads usable
             self.scheduler.cache.report_disk_writes(r.rank, r.disk_done, r.disk_dropped,
                                                     r.disk_read_done, r.disk_read_bad)
+            self.scheduler.cache.report_state_disk(r.rank, r.state_disk_done,
+                                                   r.state_disk_dropped,
+                                                   r.state_disk_read_done,
+                                                   r.state_disk_read_bad)
         self.disk_queue_depth = max(r.disk_queue_depth for r in results)
         t3 = time.perf_counter()
         record.outputs = self.scheduler.update(plan, results[0].sampled)

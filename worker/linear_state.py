@@ -69,6 +69,37 @@ class LinearStateCache:
             self.conv[:, slot].copy_(self.conv_host[:, host], non_blocking=True)
             self.recurrent[:, slot].copy_(self.recurrent_host[:, host], non_blocking=True)
 
+    def sync(self) -> None:
+        """Wait for the state ops queued on the compute stream (CUDA): a host slot is read
+        on the CPU next (a disk write)."""
+        if self.conv.is_cuda:
+            torch.cuda.current_stream(self.conv.device).synchronize()
+
+    def host_slot_bytes(self, host: int) -> bytes:
+        """A copy of a host slot's conv windows and recurrent matrices, every layer: a
+        disk record's payload (cache/state_disk.py). The swap_out that filled it must be
+        complete (the caller syncs)."""
+        self._check_host(host)
+        return b"".join(t[:, host].contiguous().view(torch.uint8).numpy().tobytes()
+                        for t in (self.conv_host, self.recurrent_host))
+
+    def load_host_slot(self, host: int, payload: bytes) -> None:
+        """The inverse of `host_slot_bytes` (on a reader thread: the slot is the read's
+        alone until it is reported)."""
+        self._check_host(host)
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        at = 0
+        for t in (self.conv_host, self.recurrent_host):
+            view = t[:, host].view(torch.uint8)
+            view.copy_(buf[at:at + view.numel()].view(view.shape))
+            at += view.numel()
+        assert at == len(buf), f"a payload of {len(buf)} bytes for a {at}-byte state slot"
+
+    @property
+    def host_slot_nbytes(self) -> int:
+        return (self.conv_host[:, 0].nbytes + self.recurrent_host[:, 0].nbytes
+                if self.num_host_slots else 0)
+
     def copy(self, src: int, dst: int) -> None:
         """Slot `dst` becomes a copy of slot `src`, every layer."""
         self._check(src)

@@ -100,3 +100,55 @@ def test_a_snapshot_demoted_to_the_host_and_back_answers_as_a_cold_one():
     assert warm["tokens"] == cold["tokens"]
     assert_clean(core)
     core.scheduler.cache.check_invariants()
+
+
+def disk_engine(disk_dir, **overrides):
+    """`small_device_engine` over a disk tier, written through from the host."""
+    return small_device_engine(kv_write_policy="write_through", disk_cache_dir=str(disk_dir),
+                               disk_cache_size=8 << 20, **overrides)
+
+
+def settle_disk_writes(core) -> None:
+    """Let the KV and state records land and reach the scheduler (an idle step)."""
+    disk = core.executor.inner.runner.disk
+    disk.store.flush()
+    disk.state_store.flush()
+    plan = core.scheduler.schedule()
+    for r in core.executor.step(plan):
+        core.scheduler.cache.report_disk_writes(r.rank, r.disk_done, r.disk_dropped)
+        core.scheduler.cache.report_state_disk(r.rank, r.state_disk_done,
+                                               r.state_disk_dropped, [], [])
+
+
+def test_a_session_resumes_from_the_disk_tier_after_a_restart(tmp_path):
+    """An agent's turn, its snapshots pushed down to the host and written through to disk;
+    the engine restarts on the same directory; the next turn's hit comes from disk with
+    its state, and answers as a cold run does."""
+    rng = random.Random(10)
+    prompt = [rng.randrange(10, 1000) for _ in range(150)]
+    turn1 = prompt + [rng.randrange(10, 1000) for _ in range(37)]
+    cold = answer(small_device_engine(), "cold", turn1)
+    disk = tmp_path / "disk"
+    core = disk_engine(disk)
+    assert core.scheduler.limits.num_disk_state_slots > 0
+    answer(core, "turn0", prompt)
+    for i in range(3):  # other prompts take the device tier: the session goes down
+        answer(core, f"other{i}", [rng.randrange(10, 1000) for _ in range(150)])
+    assert any(p.state_disk_write for p in core.executor.plans), "no snapshot reached disk"
+    settle_disk_writes(core)
+    assert core.scheduler.cache.state.disk.pool.num_committed > 0
+    core.executor.shutdown()
+
+    again = disk_engine(disk)  # a restarted engine, the same directory
+    assert again.ready[0].state_disk_found and again.ready[0].disk_torn == 0
+    warm = answer(again, "turn1", turn1)
+    (admit,) = [p for p in again.executor.plans if p.new_seqs]
+    assert admit.state_swap_in and admit.swap_in, "the hit was restored from the host"
+    assert any(p.state_disk_read for p in again.executor.plans), "no snapshot read from disk"
+    # the snapshot at block 8 (the interval's) of the prompt's 9 full blocks: at most one
+    # block is cut for want of a state
+    assert again.scheduler.cache.stats.num_disk_hit_tokens == 128
+    assert warm["tokens"] == cold["tokens"]
+    assert_clean(again)
+    again.scheduler.cache.check_invariants()
+    again.executor.shutdown()
