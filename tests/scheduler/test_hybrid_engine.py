@@ -8,10 +8,12 @@ it and `models/tiny-qwen3-5` come with it."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 
+from cache.hashing import BlockHashChain, make_extra_key
 from tests.conftest import REPO
 from tests.scheduler.engine_harness import inprocess_engine, run_until_done
 from wire.client import GenerateRequest
@@ -151,4 +153,28 @@ def test_a_session_resumes_from_the_disk_tier_after_a_restart(tmp_path):
     assert warm["tokens"] == cold["tokens"]
     assert_clean(again)
     again.scheduler.cache.check_invariants()
+    key = chain_keys(again, prompt, 8)
+    slot = int(again.scheduler.cache.state.disk.find(*key)[0])
+    record = again.executor.inner.runner.disk.state_store.record_bytes
     again.executor.shutdown()
+
+    # a flipped byte in that snapshot's record: dropped at the restart, never served
+    with open(disk / "rank0.state", "r+b") as f:
+        f.seek(slot * record + 1000)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x40]))
+    third = disk_engine(disk)
+    assert third.ready[0].disk_torn == 1
+    assert third.scheduler.cache.state.disk.find(*key)[0] < 0
+    assert answer(third, "turn1", turn1)["tokens"] == cold["tokens"]
+    assert_clean(third)
+    third.executor.shutdown()
+
+
+def chain_keys(core, tokens: list[int], block: int):
+    """The hash (lo, hi arrays of one) of ``tokens``' block number ``block`` (from 1)."""
+    chain = BlockHashChain(core.scheduler.block_size,
+                           make_extra_key(core.scheduler.config.model, None))
+    chain.extend(tokens, block)
+    return chain.keys(block - 1, block)
