@@ -239,8 +239,11 @@ class EngineCore:
         """Disk writes planned that not every rank has reported yet. A rank reports a write
         only in a step result, so an engine with nothing else to do still steps now and
         then (scheduler/main.py) until each is committed or dropped: else the last
-        request's blocks would wait, pending, for the next request."""
-        return self.scheduler.cache.disk.num_pending > 0
+        request's blocks would wait, pending, for the next request. A hybrid model's state
+        snapshot records too (cache/state_disk.py)."""
+        cache = self.scheduler.cache
+        states = cache.state.disk if cache.state is not None else None
+        return cache.disk.num_pending > 0 or (states is not None and states.pool.num_pending > 0)
 
     def step(self) -> StepRecord:
         """Complete one step: plan it (if not planned yet), and with overlap plan and submit

@@ -15,7 +15,7 @@ import pytest
 
 from cache.hashing import BlockHashChain, make_extra_key
 from tests.conftest import REPO
-from tests.scheduler.engine_harness import inprocess_engine, run_until_done
+from tests.scheduler.engine_harness import inprocess_engine, run_until_done, zmq_engine
 from wire.client import GenerateRequest
 
 pytest.importorskip("worker.hybrid_model", reason="the hybrid model is not in the tree yet")
@@ -178,3 +178,45 @@ def chain_keys(core, tokens: list[int], block: int):
                            make_extra_key(core.scheduler.config.model, None))
     chain.extend(tokens, block)
     return chain.keys(block - 1, block)
+
+
+def test_an_engine_with_state_records_unreported_steps_on_until_they_are(tmp_path):
+    """The scheduler's loop steps an idle engine while disk writes are unreported
+    (scheduler/main.py): a snapshot's record counts as a KV block's does."""
+    core = disk_engine(tmp_path / "disk")
+    states = core.scheduler.cache.state.disk
+    assert not core.has_unreported_writes()
+    states.write_through(0, (5, 6))  # as a demotion to host state slot 0 plans it
+    ((write_id, *_),) = states.write_ops
+    assert core.has_unreported_writes()
+    states.report(0, [write_id], [], [], [])
+    assert not core.has_unreported_writes()
+    core.executor.shutdown()
+
+
+def test_world_size_2_a_session_resumes_from_the_disk_tier_after_a_restart(tmp_path):
+    """Two gloo ranks, each with its shard of the snapshots on disk: the restart finds
+    them on both ranks, and the next turn answers as a cold run."""
+    rng = random.Random(12)
+    prompt = [rng.randrange(10, 1000) for _ in range(150)]
+    turn1 = prompt + [rng.randrange(10, 1000) for _ in range(37)]
+    cold = answer(small_device_engine(), "cold", turn1)
+    disk = tmp_path / "disk"
+    cfg = dict(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=2,
+               kv_cache_memory=(8 * STATE_BYTES + 24 * BLOCK_BYTES) // 2,
+               host_cache_memory=2 << 20, kv_write_policy="write_through",
+               disk_cache_dir=str(disk), disk_cache_size=4 << 20)
+    with zmq_engine(str(MODEL), 2, **cfg) as core:
+        answer(core, "turn0", prompt)
+        for i in range(3):
+            answer(core, f"other{i}", [rng.randrange(10, 1000) for _ in range(150)])
+        while core.has_unreported_writes():
+            core.step()
+        assert core.scheduler.cache.state.disk.pool.num_committed > 0
+    with zmq_engine(str(MODEL), 2, **cfg) as again:
+        found = again.ready[0].state_disk_found
+        assert found and all(r.state_disk_found == found for r in again.ready)
+        warm = answer(again, "turn1", turn1)
+        assert any(p.state_disk_read for p in again.executor.plans)
+        assert again.scheduler.cache.stats.num_disk_hit_tokens == 128
+        assert warm["tokens"] == cold["tokens"]
