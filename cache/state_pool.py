@@ -16,7 +16,9 @@ hit needs that state as it was at the hit's end. Each rank holds `num_slots` slo
   (`open`: a StepPlan.state_copy). Pinned while a waiting sequence holds it as its hit;
   else in an LRU, evicted when a slot is wanted, those whose block no tier holds any more
   first (without its KV chain a snapshot is useless); one whose block is still held is
-  demoted to the host tier, if it has one (cache/state_host.py: StepPlan.state_swap_out).
+  demoted to the host tier, if it has one (cache/state_host.py: StepPlan.state_swap_out),
+  and written through from there to the disk tier, if that has room for snapshots
+  (cache/state_disk.py: StepPlan.state_disk_write; `on_disk` finds them again).
 
 A hit is restored from the device (a copy) or from the host (a swap_in), whichever holds
 the snapshot at the hit's last block: `best` names the source as a *restore handle*, a

@@ -13,6 +13,11 @@ disk_read ops only start them, into host slots the scheduler reserved, and each 
 reports in its step results the reads it finished (read and checked, or bad). The
 scheduler swaps a slot in only by a later plan, once every rank reported it
 (cache/disk_flow.py); the rank still joins a read before any copy touches its slot.
+
+A hybrid model's host state snapshots have records of their own, in a second store
+(`state_store`, kind "state"): written from and read into host state slots
+(worker/linear_state.py) the same way, scanned and agreed at start-up the same way
+(cache/state_disk.py).
 """
 
 from __future__ import annotations

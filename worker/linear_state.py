@@ -10,7 +10,8 @@ layer. The scheduler owns the slots (wire/step.py): a running sequence's live sl
 hit. A slot is a copy, never shared: restoring a snapshot copies it, so the snapshot
 stays as it was for the next hit. The host tier holds more snapshots, in RAM (pinned on
 CUDA): `StepPlan.state_swap_out` demotes one there, `state_swap_in` restores one from
-there into a live slot (cache/state_host.py).
+there into a live slot (cache/state_host.py). A host slot's bytes are a disk record's
+payload (`host_slot_bytes` / `load_host_slot`, worker/disk_tier.py).
 
 `StateBatch` is a step's view of the slots: per chunk, in batch order, where its rows
 are, which slot it reads and writes, whether it starts from zero, and its snapshots.
