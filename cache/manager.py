@@ -97,7 +97,9 @@ class KVCacheManager:
         self.num_held_blocks = 0  # blocks held for waiting sequences (`hold`)
         # a hybrid model's linear-attention state slots: a hit ends where a snapshot is
         self.state = (StatePool(config.num_state_slots, self._chain_alive,
-                                config.num_host_state_slots if config.host_enabled else 0)
+                                config.num_host_state_slots if config.host_enabled else 0,
+                                config.num_disk_state_slots if config.disk_enabled else 0,
+                                config.num_ranks)
                       if config.num_state_slots else None)
 
     # --- queries --------------------------------------------------------------------
@@ -451,6 +453,8 @@ class KVCacheManager:
         if self.state is not None:
             ops.state_copy, ops.state_register = self.state.take_ops()
             ops.state_swap_out, ops.state_swap_in = self.state.take_swaps()
+            if self.state.disk is not None:
+                ops.state_disk_write, ops.state_disk_read = self.state.disk.take_ops()
         self.device.clear_busy()
         self.host.unpin_all()
         self.disk.unpin_all()
@@ -470,6 +474,9 @@ class KVCacheManager:
         if self.state is not None:
             ops.state_copy, ops.state_register = self.state.peek_ops()
             ops.state_swap_out, ops.state_swap_in = self.state.peek_swaps()
+            if self.state.disk is not None:
+                ops.state_disk_write = list(self.state.disk.write_ops)
+                ops.state_disk_read = list(self.state.disk.read_ops)
         return ops
 
     def reset_prefix_cache(self) -> int:
@@ -497,18 +504,33 @@ class KVCacheManager:
         if read_done or read_bad:
             self.disk_flow.report(rank, list(read_done), list(read_bad))
 
+    def report_state_disk(self, rank: int, done: list[int], dropped: list[int],
+                          read_done: list[int], read_bad: list[int]) -> None:
+        """A rank's finished state snapshot writes and reads (cache/state_disk.py)."""
+        if self.state is not None and self.state.disk is not None:
+            self.state.disk.report(rank, done, dropped, read_done, read_bad)
+
     def cancel_reads(self, seq_id: int) -> None:
         """A sequence that never got its blocks leaves (an abort): its disk reads in
         flight, if any, release their slots once every rank has finished them."""
         self.disk_flow.cancel(seq_id)
+        if self.state is not None and self.state.disk is not None:
+            self.state.disk.cancel(seq_id)
 
     def reading(self, seq_id: int) -> bool:
         """Whether ``seq_id`` waits on disk reads it started."""
-        return self.disk_flow.is_staged(seq_id)
+        return self.disk_flow.is_staged(seq_id) or (
+            self.state is not None and self.state.disk is not None
+            and self.state.disk.is_staged(seq_id))
 
     def restore_disk(self, slots: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
         """Warm restart: disk slots every rank found valid, with their hashes."""
         self.disk.restore(slots, lo, hi)
+
+    def restore_disk_states(self, found: list[tuple[int, int, int]]) -> None:
+        """Warm restart: a hybrid model's state records every rank found valid."""
+        if self.state is not None and self.state.disk is not None:
+            self.state.disk.restore(found)
 
     def preload(self, tier: str, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Mark free blocks/slots of ``tier`` ("device" or "host") as cached under these
@@ -598,7 +620,11 @@ class KVCacheManager:
                         ) -> list[int] | None:
         if self.config.enable_prefix_caching:
             chain = self._chain_for(extra_key, chain)
-            if not self.disk_flow.settle(seq_id):
+            state_disk = self.state.disk if self.state is not None else None
+            settled = self.disk_flow.settle(seq_id)
+            if state_disk is not None:
+                settled = state_disk.settle(seq_id) and settled
+            if not settled:
                 return None  # its disk reads are still in flight on some rank
             m = match_prefix(self.device, self.host, self.disk, token_ids, chain)
             n_matched = m.num_blocks  # before a hybrid model's cut to its last state
@@ -607,12 +633,18 @@ class KVCacheManager:
                 n_state, restore = self.state.best(chain, m.num_blocks)
                 if self.state.written_this_plan(chain, n_state, m.num_blocks):
                     return None  # a longer hit is restorable from the next plan on
+                # a later snapshot on disk: read it into the host (a later call restores
+                # it from there), the KV hit reaching as far
+                n_disk, disk_slot, key = self.state.on_disk(chain, m.num_blocks, n_state)
+                if n_disk and state_disk.stage(seq_id, disk_slot, key):
+                    n_state = n_disk
                 m = truncated(m, n_state)
             on_disk = np.flatnonzero(m.disk >= 0)
             if len(on_disk):  # start the reads; a later call takes the hit
                 lo, hi = chain.keys(0, m.num_blocks)
                 self.disk_flow.stage(seq_id, m.disk[on_disk], lo[on_disk], hi[on_disk],
                                      self._ops.disk_read)
+            if len(on_disk) or (state_disk is not None and state_disk.is_staged(seq_id)):
                 return None
         else:
             chain = None

@@ -57,6 +57,7 @@ class HostStates:
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached, unpinned: oldest first
         self._pins: dict[int, int] = {}  # cached slot -> waiting sequences that restore it
         self._busy: set[int] = set()  # swapped out to or in from by the plan being made
+        self._reading: set[int] = set()  # a disk read fills it (cache/state_disk.py)
 
     @property
     def num_free(self) -> int:
@@ -108,6 +109,32 @@ class HostStates:
         self.unpin(slot)
         self._busy.add(slot)
 
+    def take_for_read(self) -> int:
+        """A host slot a disk read fills (cache/state_disk.py): held, indexed by nothing,
+        until `fill` or `release`; -1 when none can be had."""
+        slot = self._take()
+        if slot >= 0:
+            self._reading.add(slot)
+        return slot
+
+    def fill(self, slot: int, key: Key) -> bool:
+        """The read into ``slot`` is in on every rank: it holds ``key``'s snapshot now
+        (most recently used). False, and the slot freed, when the host has that key in
+        another slot meanwhile."""
+        self._reading.remove(slot)
+        if key in self._index:
+            self._free.append(slot)
+            return False
+        self._index[key] = slot
+        self._key[slot] = key
+        self._lru[slot] = None
+        return True
+
+    def release(self, slot: int) -> None:
+        """A read into ``slot`` failed (or its sequence left): the slot is free again."""
+        self._reading.remove(slot)
+        self._free.append(slot)
+
     def end_plan(self) -> None:
         """The plan is sealed: its swaps are in it, in the order the ranks apply them."""
         self._busy.clear()
@@ -136,8 +163,10 @@ class HostStates:
 
     def check(self) -> None:
         """Every slot free or cached; the indexes agree (O(slots): tests)."""
-        assert sorted(self._free + list(self._key)) == list(range(self.num_slots)), (
-            f"host state slots lost or doubled: free {self._free}, cached {sorted(self._key)}")
+        everything = self._free + list(self._key) + list(self._reading)
+        assert sorted(everything) == list(range(self.num_slots)), (
+            f"host state slots lost or doubled: free {self._free}, cached {sorted(self._key)}"
+            f", read into {sorted(self._reading)}")
         assert {v: k for k, v in self._index.items()} == self._key
         assert set(self._pins) <= set(self._key) and all(n > 0 for n in self._pins.values())
         assert set(self._lru) == set(self._key) - set(self._pins)

@@ -16,7 +16,9 @@ hit needs that state as it was at the hit's end. Each rank holds `num_slots` slo
   (`open`: a StepPlan.state_copy). Pinned while a waiting sequence holds it as its hit;
   else in an LRU, evicted when a slot is wanted, those whose block no tier holds any more
   first (without its KV chain a snapshot is useless); one whose block is still held is
-  demoted to the host tier, if it has one (cache/state_host.py: StepPlan.state_swap_out).
+  demoted to the host tier, if it has one (cache/state_host.py: StepPlan.state_swap_out),
+  and written through from there to the disk tier, if that has room for snapshots
+  (cache/state_disk.py: StepPlan.state_disk_write; `on_disk` finds them again).
 
 A hit is restored from the device (a copy) or from the host (a swap_in), whichever holds
 the snapshot at the hit's last block: `best` names the source as a *restore handle*, a
@@ -33,7 +35,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
+
 from cache.hashing import BlockHashChain
+from cache.state_disk import StateDisk
 from cache.state_host import ChainAlive, HostStates, Key, least_valuable, unpin
 
 _MATCH_CHUNK = 256  # the prefix is searched from its end in chunks of this many blocks
@@ -41,10 +46,13 @@ _MATCH_CHUNK = 256  # the prefix is searched from its end in chunks of this many
 
 class StatePool:
     def __init__(self, num_slots: int, chain_alive: ChainAlive | None = None,
-                 num_host_slots: int = 0) -> None:
+                 num_host_slots: int = 0, num_disk_slots: int = 0, num_ranks: int = 1) -> None:
         self.num_slots = num_slots
         # snapshots the device evicted, while their blocks are still cached somewhere
         self.host = HostStates(num_host_slots, chain_alive) if num_host_slots else None
+        # ... and written through from there to the disk tier (cache/state_disk.py)
+        self.disk = (StateDisk(num_disk_slots, self.host, num_ranks)
+                     if self.host is not None and num_disk_slots else None)
         # whether each (lo, hi) is still cached in some KV tier (cache/manager.py)
         self._chain_alive = chain_alive
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: 0, 1, 2, ... first
@@ -118,6 +126,20 @@ class StatePool:
         lo, hi = chain.keys(start, stop)
         return any(self._index.get(key) in self._not_ready
                    for key in zip(lo.tolist(), hi.tolist()))
+
+    def on_disk(self, chain: BlockHashChain, num_blocks: int,
+                beyond: int) -> tuple[int, int, Key]:
+        """(n, disk slot, key): the longest prefix of at most ``num_blocks`` blocks, and
+        more than ``beyond``, whose snapshot is committed on disk; (0, -1, (0, 0)) if none."""
+        if self.disk is None or num_blocks <= beyond or not self.disk.pool.num_committed:
+            return 0, -1, (0, 0)
+        lo, hi = chain.keys(beyond, num_blocks)
+        slots = self.disk.find(lo, hi)
+        found = np.flatnonzero(slots >= 0)
+        if not len(found):
+            return 0, -1, (0, 0)
+        i = int(found[-1])
+        return beyond + i + 1, int(slots[i]), (int(lo[i]), int(hi[i]))
 
     def registered(self) -> dict[int, int]:
         """Cached slot -> its hash's lo word: what the state digest must hold."""
@@ -248,7 +270,10 @@ class StatePool:
         for slot in victims:
             self._unindex(slot)
             self._free.append(slot)
-        return len(victims) + (self.host.drop_cached() if self.host is not None else 0)
+        dropped = len(victims) + (self.host.drop_cached() if self.host is not None else 0)
+        if self.disk is not None:  # as the KV disk tier's committed slots are
+            dropped += len(self.disk.pool.drop_cached())
+        return dropped
 
     # --- internals ----------------------------------------------------------------------
 
@@ -264,6 +289,8 @@ class StatePool:
             host_slot = self.host.demote(self._key[slot])
             if host_slot >= 0:  # the ranks copy it out before anything writes the slot
                 self._swap_out.append((slot, host_slot))
+                if self.disk is not None:
+                    self.disk.write_through(host_slot, self._key[slot])
         self._unindex(slot)
         return slot
 
@@ -308,3 +335,5 @@ class StatePool:
         assert all(s in owned for s in self._latest.values())
         if self.host is not None:
             self.host.check()
+        if self.disk is not None:
+            self.disk.check()

@@ -33,6 +33,7 @@ class CacheConfig:
     # model has no linear-attention layers.
     num_state_slots: int = 0
     num_host_state_slots: int = 0  # snapshot slots in the host tier (cache/state_host.py)
+    num_disk_state_slots: int = 0  # ... and records in the disk tier (cache/state_disk.py)
 
     def __post_init__(self) -> None:
         assert self.block_size > 0, self.block_size
@@ -84,6 +85,11 @@ class CacheOps:
     # slot) demotions, (host slot, live slot) restores
     state_swap_out: list[tuple[int, int]] = field(default_factory=list)
     state_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # ... and between the host and the disk tier (cache/state_disk.py), as disk_write /
+    # disk_read: (write id, host state slot, disk state slot, lo, hi), (read id, disk state
+    # slot, host state slot, lo, hi)
+    state_disk_write: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    state_disk_read: list[tuple[int, int, int, int, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.swap_out or self.swap_in or self.disk_write or self.disk_read)

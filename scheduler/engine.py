@@ -183,6 +183,7 @@ def restore_disk(scheduler: Scheduler, ready: list[WorkerReady]) -> None:
     """Warm restart: what the ranks agreed they hold on disk (each rank reports the same
     list; rank 0's is taken) goes into the scheduler's index and digest."""
     scheduler.restore_disk(ready[0].disk_found)
+    scheduler.restore_disk_states(ready[0].state_disk_found)
     scheduler.disk_torn_at_start = max(r.disk_torn for r in ready)
 
 
@@ -238,8 +239,11 @@ class EngineCore:
         """Disk writes planned that not every rank has reported yet. A rank reports a write
         only in a step result, so an engine with nothing else to do still steps now and
         then (scheduler/main.py) until each is committed or dropped: else the last
-        request's blocks would wait, pending, for the next request."""
-        return self.scheduler.cache.disk.num_pending > 0
+        request's blocks would wait, pending, for the next request. A hybrid model's state
+        snapshot records too (cache/state_disk.py)."""
+        cache = self.scheduler.cache
+        states = cache.state.disk if cache.state is not None else None
+        return cache.disk.num_pending > 0 or (states is not None and states.pool.num_pending > 0)
 
     def step(self) -> StepRecord:
         """Complete one step: plan it (if not planned yet), and with overlap plan and submit
@@ -285,6 +289,10 @@ class EngineCore:
         for r in results:  # writes on every rank become readable, reads usable
             self.scheduler.cache.report_disk_writes(r.rank, r.disk_done, r.disk_dropped,
                                                     r.disk_read_done, r.disk_read_bad)
+            self.scheduler.cache.report_state_disk(r.rank, r.state_disk_done,
+                                                   r.state_disk_dropped,
+                                                   r.state_disk_read_done,
+                                                   r.state_disk_read_bad)
         self.disk_queue_depth = max(r.disk_queue_depth for r in results)
         t3 = time.perf_counter()
         record.outputs = self.scheduler.update(plan, results[0].sampled)

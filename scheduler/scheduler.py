@@ -62,6 +62,7 @@ class Scheduler:
             num_ranks=config.world_size,
             num_state_slots=limits.num_state_slots,
             num_host_state_slots=limits.num_host_state_slots,
+            num_disk_state_slots=limits.num_disk_state_slots,
         ), clock)
         assert not (limits.is_hybrid and config.speculative is not None), (
             "speculative decoding is refused for a hybrid model (scheduler/main.py)")
@@ -216,6 +217,13 @@ class Scheduler:
                          zip(zip(*found), (np.int32, np.uint64, np.uint64)))
         self.cache.restore_disk(slots, lo, hi)
         self.digest.restore_disk(slots, lo)
+
+    def restore_disk_states(self, found: list[tuple[int, int, int]]) -> None:
+        """Warm restart: a hybrid model's state records every rank found valid, (slot,
+        hash lo, hash hi), into the state disk index and the predicted digest."""
+        if found:
+            self.cache.restore_disk_states(found)
+            self.digest.restore_disk_states([s for s, _, _ in found], [lo for _, lo, _ in found])
 
     def check_accounting(self) -> None:
         """Every step, always on: the cache holds blocks for exactly the sequences the
@@ -423,6 +431,7 @@ class Scheduler:
         plan.state_copy, plan.state_register = ops.state_copy, ops.state_register
         plan.state_swap_out, plan.state_swap_in = ops.state_swap_out, ops.state_swap_in
         plan.disk_write, plan.disk_read = ops.disk_write, ops.disk_read
+        plan.state_disk_write, plan.state_disk_read = ops.state_disk_write, ops.state_disk_read
         t = time.perf_counter()
         self.digest.apply(plan)
         self.digest_s = time.perf_counter() - t  # the engine's step record splits it out

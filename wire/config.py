@@ -15,12 +15,17 @@ CONFIG_FILE = "config.msgpack"
 # A rank's disk-tier records in --disk-cache-dir (worker/disk_store.py writes them; the
 # launcher counts them as the tier's own room when it sizes the tier).
 DISK_RECORDS_FILE = "rank{rank}.kv"
+# ... and a hybrid model's state snapshot records, within the same --disk-cache-size
+DISK_STATE_RECORDS_FILE = "rank{rank}.state"
 
 
 def is_disk_records_file(name: str) -> bool:
-    prefix, _, suffix = DISK_RECORDS_FILE.partition("{rank}")
-    middle = name.removeprefix(prefix).removesuffix(suffix)
-    return name == prefix + middle + suffix and middle.isdigit()
+    for pattern in (DISK_RECORDS_FILE, DISK_STATE_RECORDS_FILE):
+        prefix, _, suffix = pattern.partition("{rank}")
+        middle = name.removeprefix(prefix).removesuffix(suffix)
+        if name == prefix + middle + suffix and middle.isdigit():
+            return True
+    return False
 
 
 # Why FP8 KV is refused on CUDA (here, and by a rank whose `auto` device is a GPU).

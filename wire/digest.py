@@ -121,6 +121,7 @@ class StateDigest:
     DISK_HASH = 4
     STATE_HASH = 5
     HOST_STATE_HASH = 6
+    DISK_STATE_HASH = 7
 
     def __init__(self, num_device_blocks: int = 0, num_host_blocks: int = 0,
                  num_disk_blocks: int = 0) -> None:
@@ -139,6 +140,7 @@ class StateDigest:
         # front (a model without linear-attention layers has none)
         self._state_hash: dict[int, int] = {}
         self._host_state_hash: dict[int, int] = {}  # host state slot -> hash
+        self._disk_state_hash: dict[int, int] = {}  # disk state slot -> hash
 
     def add_blocks(self, seq_id: int, block_ids: list[int]) -> None:
         n = self._seq_lens.get(seq_id, 0)
@@ -256,6 +258,14 @@ class StateDigest:
             self._set_states([(host, self._state_hash.get(slot, 0))
                               for slot, host in plan.state_swap_out],
                              self._host_state_hash, self.HOST_STATE_HASH)
+        if plan.state_disk_write:  # the host slots' hashes, as for KV's disk_write
+            self._set_states([(disk, self._host_state_hash.get(host, 0))
+                              for _, host, disk, _, _ in plan.state_disk_write],
+                             self._disk_state_hash, self.DISK_STATE_HASH)
+        if plan.state_disk_read:  # the host slot is told to hold it now
+            self._set_states([(host, self._disk_state_hash.get(disk, 0))
+                              for _, disk, host, _, _ in plan.state_disk_read],
+                             self._host_state_hash, self.HOST_STATE_HASH)
         if plan.state_register:
             self._set_states(plan.state_register)
 
@@ -279,6 +289,17 @@ class StateDigest:
     def host_state_hashes(self) -> dict[int, int]:
         """Host state slot -> the hash (lo) its snapshot was last told to hold (a copy)."""
         return dict(self._host_state_hash)
+
+    def disk_state_hashes(self) -> dict[int, int]:
+        """Disk state slot -> the hash (lo) its record was last told to hold (a copy)."""
+        return dict(self._disk_state_hash)
+
+    def restore_disk_states(self, slots: list[int] | np.ndarray,
+                            hashes: list[int] | np.ndarray) -> None:
+        """Warm restart: disk state slots found holding these hashes (low 64 bits), on
+        every rank."""
+        self._set_states([(int(s), int(h)) for s, h in zip(slots, hashes)],
+                         self._disk_state_hash, self.DISK_STATE_HASH)
 
     def restore_disk(self, slots: list[int] | np.ndarray, hashes: list[int] | np.ndarray) -> None:
         """Warm restart: disk slots found holding these hashes (low 64 bits), on every
@@ -323,4 +344,8 @@ class StateDigest:
         for slot, h in list(self._host_state_hash.items()):
             host_state = (host_state + _entry(self.HOST_STATE_HASH, slot, h)) & _MASK64
         out["host_state"] = host_state
+        disk_state = 0
+        for slot, h in list(self._disk_state_hash.items()):
+            disk_state = (disk_state + _entry(self.DISK_STATE_HASH, slot, h)) & _MASK64
+        out["disk_state"] = disk_state
         return out

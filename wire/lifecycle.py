@@ -47,6 +47,9 @@ class EngineLimits:
     # ... and the host tier's snapshot slots (cache/state_host.py), from the host budget
     # as the device's from its own: one every --state-snapshot-interval host blocks
     num_host_state_slots: int = 0
+    # ... and the disk tier's snapshot records (cache/state_disk.py), one every
+    # --state-snapshot-interval disk blocks
+    num_disk_state_slots: int = 0
 
     @property
     def is_hybrid(self) -> bool:
@@ -63,6 +66,8 @@ class WorkerReady:
     # Warm restart (worker/disk_store.py): the disk slots every rank holds valid, with the
     # same block hash, as (slot, hash lo, hash hi); the ranks agreed on them at start-up.
     disk_found: list[tuple[int, int, int]] = field(default_factory=list)
+    # ... and the state snapshot records found so (a hybrid model's)
+    state_disk_found: list[tuple[int, int, int]] = field(default_factory=list)
     disk_torn: int = 0  # records this rank found damaged, or not valid on every rank
     disk_identity_mismatch: bool = False  # the directory held another engine's: ignored
 

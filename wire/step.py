@@ -174,6 +174,15 @@ class StepPlan:
     # be the destination of a later op of the same plan.
     state_swap_out: list[tuple[int, int]] = field(default_factory=list)
     state_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Snapshots between the host's state slots and the disk tier (cache/state_disk.py),
+    # applied after state_swap_out and before state_copy, as disk_write / disk_read are
+    # for KV: (write id, host state slot, disk state slot, hash lo, hash hi), the host
+    # snapshot written to disk in the background under its block hash; (read id, disk state
+    # slot, host state slot, hash lo, hash hi), a read into a host state slot *started*,
+    # restored by a later plan's state_swap_in once every rank reported it
+    # (StepResult.state_disk_read_done).
+    state_disk_write: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    state_disk_read: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     # The batch is `decodes`, then `chunks`: rows, samples and results in that order.
     decodes: DecodeBatch = field(default_factory=DecodeBatch)
 
@@ -231,6 +240,11 @@ class StepResult:
     # block on every rank and the tokens are recomputed)
     disk_read_done: list[int] = field(default_factory=list)
     disk_read_bad: list[int] = field(default_factory=list)
+    # the same for a hybrid model's state snapshot records (cache/state_disk.py)
+    state_disk_done: list[int] = field(default_factory=list)
+    state_disk_dropped: list[int] = field(default_factory=list)
+    state_disk_read_done: list[int] = field(default_factory=list)
+    state_disk_read_bad: list[int] = field(default_factory=list)
     # Under overlap scheduling every rank samples the same tokens from the same logits and
     # feeds them to its next step (worker/model_runner.py): a digest of what this rank
     # sampled, which the scheduler holds to rank 0's list (0: this rank did not sample).

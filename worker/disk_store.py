@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-from wire.config import DISK_RECORDS_FILE
+from wire.config import DISK_RECORDS_FILE, DISK_STATE_RECORDS_FILE
 
 MAGIC = b"DIKVREC1"
 VERSION = 1
@@ -169,7 +169,11 @@ class DiskStore:
 
     def __init__(self, directory: str | Path, identity: DiskIdentity, budget_bytes: int,
                  max_queued_writes: int = 256, max_write_bytes_per_s: float = 0.0,
-                 sync_interval_s: float = 1.0) -> None:
+                 sync_interval_s: float = 1.0, kind: str = "kv") -> None:
+        """``kind``: "kv" (KV blocks) or "state" (a hybrid model's state snapshots,
+        cache/state_disk.py): a file and an identity of their own in the directory."""
+        assert kind in ("kv", "state"), kind
+        self.kind = kind
         self.identity = identity
         self._id_digest = identity.digest()
         self.payload_bytes = identity.payload_bytes
@@ -177,7 +181,8 @@ class DiskStore:
         self.num_slots = max(0, budget_bytes // self.record_bytes)
         self.stats = DiskStoreStats()
         self.directory = prepare_directory(directory)
-        self.path = self.directory / DISK_RECORDS_FILE.format(rank=identity.rank)
+        records = DISK_RECORDS_FILE if kind == "kv" else DISK_STATE_RECORDS_FILE
+        self.path = self.directory / records.format(rank=identity.rank)
         self._check_identity()
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         # Exactly the budget: a larger file from a bigger budget before is cut, its
@@ -206,7 +211,8 @@ class DiskStore:
     # --- identity -------------------------------------------------------------------
 
     def _identity_path(self) -> Path:
-        return self.directory / f"identity-rank{self.identity.rank}.json"
+        infix = "" if self.kind == "kv" else f"{self.kind}-"
+        return self.directory / f"identity-{infix}rank{self.identity.rank}.json"
 
     def _check_identity(self) -> None:
         """A stored identity that differs: log it and start empty (the old records are

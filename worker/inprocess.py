@@ -41,7 +41,11 @@ class InProcessExecutor:
                            disk_done=out.disk_done, disk_dropped=out.disk_dropped,
                            disk_queue_depth=out.disk_queue_depth,
                            disk_read_done=out.disk_read_done,
-                           disk_read_bad=out.disk_read_bad)]
+                           disk_read_bad=out.disk_read_bad,
+                           state_disk_done=out.state_disk_done,
+                           state_disk_dropped=out.state_disk_dropped,
+                           state_disk_read_done=out.state_disk_read_done,
+                           state_disk_read_bad=out.state_disk_read_bad)]
 
     def shutdown(self) -> None:
         if self.runner is not None and self.runner.disk is not None:
@@ -64,7 +68,9 @@ def ready_message(runner: ModelRunner, rank: int) -> WorkerReady:
         num_state_slots=runner.num_state_slots,
         state_bytes_per_slot=runner.state_bytes_per_slot,
         num_host_state_slots=runner.num_host_state_slots,
+        num_disk_state_slots=runner.num_disk_state_slots,
     ), disk_found=disk.found if disk is not None else [],
+       state_disk_found=disk.state_found if disk is not None else [],
        disk_torn=disk.num_torn if disk is not None else 0,
        disk_identity_mismatch=disk.store.stats.identity_mismatch if disk is not None else False)
 

@@ -10,7 +10,8 @@ layer. The scheduler owns the slots (wire/step.py): a running sequence's live sl
 hit. A slot is a copy, never shared: restoring a snapshot copies it, so the snapshot
 stays as it was for the next hit. The host tier holds more snapshots, in RAM (pinned on
 CUDA): `StepPlan.state_swap_out` demotes one there, `state_swap_in` restores one from
-there into a live slot (cache/state_host.py).
+there into a live slot (cache/state_host.py). A host slot's bytes are a disk record's
+payload (`host_slot_bytes` / `load_host_slot`, worker/disk_tier.py).
 
 `StateBatch` is a step's view of the slots: per chunk, in batch order, where its rows
 are, which slot it reads and writes, whether it starts from zero, and its snapshots.
@@ -68,6 +69,37 @@ class LinearStateCache:
             self._check_host(host)
             self.conv[:, slot].copy_(self.conv_host[:, host], non_blocking=True)
             self.recurrent[:, slot].copy_(self.recurrent_host[:, host], non_blocking=True)
+
+    def sync(self) -> None:
+        """Wait for the state ops queued on the compute stream (CUDA): a host slot is read
+        on the CPU next (a disk write)."""
+        if self.conv.is_cuda:
+            torch.cuda.current_stream(self.conv.device).synchronize()
+
+    def host_slot_bytes(self, host: int) -> bytes:
+        """A copy of a host slot's conv windows and recurrent matrices, every layer: a
+        disk record's payload (cache/state_disk.py). The swap_out that filled it must be
+        complete (the caller syncs)."""
+        self._check_host(host)
+        return b"".join(t[:, host].contiguous().view(torch.uint8).numpy().tobytes()
+                        for t in (self.conv_host, self.recurrent_host))
+
+    def load_host_slot(self, host: int, payload: bytes) -> None:
+        """The inverse of `host_slot_bytes` (on a reader thread: the slot is the read's
+        alone until it is reported)."""
+        self._check_host(host)
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        at = 0
+        for t in (self.conv_host, self.recurrent_host):
+            view = t[:, host].view(torch.uint8)
+            view.copy_(buf[at:at + view.numel()].view(view.shape))
+            at += view.numel()
+        assert at == len(buf), f"a payload of {len(buf)} bytes for a {at}-byte state slot"
+
+    @property
+    def host_slot_nbytes(self) -> int:
+        return (self.conv_host[:, 0].nbytes + self.recurrent_host[:, 0].nbytes
+                if self.num_host_slots else 0)
 
     def copy(self, src: int, dst: int) -> None:
         """Slot `dst` becomes a copy of slot `src`, every layer."""

@@ -153,7 +153,11 @@ def serve(sock: zmq.Socket | RankChannel, runner: ModelRunner, rank: int, log,
                            disk_dropped=out.disk_dropped,
                            disk_queue_depth=out.disk_queue_depth,
                            disk_read_done=out.disk_read_done,
-                           disk_read_bad=out.disk_read_bad)))
+                           disk_read_bad=out.disk_read_bad,
+                           state_disk_done=out.state_disk_done,
+                           state_disk_dropped=out.state_disk_dropped,
+                           state_disk_read_done=out.state_disk_read_done,
+                           state_disk_read_bad=out.state_disk_read_bad)))
         except Exception as exc:
             return _fail(sock, rank, log, control, step.plan.step, exc)
         if failed_ahead is not None:

@@ -57,6 +57,11 @@ class StepOutput:
     disk_queue_depth: int = 0
     disk_read_done: list[int] = field(default_factory=list)  # disk reads finished (checked)
     disk_read_bad: list[int] = field(default_factory=list)  # ... whose record failed its check
+    # the same for a hybrid model's state snapshot records (wire/step.py StepResult)
+    state_disk_done: list[int] = field(default_factory=list)
+    state_disk_dropped: list[int] = field(default_factory=list)
+    state_disk_read_done: list[int] = field(default_factory=list)
+    state_disk_read_bad: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -158,9 +163,12 @@ class ModelRunner:
         # the disk tier, below the host tier (worker/disk_tier.py); None when off
         self.disk: RankDiskTier | None = None
         if config.disk_cache_size and self.num_host_blocks:
+            # a hybrid model's host snapshots go to disk too (cache/state_disk.py)
+            with_state = self.state if self.num_host_state_slots else None
             self.disk = RankDiskTier(config, tp, self.kv, num_kv_layers,
-                                     m.num_kv_heads, m.head_dim, self.dtype)
+                                     m.num_kv_heads, m.head_dim, self.dtype, with_state)
         self.num_disk_blocks = self.disk.num_slots if self.disk is not None else 0
+        self.num_disk_state_slots = self.disk.num_state_slots if self.disk is not None else 0
         self.digest = StateDigest(self.num_device_blocks, self.num_host_blocks,
                                   self.num_disk_blocks)
         if self.disk is not None:
@@ -261,6 +269,10 @@ class ModelRunner:
             out.disk_done, out.disk_dropped, out.disk_queue_depth = (
                 r.write_done, r.write_dropped, r.queue_depth)
             out.disk_read_done, out.disk_read_bad = r.read_done, r.read_bad
+            out.state_disk_done, out.state_disk_dropped = (r.state_write_done,
+                                                           r.state_write_dropped)
+            out.state_disk_read_done, out.state_disk_read_bad = (r.state_read_done,
+                                                                 r.state_read_bad)
         return out
 
     def _resolve_pending(self, step: PreparedStep) -> torch.Tensor:
@@ -315,10 +327,24 @@ class ModelRunner:
             if self.disk is not None:  # a read in flight into a slot a copy touches
                 self.disk.join([s for _, s in plan.swap_out] + [s for s, _ in plan.swap_in])
             self.kv.swap(plan.swap_out, plan.swap_in)
-        if plan.state_copy or plan.state_swap_out or plan.state_swap_in:
+        if (plan.state_copy or plan.state_swap_out or plan.state_swap_in
+                or plan.state_disk_write or plan.state_disk_read):
             # after the KV swaps, before the closes (wire/step.py)
             assert self.state is not None, "a state op for a model that keeps no state"
-            self.state.apply(plan.state_swap_out, plan.state_copy, plan.state_swap_in)
+            if plan.state_disk_write or plan.state_disk_read:
+                # swap_out, the disk ops (a write copies what swap_out left in the host
+                # slot; a read fills a host slot a later plan swaps in), then the rest
+                self.disk.join([h for _, h in plan.state_swap_out], states=True)
+                self.state.apply(plan.state_swap_out, [], [])
+                self.state.sync()
+                self.disk.apply_states(plan)
+                self.disk.join([h for h, _ in plan.state_swap_in], states=True)
+                self.state.apply([], plan.state_copy, plan.state_swap_in)
+            else:
+                if self.disk is not None:  # a read in flight into a slot a copy touches
+                    self.disk.join([h for _, h in plan.state_swap_out]
+                                   + [h for h, _ in plan.state_swap_in], states=True)
+                self.state.apply(plan.state_swap_out, plan.state_copy, plan.state_swap_in)
         running = set(plan.decodes.seq_ids).union(c.seq_id for c in plan.chunks) \
             if plan.close else set()
         for seq_id in plan.close:

@@ -130,6 +130,16 @@ def test_other_files_in_the_directory_are_not_free(tmp_path: Path) -> None:
     assert (1 << 20) <= tier_files_bytes(tmp_path) < (2 << 20)
 
 
+def test_a_hybrid_models_snapshot_records_are_the_tiers_own_too(tmp_path: Path) -> None:
+    """Its state snapshots' records (worker/disk_store.py kind "state") share the budget."""
+    for name in ("rank0.state.bak", "rankA.state", "identity-state-rank0.json"):
+        (tmp_path / name).write_bytes(b"\1" * (1 << 20))
+    assert tier_files_bytes(tmp_path) == 0
+    (tmp_path / "rank0.state").write_bytes(b"\1" * (1 << 20))
+    (tmp_path / "rank0.kv").write_bytes(b"\1" * (1 << 20))
+    assert (2 << 20) <= tier_files_bytes(tmp_path) < (3 << 20)
+
+
 # --- through the command line -----------------------------------------------------------
 
 

@@ -8,12 +8,14 @@ it and `models/tiny-qwen3-5` come with it."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 
+from cache.hashing import BlockHashChain, make_extra_key
 from tests.conftest import REPO
-from tests.scheduler.engine_harness import inprocess_engine, run_until_done
+from tests.scheduler.engine_harness import inprocess_engine, run_until_done, zmq_engine
 from wire.client import GenerateRequest
 
 pytest.importorskip("worker.hybrid_model", reason="the hybrid model is not in the tree yet")
@@ -100,3 +102,121 @@ def test_a_snapshot_demoted_to_the_host_and_back_answers_as_a_cold_one():
     assert warm["tokens"] == cold["tokens"]
     assert_clean(core)
     core.scheduler.cache.check_invariants()
+
+
+def disk_engine(disk_dir, **overrides):
+    """`small_device_engine` over a disk tier, written through from the host."""
+    return small_device_engine(kv_write_policy="write_through", disk_cache_dir=str(disk_dir),
+                               disk_cache_size=8 << 20, **overrides)
+
+
+def settle_disk_writes(core) -> None:
+    """Let the KV and state records land and reach the scheduler (an idle step)."""
+    disk = core.executor.inner.runner.disk
+    disk.store.flush()
+    disk.state_store.flush()
+    plan = core.scheduler.schedule()
+    for r in core.executor.step(plan):
+        core.scheduler.cache.report_disk_writes(r.rank, r.disk_done, r.disk_dropped)
+        core.scheduler.cache.report_state_disk(r.rank, r.state_disk_done,
+                                               r.state_disk_dropped, [], [])
+
+
+def test_a_session_resumes_from_the_disk_tier_after_a_restart(tmp_path):
+    """An agent's turn, its snapshots pushed down to the host and written through to disk;
+    the engine restarts on the same directory; the next turn's hit comes from disk with
+    its state, and answers as a cold run does."""
+    rng = random.Random(10)
+    prompt = [rng.randrange(10, 1000) for _ in range(150)]
+    turn1 = prompt + [rng.randrange(10, 1000) for _ in range(37)]
+    cold = answer(small_device_engine(), "cold", turn1)
+    disk = tmp_path / "disk"
+    core = disk_engine(disk)
+    assert core.scheduler.limits.num_disk_state_slots > 0
+    answer(core, "turn0", prompt)
+    for i in range(3):  # other prompts take the device tier: the session goes down
+        answer(core, f"other{i}", [rng.randrange(10, 1000) for _ in range(150)])
+    assert any(p.state_disk_write for p in core.executor.plans), "no snapshot reached disk"
+    settle_disk_writes(core)
+    assert core.scheduler.cache.state.disk.pool.num_committed > 0
+    core.executor.shutdown()
+
+    again = disk_engine(disk)  # a restarted engine, the same directory
+    assert again.ready[0].state_disk_found and again.ready[0].disk_torn == 0
+    warm = answer(again, "turn1", turn1)
+    (admit,) = [p for p in again.executor.plans if p.new_seqs]
+    assert admit.state_swap_in and admit.swap_in, "the hit was restored from the host"
+    assert any(p.state_disk_read for p in again.executor.plans), "no snapshot read from disk"
+    # the snapshot at block 8 (the interval's) of the prompt's 9 full blocks: at most one
+    # block is cut for want of a state
+    assert again.scheduler.cache.stats.num_disk_hit_tokens == 128
+    assert warm["tokens"] == cold["tokens"]
+    assert_clean(again)
+    again.scheduler.cache.check_invariants()
+    key = chain_keys(again, prompt, 8)
+    slot = int(again.scheduler.cache.state.disk.find(*key)[0])
+    record = again.executor.inner.runner.disk.state_store.record_bytes
+    again.executor.shutdown()
+
+    # a flipped byte in that snapshot's record: dropped at the restart, never served
+    with open(disk / "rank0.state", "r+b") as f:
+        f.seek(slot * record + 1000)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x40]))
+    third = disk_engine(disk)
+    assert third.ready[0].disk_torn == 1
+    assert third.scheduler.cache.state.disk.find(*key)[0] < 0
+    assert answer(third, "turn1", turn1)["tokens"] == cold["tokens"]
+    assert_clean(third)
+    third.executor.shutdown()
+
+
+def chain_keys(core, tokens: list[int], block: int):
+    """The hash (lo, hi arrays of one) of ``tokens``' block number ``block`` (from 1)."""
+    chain = BlockHashChain(core.scheduler.block_size,
+                           make_extra_key(core.scheduler.config.model, None))
+    chain.extend(tokens, block)
+    return chain.keys(block - 1, block)
+
+
+def test_an_engine_with_state_records_unreported_steps_on_until_they_are(tmp_path):
+    """The scheduler's loop steps an idle engine while disk writes are unreported
+    (scheduler/main.py): a snapshot's record counts as a KV block's does."""
+    core = disk_engine(tmp_path / "disk")
+    states = core.scheduler.cache.state.disk
+    assert not core.has_unreported_writes()
+    states.write_through(0, (5, 6))  # as a demotion to host state slot 0 plans it
+    ((write_id, *_),) = states.write_ops
+    assert core.has_unreported_writes()
+    states.report(0, [write_id], [], [], [])
+    assert not core.has_unreported_writes()
+    core.executor.shutdown()
+
+
+def test_world_size_2_a_session_resumes_from_the_disk_tier_after_a_restart(tmp_path):
+    """Two gloo ranks, each with its shard of the snapshots on disk: the restart finds
+    them on both ranks, and the next turn answers as a cold run."""
+    rng = random.Random(12)
+    prompt = [rng.randrange(10, 1000) for _ in range(150)]
+    turn1 = prompt + [rng.randrange(10, 1000) for _ in range(37)]
+    cold = answer(small_device_engine(), "cold", turn1)
+    disk = tmp_path / "disk"
+    cfg = dict(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=2,
+               kv_cache_memory=(8 * STATE_BYTES + 24 * BLOCK_BYTES) // 2,
+               host_cache_memory=2 << 20, kv_write_policy="write_through",
+               disk_cache_dir=str(disk), disk_cache_size=4 << 20)
+    with zmq_engine(str(MODEL), 2, **cfg) as core:
+        answer(core, "turn0", prompt)
+        for i in range(3):
+            answer(core, f"other{i}", [rng.randrange(10, 1000) for _ in range(150)])
+        while core.has_unreported_writes():
+            core.step()
+        assert core.scheduler.cache.state.disk.pool.num_committed > 0
+    with zmq_engine(str(MODEL), 2, **cfg) as again:
+        found = again.ready[0].state_disk_found
+        assert found and all(r.state_disk_found == found for r in again.ready)
+        warm = answer(again, "turn1", turn1)
+        assert any(p.state_disk_read for p in again.executor.plans)
+        assert again.scheduler.cache.stats.num_disk_hit_tokens == 128
+        assert warm["tokens"] == cold["tokens"]

@@ -314,3 +314,29 @@ def test_host_state_swaps_round_trip_and_move_the_digest():
     b.apply(StepPlan(1, state_swap_out=[(4, 0)], state_register=[(4, 0), (6, 13)]))
     assert a.value != b.value, "a rank that missed a demotion differs"
     assert sum(a.tier_digests().values()) % 2**64 == a.value
+
+
+def test_state_disk_ops_round_trip_and_move_the_digest():
+    """Schema 17: snapshots written from host state slots to disk and read back; a write
+    gives the disk slot the host slot's hash, a read the host slot the disk slot's."""
+    from wire.lifecycle import EngineLimits, WorkerReady
+    plan = StepPlan(3, state_disk_write=[(0, 1, 2, 11, 21)],
+                    state_disk_read=[(5, 3, 0, 12, 22)])
+    limits = EngineLimits(1000, 512, (3,), 64, 32, 4096, num_state_slots=20,
+                          state_bytes_per_slot=1 << 20, num_host_state_slots=8,
+                          num_disk_state_slots=6)
+    ready = WorkerReady(0, "cpu", limits, state_disk_found=[(3, 12, 22)])
+    result = StepResult(3, 1, 0, state_disk_done=[0], state_disk_read_bad=[5])
+    for msg in (plan, limits, ready, result):
+        assert codec.decode(codec.encode(msg)) == msg
+    a, b = StateDigest(4, 0), StateDigest(4, 0)
+    for d in (a, b):
+        d.apply(StepPlan(0, state_register=[(4, 11)]))
+        d.apply(StepPlan(1, state_swap_out=[(4, 1)], state_register=[(4, 0)]))
+    a.apply(StepPlan(2, state_disk_write=[(0, 1, 2, 11, 21)]))
+    assert a.disk_state_hashes() == {2: 11}
+    assert a.value != b.value, "a rank that missed a write differs"
+    a.restore_disk_states([3], [12])
+    a.apply(StepPlan(3, state_disk_read=[(5, 3, 0, 12, 22)]))
+    assert a.host_state_hashes() == {1: 11, 0: 12}
+    assert sum(a.tier_digests().values()) % 2**64 == a.value
