@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import os
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger()
 HELLO_INTERVAL_S = 1.0  # while the engine is lost: how often ClientHello is resent
 DISCONNECT_GRACE_S = 0.2  # a disconnect waits this long for the reader to drain
+ENDED_WIRE_IDS_KEPT = 1024  # resumed requests whose TurnEnd may still come
 
 
 class EngineUnavailableError(RuntimeError):
@@ -96,6 +98,9 @@ class EngineClient:
         # request id -> the id the current engine knows it by (a continuation's is new:
         # resume.Progress.wire_id); present while the request is live here
         self._wire_ids: dict[str, str] = {}
+        # ... and for a resumed request that ended, its last one: its TurnEnd, sent after
+        # the end, must name the sequence the scheduler closed (a bounded memory)
+        self._ended_wire_ids: OrderedDict[str, str] = OrderedDict()
         self._epoch = 0  # schedulers that answered so far: a continuation waits for a newer
         self._changed = asyncio.Event()  # set (and replaced) when one does, or resuming stops
         self._no_resume: str | None = None  # why no engine will come back (stop_resuming)
@@ -243,6 +248,10 @@ class EngineClient:
                 if out.finished:
                     return
         finally:
+            if progress.wire_id != rid:
+                self._ended_wire_ids[rid] = progress.wire_id
+                while len(self._ended_wire_ids) > ENDED_WIRE_IDS_KEPT:
+                    self._ended_wire_ids.popitem(last=False)
             self._wire_ids.pop(rid, None)
             if self._timers.pop(rid, None) is not None:
                 timer.end("abort")  # a no-op when it ended with its last output or abort()
@@ -263,8 +272,10 @@ class EngineClient:
 
     def turn_end(self, request_id: str, tool_call: bool) -> None:
         """Tell the scheduler how an answer ended: whether its session's blocks stay
-        retained (a tool call: the agent comes back) or not (scheduler `end_turn`)."""
-        self._send_nowait(TurnEnd(request_id=request_id, tool_call=tool_call))
+        retained (a tool call: the agent comes back) or not (scheduler `end_turn`). A
+        resumed request is known there by its continuation's id."""
+        wire_id = self._ended_wire_ids.pop(request_id, request_id)
+        self._send_nowait(TurnEnd(request_id=wire_id, tool_call=tool_call))
 
     async def stats(self, timeout_s: float = 5.0) -> EngineStats:
         """A snapshot of the engine's counters (one question in flight at a time)."""

@@ -26,7 +26,7 @@ from orchestrator.shim.metrics import Metrics
 from orchestrator.shim.resume import ResumePolicy, request_seed
 from orchestrator.shim.server import build_app
 from tests.orchestrator.test_engine_client import INFO, Router, Wire, address, wait_until
-from wire.client import AbortRequest, GenerateRequest, RequestOutput, SamplingParams
+from wire.client import AbortRequest, GenerateRequest, RequestOutput, SamplingParams, TurnEnd
 from wire.lifecycle import ClientHello, EngineInfo, EngineLimits, Shutdown
 
 
@@ -126,6 +126,9 @@ def test_a_request_goes_on_from_the_restarted_engine(tmp_path: Path, how: str) -
             assert sample(m, "deepinfer_request_resume_pause_seconds_count") == 1
             assert sample(m, "deepinfer_request_resume_pause_seconds_sum") >= 0.3
             assert client.num_live_requests == 0
+            # the answer's TurnEnd names the sequence the restarted scheduler closed
+            client.turn_end("r1", tool_call=True)
+            assert await next_request(router) == TurnEnd("r1.r1", tool_call=True)
 
     asyncio.run(main())
 
