@@ -51,8 +51,12 @@ SOURCES = [CSRC / name
            for name in ("module.cpp", "paged_decode.cpp", "paged_prefill.cpp", "small_linear.cpp",
                         "elementwise.cpp")]
 HEADERS = [CSRC / "kernels.h", CSRC / "kv_rows.h", CSRC / "vec_math.h", CSRC / "fp8.h"]
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 ENV_SWITCH = "DEEPINFER_CPU_KERNELS"
+# The instruction set the kernels are built for: this CPU's (`native`), or another one
+# this CPU can run, e.g. `x86-64-v3` (AVX2 and FMA, no AVX-512): the tests build and check
+# the paths of CPU kinds other than the one they run on (tests/worker/test_kernels_portable.py).
+ENV_MARCH = "DEEPINFER_CPU_KERNELS_MARCH"
+CFLAGS = ["-O3", f"-march={os.environ.get(ENV_MARCH, 'native')}", "-fopenmp"]
 # The head dims paged_prefill is built for (others prefill in torch).
 PREFILL_KERNEL_HEAD_DIMS = (32, 64, 128)
 
