@@ -27,7 +27,12 @@ from orchestrator.tier_sizing import (
     size_disk_tiers,
     size_host_tier,
 )
-from wire.config import KV_CACHE_DTYPES, EngineConfig, SpeculativeConfig
+from wire.config import (
+    KV_CACHE_DTYPES,
+    EngineConfig,
+    SpeculativeConfig,
+    snapshot_interval_from,
+)
 from wire.security import (
     SECRET_FILE_ENV,
     InsecureFileError,
@@ -183,12 +188,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                         '"prompt_lookup_min": 2}\' (off by default). Greedy output is '
                         'unchanged; steps with drafts run without overlap scheduling')
-    p.add_argument("--state-snapshot-interval", type=int, default=d.state_snapshot_interval,
-                   metavar="BLOCKS",
+    p.add_argument("--state-snapshot-interval", type=snapshot_interval_arg, default="auto",
+                   metavar="auto|BLOCKS",
                    help="hybrid models (linear-attention layers, e.g. Qwen3-Next): snapshot "
-                        "the linear layers' state every this many KV blocks, and at the last "
+                        "the linear layers' state every BLOCKS KV blocks, and at the last "
                         "block boundary each sequence reached; a prefix hit goes on from the "
-                        "last snapshot. The device tier holds one snapshot per BLOCKS blocks")
+                        "last snapshot. Every tier holds one snapshot per BLOCKS blocks. "
+                        "auto, the default: as many blocks as one snapshot's bytes are worth "
+                        "(at least 4), so snapshots take at most about half of each tier "
+                        "(a real Qwen3-Next snapshot is worth ~200 KV blocks); logged at "
+                        "start-up as state_snapshot_interval")
+
+
+def snapshot_interval_arg(text: str) -> int:
+    """`--state-snapshot-interval`'s type: its refusal is argparse's message as it is."""
+    try:
+        return snapshot_interval_from(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def speculative_from(text: str | None) -> SpeculativeConfig | None:

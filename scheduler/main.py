@@ -154,7 +154,8 @@ def print_budget(config: EngineConfig, limits: EngineLimits) -> None:
         table.add_row(tier, f"{blocks:,}", f"{blocks * config.block_size:,}",
                       f"{blocks * limits.kv_bytes_per_block:,}")
     if limits.is_hybrid:
-        table.add_row("state", f"{limits.num_state_slots:,} slots", "",
+        table.add_row(f"state (1 per {limits.state_snapshot_interval} blocks)",
+                      f"{limits.num_state_slots:,} slots", "",
                       f"{limits.num_state_slots * limits.state_bytes_per_slot:,}")
         table.add_row("host state", f"{limits.num_host_state_slots:,} slots", "",
                       f"{limits.num_host_state_slots * limits.state_bytes_per_slot:,}")
@@ -202,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
              host_tokens=limits.num_host_blocks * config.block_size,
              state_slots=limits.num_state_slots,
              host_state_slots=limits.num_host_state_slots,
-             state_bytes_per_slot=limits.state_bytes_per_slot)
+             state_bytes_per_slot=limits.state_bytes_per_slot,
+             state_snapshot_interval=limits.state_snapshot_interval)
     telemetry = Telemetry(log)
     core = EngineCore(Scheduler(config, limits), executor, telemetry)
     if limits.num_disk_blocks:

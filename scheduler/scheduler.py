@@ -28,7 +28,7 @@ from scheduler.state_snapshots import take_snapshots
 from scheduler.thinking import ThinkingBudget
 from scheduler.validation import RequestRejected, validate_request
 from wire.client import GenerateRequest, RequestOutput
-from wire.config import EngineConfig
+from wire.config import SNAPSHOT_INTERVAL_AUTO, EngineConfig
 from wire.digest import StateDigest
 from wire.lifecycle import EngineLimits
 from wire.step import (
@@ -66,8 +66,15 @@ class Scheduler:
         ), clock)
         assert not (limits.is_hybrid and config.speculative is not None), (
             "speculative decoding is refused for a hybrid model (scheduler/main.py)")
-        # a hybrid model's chunks snapshot their state at block boundaries (for prefix hits)
+        # a hybrid model's chunks snapshot their state at block boundaries (for prefix hits),
+        # every this many blocks: the ranks' (under `auto` they chose it), never the config's
         self._snapshots = limits.is_hybrid and config.enable_prefix_caching
+        self._snapshot_interval = interval = limits.state_snapshot_interval
+        if limits.is_hybrid:
+            assert interval >= 1, "the ranks reported state slots but no snapshot interval"
+            assert config.state_snapshot_interval in (SNAPSHOT_INTERVAL_AUTO, interval), (
+                f"the ranks snapshot every {interval} blocks, not the "
+                f"{config.state_snapshot_interval} asked")
         # Where a sequence is, from `add_request` until the ranks close it: in at most one
         # of the first five at a time, and in `_by_request` all along.
         #   queue        waiting its turn. In: `add_request`; at the head again when
@@ -473,7 +480,7 @@ class Scheduler:
         known = len(tokens)
         # taken before the commit below, which registers those whose block it commits
         snaps = (take_snapshots(self.cache, seq_id, start, end,
-                                self.config.state_snapshot_interval)
+                                self._snapshot_interval)
                  if self._snapshots else None)
         # A block whose last token is pending is registered by the sequence's next plan,
         # once the token is known, or by its close if no plan runs it again (`_close`).

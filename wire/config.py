@@ -28,6 +28,27 @@ def is_disk_records_file(name: str) -> bool:
     return False
 
 
+# --state-snapshot-interval auto: the ranks choose the interval (worker/budget.py
+# auto_snapshot_interval) and report it in EngineLimits.state_snapshot_interval.
+SNAPSHOT_INTERVAL_AUTO = 0
+
+
+def snapshot_interval_from(text: str) -> int:
+    """`--state-snapshot-interval`: `auto` (SNAPSHOT_INTERVAL_AUTO) or a count of blocks
+    >= 1; anything else is a ValueError that says what is accepted."""
+    if text.strip().lower() == "auto":
+        return SNAPSHOT_INTERVAL_AUTO
+    try:
+        blocks = int(text)
+    except ValueError:
+        blocks = 0
+    if blocks < 1:
+        raise ValueError(f"{text!r} is not a snapshot interval: give `auto` (sized from the "
+                         "bytes of a state snapshot and of a KV block) or a whole number of "
+                         "KV blocks >= 1")
+    return blocks
+
+
 # Why FP8 KV is refused on CUDA (here, and by a rank whose `auto` device is a GPU).
 FP8_ON_CUDA = ("--kv-cache-dtype {} is served on CPU only: FlashInfer takes FP8 KV with one "
                "scale per tensor, not the scale per token and head this engine stores "
@@ -151,9 +172,12 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # A hybrid model (linear-attention layers): the linear layers' state is snapshotted
     # every this many blocks, and at the last block boundary each sequence reached, so a
-    # prefix hit can go on from there (cache/state_pool.py); the device tier's budget
-    # then also holds one snapshot per this many blocks (worker/budget.py).
-    state_snapshot_interval: int = 4
+    # prefix hit can go on from there (cache/state_pool.py); every tier's budget then
+    # also holds one snapshot per this many blocks (worker/budget.py). SNAPSHOT_INTERVAL_AUTO
+    # (0, the default): the ranks choose it from the bytes of a snapshot and of a KV block
+    # (worker/budget.py auto_snapshot_interval) and report it (EngineLimits), and the
+    # scheduler takes it from there.
+    state_snapshot_interval: int = SNAPSHOT_INTERVAL_AUTO
 
     @property
     def tokenizer_dir(self) -> str:
@@ -203,7 +227,8 @@ class EngineConfig:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ConfigError("a KV-event replay endpoint needs --kv-events-endpoint")
-        if self.state_snapshot_interval < 1:
-            raise ConfigError("state_snapshot_interval must be >= 1 (blocks)")
+        if self.state_snapshot_interval < 0:
+            raise ConfigError("state_snapshot_interval must be >= 1 (blocks), or "
+                              f"{SNAPSHOT_INTERVAL_AUTO} for auto")
         if self.null_model_forward_ms is not None and not self.null_model_forward_ms >= 0:
             raise ConfigError("null_model_forward_ms must be >= 0")

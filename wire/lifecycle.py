@@ -50,6 +50,10 @@ class EngineLimits:
     # ... and the disk tier's snapshot records (cache/state_disk.py), one every
     # --state-snapshot-interval disk blocks
     num_disk_state_slots: int = 0
+    # ... and the interval the ranks snapshot at, in blocks (--state-snapshot-interval, or
+    # under `auto` what the ranks chose from the byte sizes, worker/budget.py): the
+    # scheduler plans snapshots at this one, never at the config's. 0: no such layers.
+    state_snapshot_interval: int = 0
 
     @property
     def is_hybrid(self) -> bool:

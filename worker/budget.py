@@ -7,13 +7,14 @@ Every refusal names the figures on both sides, so a user can fix the flag at onc
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import torch
 
-from wire.config import FP8_ON_CUDA, EngineConfig
+from wire.config import FP8_ON_CUDA, SNAPSHOT_INTERVAL_AUTO, EngineConfig
 from worker.kv_quant import FP8_DTYPES, SCALE_BYTES
 from worker.model_config import ModelConfig
 
@@ -108,31 +109,42 @@ def free_memory_bytes(device: torch.device) -> int:
     return 0
 
 
-def device_tier_bytes(config: EngineConfig, bytes_per_token: int, max_model_len: int,
-                      device: torch.device, local_world_size: int) -> int:
-    """The device tier's budget on this rank: --kv-cache-memory, or (0, the default)
-    AUTO_NUM_SEQUENCES full-length sequences, within AUTO_MEMORY_SHARE of the free memory."""
+def device_tier_bytes(config: EngineConfig, block_bytes: int, max_model_len: int,
+                      device: torch.device, local_world_size: int, state_bytes: int = 0,
+                      interval: int = 1) -> int:
+    """The device tier's budget on this rank: --kv-cache-memory, or (0, the default) room
+    for the KV of AUTO_NUM_SEQUENCES full-length sequences, within AUTO_MEMORY_SHARE of the
+    free memory. A hybrid model (`state_bytes` a state slot, a snapshot every `interval`
+    blocks) asks for its state slots on top, so that the split (`split_state_budget`)
+    still leaves those sequences' blocks."""
     if config.kv_cache_memory:
         return config.kv_cache_memory
-    wanted = AUTO_NUM_SEQUENCES * max_model_len * bytes_per_token
+    num_blocks = AUTO_NUM_SEQUENCES * -(-max_model_len // config.block_size)
+    wanted = (device_budget_for(num_blocks, block_bytes, state_bytes, config.max_num_seqs,
+                                interval, config.enable_prefix_caching) if state_bytes
+              else num_blocks * block_bytes)
     room = int(free_memory_bytes(device) * AUTO_MEMORY_SHARE) // max(1, local_world_size)
     budget = min(wanted, room)
-    log.info("kv_budget_auto", bytes=budget, tokens=budget // bytes_per_token,
-             wanted_bytes=wanted, room_bytes=room, sequences=AUTO_NUM_SEQUENCES)
+    log.info("kv_budget_auto", bytes=budget, tokens=num_blocks * config.block_size,
+             wanted_bytes=wanted, room_bytes=room, sequences=AUTO_NUM_SEQUENCES,
+             state_bytes=wanted - num_blocks * block_bytes)
     return budget
 
 
 def check_holds_one_sequence(num_blocks: int, block_size: int, block_bytes: int,
-                             max_model_len: int) -> None:
+                             max_model_len: int,
+                             budget_for: Callable[[int], int] | None = None) -> None:
     """The device tier must hold one sequence of the full context, or a request the
-    context allows could never run (as vLLM refuses to start)."""
+    context allows could never run (as vLLM refuses to start). `budget_for`: the budget
+    that gives n blocks, where it is more than their bytes (a hybrid's state slots)."""
     needed = -(-max_model_len // block_size)
     if num_blocks < needed:
+        least = budget_for(needed) if budget_for else needed * block_bytes
         raise StartupError(
             f"the device KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks "
             f"of {block_size}), less than one sequence of the full context "
             f"({max_model_len} tokens): give --kv-cache-memory at least "
-            f"{needed * block_bytes} bytes per rank, or lower --max-model-len")
+            f"{least} bytes per rank, or lower --max-model-len")
 
 
 @dataclass(frozen=True)
@@ -174,6 +186,59 @@ def split_state_budget(budget_bytes: int, block_bytes: int, state_bytes: int,
     return StateBudget(num_blocks, max_num_seqs, num_blocks // interval)
 
 
+def device_budget_for(num_blocks: int, block_bytes: int, state_bytes: int,
+                      max_num_seqs: int, interval: int, prefix_caching: bool = True) -> int:
+    """The least device-tier budget that `split_state_budget` splits into `num_blocks` KV
+    blocks (its inverse): the live slots, the blocks, and a snapshot per `interval` of
+    them."""
+    live_bytes = max_num_seqs * state_bytes
+    if not prefix_caching:
+        return live_bytes + num_blocks * block_bytes
+    return live_bytes + -(-num_blocks * (interval * block_bytes + state_bytes) // interval)
+
+
+# `--state-snapshot-interval auto` never snapshots more often than this: the former fixed
+# default (on the tiny hybrid 2 gained half a point of hits, 1 lost 5.5: BENCHMARKS.md)
+MIN_AUTO_SNAPSHOT_INTERVAL = 4
+
+
+def auto_snapshot_interval(state_bytes: int, block_bytes: int) -> int:
+    """`--state-snapshot-interval auto`: a snapshot every as many KV blocks as its bytes
+    are worth (at least MIN_AUTO_SNAPSHOT_INTERVAL), so the snapshots take no more bytes
+    of a tier than the KV blocks they come with: at most half of it (beside the live
+    slots). The price is the granularity of a hit: the KV past its last snapshot, fewer
+    than `interval` blocks, is computed again. A fixed interval costs more where a
+    snapshot is large: every 4 blocks, a real Qwen3-Next's snapshots would take 98% of
+    every tier.
+
+    Per rank, from the checkpoints' shapes (16-token blocks; conv windows and KV in the
+    dtype, recurrent matrices in float32; both shrink alike with tensor parallelism), as
+    tests/worker/test_state_budget.py computes them:
+
+    | model | state slot | KV block | interval |
+    | --- | ---: | ---: | ---: |
+    | tiny-qwen3-5 (the tests'), float32 | 116,736 B | 16,384 B | 8 |
+    | tiny-qwen3-5, bfloat16 | 107,520 B | 8,192 B | 14 |
+    | Qwen3-Next-80B-A3B, bfloat16, 1 rank | 77,266,944 B | 393,216 B | 197 |
+    | Qwen3.5-27B, bfloat16, 1 rank | 153,944,064 B | 1,048,576 B | 147 |
+    """
+    return max(MIN_AUTO_SNAPSHOT_INTERVAL, -(-state_bytes // block_bytes))
+
+
+def resolve_snapshot_interval(asked: int, state_bytes: int, block_bytes: int,
+                              agree: Callable[[int], int]) -> int:
+    """The snapshot interval a hybrid model's rank uses: `--state-snapshot-interval` as
+    given, or under `auto` (SNAPSHOT_INTERVAL_AUTO) `auto_snapshot_interval` of this rank's
+    figures, agreed across the ranks by `agree` (the maximum: every rank must snapshot at
+    the same blocks, and none may find its snapshots past half of its tiers)."""
+    interval = asked or agree(auto_snapshot_interval(state_bytes, block_bytes))
+    log.info("state_snapshot_interval", blocks=interval,
+             auto=asked == SNAPSHOT_INTERVAL_AUTO, state_bytes_per_slot=state_bytes,
+             kv_bytes_per_block=block_bytes,
+             snapshot_in_blocks=round(state_bytes / block_bytes, 2))
+    return interval
+
+
 def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
@@ -193,6 +258,8 @@ def host_tier_blocks(budget_bytes: int, block_bytes: int, state_bytes: int,
     (`state_bytes` a slot, else 0) the same split as the device's, less the live slots
     (nothing runs there): n blocks and n / interval snapshots (cache/state_host.py),
     n = B / (block_bytes + state_bytes / interval)."""
+    if not state_bytes:  # no snapshots: `interval` means nothing (0 for a model without)
+        return budget_bytes // block_bytes
     return budget_bytes * interval // (interval * block_bytes + state_bytes)
 
 

@@ -76,10 +76,12 @@ class _Reads:
 class RankDiskTier:
     def __init__(self, config: EngineConfig, tp: TensorParallelGroup, kv: KVCache,
                  num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 state: LinearStateCache | None = None) -> None:
+                 state: LinearStateCache | None = None, interval: int = 0) -> None:
         """``state``: a hybrid model's state slots, whose host snapshots get records of
         their own (cache/state_disk.py), sized from the same budget as the host tier's:
-        one every --state-snapshot-interval KV records (worker/budget.py)."""
+        one every ``interval`` KV records (the snapshot interval the ranks agreed on,
+        worker/budget.py)."""
+        assert state is None or interval >= 1, "a disk tier for state needs its interval"
         payload = kv.host_slot_nbytes()
         state_payload = state.host_slot_nbytes if state is not None else 0
         self.identity = DiskIdentity(
@@ -88,7 +90,6 @@ class RankDiskTier:
             num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
             payload_bytes=payload, kv_dtype=str(kv.dtype).removeprefix("torch."))
         # every rank must have the same slot ids: the minimum over the ranks
-        interval = config.state_snapshot_interval
         num_slots = tp.all_min(host_tier_blocks(
             config.disk_cache_size, record_bytes(payload),
             record_bytes(state_payload) if state_payload else 0, interval))

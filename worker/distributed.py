@@ -109,12 +109,19 @@ class TensorParallelGroup:
 
     def all_min(self, value: int) -> int:
         """The minimum of an integer across ranks (block counts are agreed this way)."""
+        return self._all_reduce_int(value, dist.ReduceOp.MIN)
+
+    def all_max(self, value: int) -> int:
+        """The maximum of an integer across ranks (the automatic snapshot interval)."""
+        return self._all_reduce_int(value, dist.ReduceOp.MAX)
+
+    def _all_reduce_int(self, value: int, op: dist.ReduceOp) -> int:
         if self.world_size == 1:
             return value
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         t = torch.tensor([value], dtype=torch.int64, device=device)
         with self._collective():
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            dist.all_reduce(t, op=op)
         return int(t.item())
 
 

@@ -58,6 +58,16 @@ class HybridLayer:
     shared: SharedExpert | None = None
 
 
+def state_bytes_per_slot(config: ModelConfig, world_size: int, dtype: torch.dtype) -> int:
+    """The bytes of one state slot on a rank: every linear layer's conv window (in `dtype`)
+    and recurrent matrices (float32) of the rank's heads (what its LinearStateCache
+    holds, from the config alone: worker/budget.py sizes the tiers with it)."""
+    s = DeltaNetShape.of(config, world_size)
+    return LinearStateCache.bytes_per_slot(
+        len(config.linear_layers), s.conv_dim, s.conv_width, s.num_v_heads, s.head_k_dim,
+        s.head_v_dim, torch.empty((), dtype=dtype).element_size())
+
+
 class HybridModel(LlamaModel):
     """Gated DeltaNet layers beside output-gated attention layers (Qwen3.5, Qwen3.5-MoE,
     Qwen3-Next): the Llama model's parallel pieces (embedding, LM head, rotary, linear and
@@ -86,10 +96,7 @@ class HybridModel(LlamaModel):
                                 self.device, num_host_slots)
 
     def state_bytes_per_slot(self) -> int:
-        s = self.delta_shape
-        return LinearStateCache.bytes_per_slot(
-            len(self.state_index), s.conv_dim, s.conv_width, s.num_v_heads, s.head_k_dim,
-            s.head_v_dim, torch.empty((), dtype=self.dtype).element_size())
+        return state_bytes_per_slot(self.config, self.tp.world_size, self.dtype)
 
     # --- loading ---------------------------------------------------------------
 

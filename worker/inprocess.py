@@ -69,6 +69,7 @@ def ready_message(runner: ModelRunner, rank: int) -> WorkerReady:
         state_bytes_per_slot=runner.state_bytes_per_slot,
         num_host_state_slots=runner.num_host_state_slots,
         num_disk_state_slots=runner.num_disk_state_slots,
+        state_snapshot_interval=runner.state_snapshot_interval,
     ), disk_found=disk.found if disk is not None else [],
        state_disk_found=disk.state_found if disk is not None else [],
        disk_torn=disk.num_torn if disk is not None else 0,

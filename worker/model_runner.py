@@ -23,6 +23,7 @@ from worker.attention import AttentionBackend, AttentionMetadata
 from worker.block_table import BlockTables
 from worker.budget import (
     check_holds_one_sequence,
+    device_budget_for,
     device_tier_bytes,
     host_state_slots_for,
     host_tier_blocks,
@@ -30,6 +31,7 @@ from worker.budget import (
     resolve_dtype,
     resolve_kv_dtype,
     resolve_max_model_len,
+    resolve_snapshot_interval,
     split_state_budget,
     state_slots_for,
 )
@@ -128,23 +130,27 @@ class ModelRunner:
             num_device_blocks = self.forward_pass.profile_num_blocks(
                 min(config.max_num_batched_tokens, self.max_model_len), block_bytes,
                 config.gpu_memory_utilization)
-        # a hybrid model's linear-attention state shares the device tier's budget
+        # a hybrid model's linear-attention state shares every tier's budget, a snapshot
+        # every `interval` blocks (--state-snapshot-interval, or chosen from the two sizes;
+        # the same on every rank, and reported to the scheduler); 0 without such state
         self.state_bytes_per_slot = (m.state_bytes_per_slot() if isinstance(m, HybridModel)
                                      else 0)
+        self.state_snapshot_interval = interval = (resolve_snapshot_interval(
+            config.state_snapshot_interval, self.state_bytes_per_slot, block_bytes, tp.all_max)
+            if self.state_bytes_per_slot else 0)
         if num_device_blocks is None:
-            budget = device_tier_bytes(config, block_bytes // config.block_size,
-                                       self.max_model_len, device, local_world_size())
+            budget = device_tier_bytes(config, block_bytes, self.max_model_len, device,
+                                       local_world_size(), self.state_bytes_per_slot, interval)
             num_device_blocks = (budget // block_bytes if not self.state_bytes_per_slot else
                                  split_state_budget(
                                      budget, block_bytes, self.state_bytes_per_slot,
-                                     config.max_num_seqs, config.state_snapshot_interval,
+                                     config.max_num_seqs, interval,
                                      config.enable_prefix_caching).num_device_blocks)
         self.num_device_blocks = tp.all_min(num_device_blocks)
         # every rank the same slots: counted from the blocks all ranks agreed on
         self.num_state_slots = (state_slots_for(
-            self.num_device_blocks, config.max_num_seqs, config.state_snapshot_interval,
+            self.num_device_blocks, config.max_num_seqs, interval,
             config.enable_prefix_caching) if self.state_bytes_per_slot else 0)
-        interval = config.state_snapshot_interval
         # the host tier's budget counts the host snapshots' bytes too, split alike
         self.num_host_blocks = tp.all_min(host_tier_blocks(
             config.host_cache_memory, block_bytes, self.state_bytes_per_slot, interval))
@@ -153,8 +159,12 @@ class ModelRunner:
         if isinstance(m, HybridModel):
             self.state = self.forward_pass.state = m.new_state_cache(
                 self.num_state_slots, self.num_host_state_slots)
-        check_holds_one_sequence(self.num_device_blocks, config.block_size, block_bytes,
-                                 self.max_model_len)
+        check_holds_one_sequence(
+            self.num_device_blocks, config.block_size, block_bytes, self.max_model_len,
+            (lambda n: device_budget_for(n, block_bytes, self.state_bytes_per_slot,
+                                         config.max_num_seqs, interval,
+                                         config.enable_prefix_caching))
+            if self.state_bytes_per_slot else None)
         self.kv = KVCache(
             num_kv_layers, self.num_device_blocks, self.num_host_blocks,
             config.block_size, m.num_kv_heads, m.head_dim, self.kv_dtype, device,
@@ -166,7 +176,8 @@ class ModelRunner:
             # a hybrid model's host snapshots go to disk too (cache/state_disk.py)
             with_state = self.state if self.num_host_state_slots else None
             self.disk = RankDiskTier(config, tp, self.kv, num_kv_layers,
-                                     m.num_kv_heads, m.head_dim, self.dtype, with_state)
+                                     m.num_kv_heads, m.head_dim, self.dtype, with_state,
+                                     interval)
         self.num_disk_blocks = self.disk.num_slots if self.disk is not None else 0
         self.num_disk_state_slots = self.disk.num_state_slots if self.disk is not None else 0
         self.digest = StateDigest(self.num_device_blocks, self.num_host_blocks,

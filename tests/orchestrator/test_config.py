@@ -11,7 +11,13 @@ import pytest
 from orchestrator.config import DEFAULT_MODEL, REPO, add_serve_arguments, build_config
 from scheduler.executor import choose_channel
 from wire import codec
-from wire.config import CONFIG_FILE, ConfigError, EngineConfig, SpeculativeConfig
+from wire.config import (
+    CONFIG_FILE,
+    SNAPSHOT_INTERVAL_AUTO,
+    ConfigError,
+    EngineConfig,
+    SpeculativeConfig,
+)
 from wire.step_channel import supported
 
 
@@ -207,3 +213,26 @@ def test_the_kv_cache_dtype_is_the_models_unless_fp8_is_asked_for_on_cpu(
         EngineConfig(model=str(default_model), kv_cache_dtype="int8")
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         engine_config("--model", str(default_model), "--kv-cache-dtype", "fp4")
+
+
+def test_the_snapshot_interval_is_auto_or_a_count_of_blocks(default_model: Path,
+                                                            capsys) -> None:
+    """--state-snapshot-interval: `auto` by default (0 in the config: the ranks choose it
+    from the bytes), or a whole number of blocks >= 1; anything else stops the launch with
+    argparse's usage error naming what is accepted."""
+    model = ("--model", str(default_model))
+    assert engine_config(*model).state_snapshot_interval == SNAPSHOT_INTERVAL_AUTO
+    for text in ("auto", "AUTO", " auto "):
+        assert engine_config(*model, "--state-snapshot-interval",
+                             text).state_snapshot_interval == SNAPSHOT_INTERVAL_AUTO
+    for text, blocks in (("1", 1), ("4", 4), ("197", 197)):
+        assert engine_config(*model, "--state-snapshot-interval",
+                             text).state_snapshot_interval == blocks
+    for text in ("0", "-3", "four", "1.5", ""):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stopped:
+            engine_config(*model, "--state-snapshot-interval", text)
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert "--state-snapshot-interval" in err and "not a snapshot interval" in err, err
+        assert "give `auto`" in err and ">= 1" in err

@@ -546,6 +546,27 @@ def hybrid_hits_end_at_its_snapshots(e: Launched) -> None:
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
 
 
+def hybrid_interval_is_sized_from_the_bytes(e: Launched) -> None:
+    """The same model with --state-snapshot-interval auto: the rank snapshots every 8 blocks
+    (one snapshot, 116,736 bytes in float32, is worth 7.1 KV blocks of 16,384), logs why,
+    and the scheduler plans there: a prompt sent again hits its last full block; one that
+    shares its first 8 blocks and a half hits 8 (the interval's snapshot); one that shares
+    7 and a half hits nothing (at 4 blocks it would hit 4)."""
+    assert e.config().state_snapshot_interval == 0  # auto
+    (chosen,) = e.events("state_snapshot_interval")
+    assert (chosen["blocks"], chosen["auto"], chosen["state_bytes_per_slot"],
+            chosen["kv_bytes_per_block"]) == (8, True, 116_736, 16_384)
+    assert e.events("kv_cache_budget")[0]["state_snapshot_interval"] == 8
+    prompt = list(range(700, 852))  # 9 full blocks and 8 tokens
+    outs = [e.complete(prompt=prompt, max_tokens=4, temperature=0, ignore_eos=True)
+            for _ in range(2)]
+    assert outs[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 144
+    assert outs[0]["choices"][0]["token_ids"] == outs[1]["choices"][0]["token_ids"]
+    for shared, cached in ((120, 0), (136, 128)):
+        other = e.complete(prompt=prompt[:shared] + list(range(300, 340)), max_tokens=1)
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == cached, shared
+
+
 def disk_is_written(e: Launched) -> None:
     e.complete(prompt=list(range(800, 864)), max_tokens=1)
     e.wait_for("a block written to disk", lambda: disk_written(e) > 0)
@@ -649,6 +670,10 @@ ROWS = [
     Row("hybrid", ("--model", "models/tiny-qwen3-5", "--port", "{port}", "--dtype", "float32",
                    "--device", "cpu", *SMALL, "--state-snapshot-interval", "2"),
         hybrid_hits_end_at_its_snapshots),
+    # `auto`, the default, as typed: the ranks choose the interval (the row above: a count)
+    Row("hybrid-auto", ("--model", "models/tiny-qwen3-5", "--port", "{port}", "--dtype",
+                        "float32", "--device", "cpu", *SMALL, "--state-snapshot-interval",
+                        "auto"), hybrid_interval_is_sized_from_the_bytes),
 ]
 LAUNCHES = list(dict.fromkeys(row.launch for row in ROWS))
 

@@ -67,13 +67,30 @@ def test_an_agents_next_turn_goes_on_from_the_last_full_block():
     assert_clean(core)
 
 
+def test_auto_snapshots_every_as_many_blocks_as_a_snapshot_is_worth():
+    """`--state-snapshot-interval auto` (the default): the rank chooses 8 for this model
+    in float32 (a snapshot is worth 7.1 KV blocks, worker/budget.py), reports it, and the
+    scheduler snapshots there: a 150-token prompt in one chunk at 8 blocks and at its last
+    (9); at 4 it would take one at 4 blocks too."""
+    core = inprocess_engine(str(MODEL), max_model_len=512, max_num_batched_tokens=256)
+    assert core.scheduler.config.state_snapshot_interval == 0  # auto
+    assert core.ready[0].limits.state_snapshot_interval == 8
+    assert core.scheduler.limits.state_snapshot_interval == 8
+    answer(core, "a", list(range(10, 160)), n=2)
+    snaps = [n for p in core.executor.plans for c in p.chunks for n, _ in c.state_snapshots]
+    assert snaps == [128, 144]
+    assert_clean(core)
+
+
 STATE_BYTES = 116_736  # one state slot of models/tiny-qwen3-5 in float32
 BLOCK_BYTES = 16_384  # one KV block of it
 
 
 def small_device_engine(**overrides):
     """A device tier of 24 blocks and 6 snapshot slots (2 live ones), a host tier of 92
-    blocks and 23 snapshots: a few prompts push a prefix and its snapshots to the host."""
+    blocks and 23 snapshots: a few prompts push a prefix and its snapshots to the host.
+    The figures are a snapshot every 4 blocks' (`auto` would take 8 for this model)."""
+    overrides.setdefault("state_snapshot_interval", 4)
     return inprocess_engine(str(MODEL), max_model_len=256, max_num_batched_tokens=64,
                             max_num_seqs=2, kv_cache_memory=8 * STATE_BYTES + 24 * BLOCK_BYTES,
                             host_cache_memory=4 << 20, **overrides)

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from scheduler.scheduler import Scheduler
 from scheduler.state_snapshots import snapshot_boundaries
 from wire.client import GenerateRequest
-from wire.config import EngineConfig
+from wire.config import SNAPSHOT_INTERVAL_AUTO, EngineConfig
 from wire.digest import StateDigest
 from wire.lifecycle import EngineLimits
 from wire.step import StepPlan
@@ -21,12 +23,16 @@ BS = 16
 def make(num_blocks: int = 64, num_state_slots: int = 16, num_host_blocks: int = 0,
          num_host_state_slots: int = 0, **cfg) -> Scheduler:
     config = EngineConfig(model="/models/m", block_size=BS, **cfg)
+    # the interval the ranks would report: the one asked, else 4 (what `auto` gives a
+    # snapshot worth at most 4 blocks)
     return Scheduler(config, EngineLimits(vocab_size=1000, max_model_len=1024,
                                           eos_token_ids=(3,), num_device_blocks=num_blocks,
                                           num_host_blocks=num_host_blocks,
                                           num_state_slots=num_state_slots,
                                           state_bytes_per_slot=4096,
-                                          num_host_state_slots=num_host_state_slots))
+                                          num_host_state_slots=num_host_state_slots,
+                                          state_snapshot_interval=(
+                                              config.state_snapshot_interval or 4)))
 
 
 class Ranks:
@@ -265,3 +271,21 @@ def test_agents_sent_one_fresh_prompt_at_once_wait_a_step_for_its_snapshot():
     assert [c.start_pos for c in restored] == [96, 96, 96] and len(second.state_copy) == 3
     drain(s, ranks)
     assert s.cache.stats.num_device_hit_tokens == 3 * 96
+
+
+def test_the_scheduler_snapshots_at_the_interval_the_ranks_report():
+    """Under `auto` (the config's 0) the interval is the ranks' choice, in EngineLimits:
+    the scheduler plans at it. An explicit one the ranks did not take is a bug."""
+    limits = EngineLimits(vocab_size=1000, max_model_len=1024, eos_token_ids=(3,),
+                          num_device_blocks=64, num_host_blocks=0, num_state_slots=16,
+                          state_bytes_per_slot=4096, state_snapshot_interval=3)
+    s, ranks = Scheduler(EngineConfig(model="/models/m", block_size=BS), limits), Ranks()
+    assert s.config.state_snapshot_interval == SNAPSHOT_INTERVAL_AUTO
+    s.add_request(GenerateRequest("a", list(range(10, 110)), 4, ignore_eos=True))
+    (plan,) = run(s, ranks)
+    (chunk,) = plan.chunks
+    # 100 tokens: boundaries at 48 (3 blocks, the interval) and 96 (6: both)
+    assert [n for n, _ in chunk.state_snapshots] == [48, 96]
+    with pytest.raises(AssertionError, match="snapshot every 3 blocks, not the 4 asked"):
+        Scheduler(EngineConfig(model="/models/m", block_size=BS, state_snapshot_interval=4),
+                  limits)

@@ -340,3 +340,20 @@ def test_state_disk_ops_round_trip_and_move_the_digest():
     a.apply(StepPlan(3, state_disk_read=[(5, 3, 0, 12, 22)]))
     assert a.host_state_hashes() == {1: 11, 0: 12}
     assert sum(a.tier_digests().values()) % 2**64 == a.value
+
+
+def test_the_snapshot_interval_the_ranks_chose_round_trips():
+    """Schema 18: the ranks report the interval they snapshot at (under `auto`, chosen from
+    the bytes: worker/budget.py); the config's `auto` is SNAPSHOT_INTERVAL_AUTO (0), and
+    a negative one is refused."""
+    from wire.config import SNAPSHOT_INTERVAL_AUTO, ConfigError
+    from wire.lifecycle import EngineLimits, WorkerReady
+    limits = EngineLimits(1000, 512, (3,), 64, 32, 4096, num_state_slots=20,
+                          state_bytes_per_slot=1 << 20, state_snapshot_interval=197)
+    config = EngineConfig(model="/m")
+    assert config.state_snapshot_interval == SNAPSHOT_INTERVAL_AUTO
+    for msg in (limits, WorkerReady(0, "cpu", limits), config):
+        assert codec.decode(codec.encode(msg)) == msg
+    assert codec.decode(codec.encode(limits)).state_snapshot_interval == 197
+    with pytest.raises(ConfigError, match="state_snapshot_interval"):
+        EngineConfig(model="/m", state_snapshot_interval=-1)

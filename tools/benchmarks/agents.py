@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from orchestrator.config import snapshot_interval_arg
 from orchestrator.launcher import stop_all
 from scheduler.engine import EngineCore, agree_limits
 from scheduler.executor import ZmqExecutor
@@ -164,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--caching", default="on,off",
                    help="the runs: prefix cache on, off, or both (the on/off ratios)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--state-snapshot-interval", type=int,
-                   default=EngineConfig.state_snapshot_interval,
-                   help="a hybrid model's snapshot of its linear-attention state every K blocks")
+    p.add_argument("--state-snapshot-interval", type=snapshot_interval_arg, default="auto",
+                   help="a hybrid model's snapshot of its linear-attention state every K "
+                        "blocks; auto (the default): the engine's choice from the bytes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                       + (", ".join(f"{k} {n}" for k, n in computed.items()) or "none"))
     if limits.is_hybrid and on:
         tier = on["device_tier"]
-        console.print(f"hybrid, a state snapshot every {args.state_snapshot_interval} blocks: "
+        console.print(f"hybrid, a state snapshot every {limits.state_snapshot_interval} blocks: "
                       f"{tier['num_state_slots']} state slots "
                       f"({tier['state_bytes'] / 2**20:.1f} MiB) beside "
                       f"{tier['num_device_blocks']} KV blocks: state "
