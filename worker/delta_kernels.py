@@ -173,13 +173,17 @@ def cuda_conv_step(update_fn: Callable[..., torch.Tensor]) -> Callable[..., Tens
 
 # --- the choice ------------------------------------------------------------------------
 
+# An installed package that fails to import (a Triton or torch it was not built for) is
+# logged and passed over, as a missing one is: the torch operators serve the model.
+
 def _import_fla() -> tuple[Callable[..., Tensors], Callable[..., Tensors]] | None:
     try:
         from fla.ops.gated_delta_rule import (
             chunk_gated_delta_rule,
             fused_recurrent_gated_delta_rule,
         )
-    except ImportError:
+    except Exception as e:  # noqa: BLE001
+        _not_imported("fla", e)
         return None
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
@@ -188,9 +192,16 @@ def _import_causal_conv1d() -> tuple[Callable[..., torch.Tensor],
                                      Callable[..., torch.Tensor]] | None:
     try:
         from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
-    except ImportError:
+    except Exception as e:  # noqa: BLE001
+        _not_imported("causal_conv1d", e)
         return None
     return causal_conv1d_fn, causal_conv1d_update
+
+
+def _not_imported(package: str, error: Exception) -> None:
+    if not isinstance(error, ModuleNotFoundError):  # installed, and broken: say how
+        log.warning("delta_rule_kernel_import_failed", package=package,
+                    error=f"{type(error).__name__}: {error}")
 
 
 def delta_ops(device: torch.device, dtype: torch.dtype) -> DeltaOps:

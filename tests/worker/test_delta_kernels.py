@@ -154,6 +154,23 @@ def test_cuda_without_the_kernel_packages_gets_the_torch_operators(fresh_choice,
     assert "fla does not import" in ops.name and "causal_conv1d does not import" in ops.name
 
 
+class BrokenModule(types.ModuleType):
+    """An installed package that fails as it is imported (built for another Triton)."""
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"{self.__name__} was built for another Triton")
+
+
+def test_cuda_with_broken_kernel_packages_gets_the_torch_operators(kernels_importable,
+                                                                   monkeypatch):
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule",
+                        BrokenModule("fla.ops.gated_delta_rule"))
+    monkeypatch.setitem(sys.modules, "causal_conv1d", BrokenModule("causal_conv1d"))
+    ops = delta_ops(CUDA, torch.float16)
+    assert (ops.conv, ops.conv_step, ops.chunk, ops.step) == (
+        causal_conv, causal_conv_step, torch_chunk, torch_step)
+
+
 def test_cuda_with_the_kernel_packages_gets_their_adapters(kernels_importable):
     ops = delta_ops(CUDA, torch.bfloat16)
     assert ops.name == "delta rule: fla; conv: causal_conv1d"
