@@ -41,10 +41,11 @@ which calls the same two functions with use_qk_l2norm_in_kernel=True):
 - g goes as ours, float32 log decays; beta in v's dtype, as transformers passes it;
   every argument by keyword (fla 0.6 put gk and gv between g and beta).
 
-And onto causal_conv1d (its interface's docstrings): x (batch, dim, seqlen) and weight
-(dim, width); with initial states, the kernel takes only the channel-last layout
-(x.stride(1) == 1, initial_states.stride(1) == 1) and dim a multiple of 8, which is our
-[T, C] row-major chunk seen as x.t()[None]; a chunk whose C is not is left to torch.
+And onto causal_conv1d (its Python interface's docstrings: x (batch, dim, seqlen), weight
+(dim, width), initial_states (batch, dim, width - 1)): with initial states its CUDA kernel
+takes, as we read its checks, only the channel-last layout (x.stride(1) == 1,
+initial_states.stride(1) == 1) with dim a multiple of 8 -- which is our [T, C] row-major
+chunk seen as x.t()[None]; a chunk whose C is not a multiple of 8 is left to torch.
 causal_conv1d_update(x (batch, dim), conv_state (batch, dim, K-1), weight) writes the
 state in place: it gets a copy of the windows (`conv_step`'s contract).
 """
