@@ -33,6 +33,7 @@ import torch
 from wire.client import SamplingParams
 from wire.step import RankTiming, StepPlan
 from worker.attention import AttentionMetadata, create_backend
+from worker.hybrid_model import HybridModel
 from worker.kv_cache import KVCache
 from worker.linear_state import LinearStateCache, StateBatch
 from worker.model import LlamaModel
@@ -103,7 +104,9 @@ class ModelForward:
     def profile_num_blocks(self, num_tokens: int, block_bytes: int,
                            memory_fraction: float) -> int:
         """CUDA: blocks that fit in `memory_fraction` of the GPU after the weights and the
-        activations of a step of `num_tokens` tokens (measured by running one)."""
+        activations of a step of `num_tokens` tokens (measured by running one). A hybrid
+        model's state slots are not counted: they share this room with the blocks
+        (ModelRunner splits it)."""
         m, bs, device = self.model, self.block_size, self.device
         scratch_blocks = -(-num_tokens // bs)
         kv = KVCache(m.config.num_kv_layers, scratch_blocks, 0, bs, m.num_kv_heads, m.head_dim,
@@ -115,12 +118,18 @@ class ModelForward:
                                          i32(list(range(scratch_blocks))),
                                          i32([num_tokens - (scratch_blocks - 1) * bs]), bs))
         positions = torch.arange(num_tokens, device=device)
+        # a hybrid's linear layers run too, from a fresh state in a scratch slot
+        state = {} if not isinstance(m, HybridModel) else dict(
+            state=m.new_state_cache(1),
+            state_batch=StateBatch(slots=[0], first_rows=[0], num_tokens=[num_tokens],
+                                   fresh=[True]))
         hidden = m.forward(torch.zeros(num_tokens, dtype=torch.long, device=device),
-                           positions, positions, kv, self.attn)
+                           positions, positions, kv, self.attn, **state)
         m.logits(hidden[-1:])
         torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - kv.k.nbytes - kv.v.nbytes
-        del kv, hidden
+        scratch = kv.k.nbytes + kv.v.nbytes + (state["state"].nbytes if state else 0)
+        peak = torch.cuda.max_memory_allocated(device) - scratch
+        del kv, hidden, state
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(device).total_memory
         return max(0, int(total * memory_fraction - peak) // block_bytes)

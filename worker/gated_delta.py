@@ -42,8 +42,18 @@ def causal_conv(x: torch.Tensor, window: torch.Tensor,
     (`window_after`)."""
     c = x.shape[1]
     padded = torch.cat([window.t().to(x.dtype), x])  # [K-1+T, C]
+    if x.is_cuda and x.dtype == torch.float32:
+        # cuDNN rounds a float32 convolution's inputs to TF32 by torch's default (unlike a
+        # matmul's), and float32 on CUDA is the exactness check against the CPU: the taps
+        # summed here instead, as causal_conv_step does
+        return F.silu(sum_taps(padded, weight.to(x.dtype))), padded
     out = F.conv1d(padded.t()[None], weight[:, None, :].to(x.dtype), groups=c)[0]  # [C, T]
     return F.silu(out.t()), padded
+
+
+def sum_taps(padded: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The causal depthwise conv without SiLU: padded [K-1+T, C], weight [C, K] -> [T, C]."""
+    return (padded.unfold(0, weight.shape[1], 1) * weight).sum(-1)  # [T, C, K] summed
 
 
 def window_after(padded: torch.Tensor, num_tokens: int, width: int) -> torch.Tensor:

@@ -16,7 +16,12 @@ Different here:
 - an MoE layer may have a shared expert scaled by sigmoid(shared_expert_gate(x)).
 
 Tensor parallel as LlamaModel: attention heads, MLP columns and experts split over ranks;
-the linear layers' heads too (whole key-head groups). CPU only for now.
+the linear layers' heads too (whole key-head groups).
+
+On CUDA the attention layers run on the attention backend LlamaModel's do (FlashInfer in
+16 bits, worker/attention/), through the same interface and paged KV metadata, and the
+linear layers' conv and delta rule on the kernels `delta_ops` picks for the device and
+dtype (worker/delta_kernels.py: fla and causal_conv1d where they import, else torch).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.attention import AttentionBackend
+from worker.delta_kernels import delta_ops
 from worker.distributed import TensorParallelGroup
 from worker.gguf import is_gguf_path
 from worker.kv_cache import KVCache
@@ -76,12 +82,10 @@ class HybridModel(LlamaModel):
     def __init__(self, config: ModelConfig, tp: TensorParallelGroup, dtype: torch.dtype,
                  device: torch.device, logits_everywhere: bool = False,
                  kv_dtype: torch.dtype | None = None) -> None:
-        if device.type != "cpu":
-            raise NotImplementedError(f"{config.architecture} (a hybrid model) runs on the "
-                                      f"CPU only for now, not on {device.type}")
         super().__init__(config, tp, dtype, device, logits_everywhere, kv_dtype)
         self.rotary_dim = config.rotary_dim
         self.delta_shape = DeltaNetShape.of(config, tp.world_size)
+        self.delta_ops = delta_ops(device, dtype)  # the linear layers' conv and delta rule
         # layer index -> its index in the KV cache (attention) or the state cache (linear)
         self.kv_index = {layer: i for i, layer in enumerate(config.attention_layers)}
         self.state_index = {layer: i for i, layer in enumerate(config.linear_layers)}
@@ -173,7 +177,8 @@ class HybridModel(LlamaModel):
             if layer.delta_net is not None:
                 j = self.state_index[i]
                 mixed = delta_net_forward(layer.delta_net, self.delta_shape, x, state.conv[j],
-                                          state.recurrent[j], state_batch, self.linear, eps)
+                                          state.recurrent[j], state_batch, self.linear, eps,
+                                          self.delta_ops)
                 mixed = self.tp.all_reduce(mixed)
             else:
                 mixed = self._attention(self.kv_index[i], layer, x, cos, sin, slots, kv, attn)

@@ -18,14 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.gated_delta import (
-    causal_conv,
-    causal_conv_step,
-    chunked_delta_rule,
-    normalize_qk,
-    recurrent_delta_rule,
-    window_after,
-)
+from worker.delta_kernels import DeltaOps
+from worker.gated_delta import window_after
 from worker.linear import Linear
 from worker.linear_state import StateBatch
 from worker.model_config import ModelConfig
@@ -128,11 +122,12 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
 
 def delta_net_forward(w: DeltaNetWeights, s: DeltaNetShape, x: torch.Tensor,
                       conv_state: torch.Tensor, recurrent: torch.Tensor, batch: StateBatch,
-                      linear: Linear, eps: float) -> torch.Tensor:
+                      linear: Linear, eps: float, ops: DeltaOps) -> torch.Tensor:
     """x [T, hidden] -> this rank's partial output [T, hidden] (all-reduce it). Reads each
     chunk's state from its slot (zero when it starts fresh) and leaves the new one there;
     snapshots go to their slots as the chunk passes them. conv_state [S, C, K-1] and
-    recurrent [S, Hv, Dk, Dv]: this layer's slots."""
+    recurrent [S, Hv, Dk, Dv]: this layer's slots. `ops`: the conv and the delta rule
+    for the model's device (worker/delta_kernels.py)."""
     t = x.shape[0]
     mixed, z, b, a = linear(x, w.in_proj).split(
         [s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads], dim=-1)
@@ -142,22 +137,22 @@ def delta_net_forward(w: DeltaNetWeights, s: DeltaNetShape, x: torch.Tensor,
     if batch.steps:
         rows, slots, fresh = batch.step_tensors(x.device)
         windows = conv_state[slots].masked_fill(fresh[:, None, None], 0)
-        conv_out, conv_state[slots] = causal_conv_step(mixed[rows], windows, w.conv)
+        conv_out, conv_state[slots] = ops.conv_step(mixed[rows], windows, w.conv)
         q, k, v = _qkv(conv_out, s)
         state = recurrent[slots].masked_fill(fresh[:, None, None, None], 0)
-        core[rows], recurrent[slots] = recurrent_delta_rule(q, k, v, g[rows], beta[rows], state)
+        core[rows], recurrent[slots] = ops.step(q, k, v, g[rows], beta[rows], state)
     for i in batch.prefills:
         r0, n, slot = batch.first_rows[i], batch.num_tokens[i], batch.slots[i]
         window = conv_state[slot]
         if batch.fresh[i]:
             window = torch.zeros_like(window)
-        conv_out, padded = causal_conv(mixed[r0 : r0 + n], window, w.conv)
+        conv_out, padded = ops.conv(mixed[r0 : r0 + n], window, w.conv)
         q, k, v = _qkv(conv_out, s)
         state = recurrent[slot] if not batch.fresh[i] else torch.zeros_like(recurrent[slot])
         done, snaps = 0, batch.snapshots[i]
         for end in sorted({m for m, _ in snaps} | {n}):  # in pieces, split at the snapshots
             if end > done:
-                core[r0 + done : r0 + end], state = chunked_delta_rule(
+                core[r0 + done : r0 + end], state = ops.chunk(
                     q[done:end], k[done:end], v[done:end], g[r0 + done : r0 + end],
                     beta[r0 + done : r0 + end], state)
                 done = end
@@ -171,9 +166,9 @@ def delta_net_forward(w: DeltaNetWeights, s: DeltaNetShape, x: torch.Tensor,
 
 
 def _qkv(conv_out: torch.Tensor, s: DeltaNetShape) -> tuple[torch.Tensor, ...]:
-    """The conv's output [N, C] -> q, k [N, Hv, Dk] (normalize_qk's) and v [N, Hv, Dv]."""
+    """The conv's output [N, C] -> q, k [N, Hk, Dk] and v [N, Hv, Dv] (the delta rule
+    normalises q and k, DeltaOps.chunk and .step)."""
     n = conv_out.shape[0]
     q, k, v = conv_out.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
-    q, k = normalize_qk(q.reshape(n, s.num_k_heads, s.head_k_dim),
-                        k.reshape(n, s.num_k_heads, s.head_k_dim), s.num_v_heads)
-    return q, k, v.reshape(n, s.num_v_heads, s.head_v_dim)
+    return (q.reshape(n, s.num_k_heads, s.head_k_dim), k.reshape(n, s.num_k_heads, s.head_k_dim),
+            v.reshape(n, s.num_v_heads, s.head_v_dim))

@@ -165,8 +165,14 @@ class StateBatch:
         """(rows, slots, fresh) of `steps` as tensors, made once per step."""
         key = ("_step_tensors", device)
         if key not in self.__dict__:
-            rows = torch.tensor([self.first_rows[i] for i in self.steps], device=device)
-            slots = torch.tensor([self.slots[i] for i in self.steps], device=device)
-            fresh = torch.tensor([self.fresh[i] for i in self.steps], device=device)
-            self.__dict__[key] = (rows, slots, fresh)
+            self.__dict__[key] = tuple(_on(device, [values[i] for i in self.steps])
+                                       for values in (self.first_rows, self.slots, self.fresh))
         return self.__dict__[key]
+
+
+def _on(device: torch.device, values: list) -> torch.Tensor:
+    """`values` as a tensor on `device`; to a GPU through pinned memory, without waiting:
+    made inside the forward, where a copy from pageable memory would wait for the layers
+    already queued (worker/forward.py to_device)."""
+    tensor = torch.tensor(values)
+    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor

@@ -125,11 +125,6 @@ class ModelRunner:
         # Ranks may have different free memory; every rank must hold the same
         # block ids, so all take the minimum.
         self.kv_bytes_per_block = block_bytes
-        if num_device_blocks is None and device.type == "cuda" and config.gpu_memory_utilization:
-            # None: nothing to profile (the null model); sized as without profiling
-            num_device_blocks = self.forward_pass.profile_num_blocks(
-                min(config.max_num_batched_tokens, self.max_model_len), block_bytes,
-                config.gpu_memory_utilization)
         # a hybrid model's linear-attention state shares every tier's budget, a snapshot
         # every `interval` blocks (--state-snapshot-interval, or chosen from the two sizes;
         # the same on every rank, and reported to the scheduler); 0 without such state
@@ -139,13 +134,20 @@ class ModelRunner:
             config.state_snapshot_interval, self.state_bytes_per_slot, block_bytes, tp.all_max)
             if self.state_bytes_per_slot else 0)
         if num_device_blocks is None:
-            budget = device_tier_bytes(config, block_bytes, self.max_model_len, device,
-                                       local_world_size(), self.state_bytes_per_slot, interval)
-            num_device_blocks = (budget // block_bytes if not self.state_bytes_per_slot else
-                                 split_state_budget(
-                                     budget, block_bytes, self.state_bytes_per_slot,
-                                     config.max_num_seqs, interval,
-                                     config.enable_prefix_caching).num_device_blocks)
+            budget = None
+            if device.type == "cuda" and config.gpu_memory_utilization:
+                # the room profiling leaves, in blocks (None: nothing to profile, the null
+                # model; sized as without profiling)
+                room = self.forward_pass.profile_num_blocks(
+                    min(config.max_num_batched_tokens, self.max_model_len), block_bytes,
+                    config.gpu_memory_utilization)
+                budget = None if room is None else room * block_bytes
+            if budget is None:
+                budget = device_tier_bytes(config, block_bytes, self.max_model_len, device,
+                                           local_world_size(), self.state_bytes_per_slot,
+                                           interval)
+            num_device_blocks = device_blocks_for(budget, block_bytes,
+                                                  self.state_bytes_per_slot, interval, config)
         self.num_device_blocks = tp.all_min(num_device_blocks)
         # every rank the same slots: counted from the blocks all ranks agreed on
         self.num_state_slots = (state_slots_for(
@@ -467,6 +469,16 @@ class ModelRunner:
             # An exact page table: a spare page would read stale KV.
             assert p <= n_table, (
                 f"seq {c.seq_id}: {n_ctx} tokens need {p} blocks, table has {n_table}")
+
+
+def device_blocks_for(budget: int, block_bytes: int, state_bytes: int, interval: int,
+                      config: EngineConfig) -> int:
+    """The KV blocks of a device tier of `budget` bytes: all of it, or, for a hybrid model
+    (`state_bytes` a slot), what its state slots leave (budget.split_state_budget)."""
+    if not state_bytes:
+        return budget // block_bytes
+    return split_state_budget(budget, block_bytes, state_bytes, config.max_num_seqs,
+                              interval, config.enable_prefix_caching).num_device_blocks
 
 
 def check_hybrid(config: EngineConfig, architecture: str) -> None:

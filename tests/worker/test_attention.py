@@ -192,6 +192,18 @@ def test_auto_takes_flashinfer_only_for_16_bit_cuda():
         create_backend("flashinfer", 4, 2, 64, PAGE, torch.bfloat16, torch.device("cpu"))
 
 
+def test_auto_takes_flashinfer_only_for_the_head_dims_it_has_kernels_for():
+    """A head dim FlashInfer has no kernel for (the tiny hybrids' 32) runs the torch
+    backend: FlashInfer's prefill reads out of bounds there instead of refusing."""
+    from worker.attention.torch_backend import TorchAttentionBackend
+
+    cuda = torch.device("cuda")  # nothing touches the device before the choice
+    assert isinstance(create_backend("auto", 4, 4, 32, PAGE, torch.bfloat16, cuda),
+                      TorchAttentionBackend)
+    with pytest.raises(ValueError, match="head dims"):
+        create_backend("flashinfer", 4, 4, 32, PAGE, torch.bfloat16, cuda)
+
+
 # --- FlashInfer (CUDA): the same paged cases, bf16, against the torch backend ------------
 
 

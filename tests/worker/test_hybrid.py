@@ -17,6 +17,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from tests.worker.ranks import run_ranks_many
@@ -30,6 +31,7 @@ from worker.gated_delta import (
     chunked_delta_rule,
     normalize_qk,
     recurrent_delta_rule,
+    sum_taps,
     window_after,
 )
 from worker.gguf import load_config
@@ -74,6 +76,8 @@ def test_chunked_conv_equals_its_steps():
         steps.append(y)
         assert torch.equal(windows[0], window_after(padded, i + 1, width))
     assert torch.allclose(out, torch.cat(steps), atol=1e-6)
+    # the taps summed (CUDA float32's conv: cuDNN's would round to TF32) are the conv
+    torch.testing.assert_close(F.silu(sum_taps(padded, weight)), out)
 
 
 @pytest.mark.slow

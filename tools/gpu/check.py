@@ -39,8 +39,8 @@ and is this run, `python3 -m tools.gpu.check "$OUT" --wheels .gpu-carry/main/whe
 --real-model-parts .gpu-carry/main`; call 2, at once after it, carries the first part,
 joins the model and runs the real model's CUDA test.
 
-Without the real model, one call does it all: `--download wheels` (42 MiB; with
-prebuilt kernels, --build-kernels, 45 MiB) and `python3 -m tools.gpu.check "$OUT"
+Without the real model, one call does it all: `--download wheels` (43 MiB; with
+prebuilt kernels, --build-kernels, 46 MiB) and `python3 -m tools.gpu.check "$OUT"
 --wheels wheels`, carrying ["wheels"].
 """
 

@@ -15,6 +15,9 @@ network and at most 64 MiB of files per run, so only small wheels travel:
   none of them. Never the prebuilt `flashinfer-jit-cache` or `flashinfer-cubin` (GBs).
 - This project's runtime needs that the machine lacks (pyzmq, structlog, starlette,
   uvicorn), plus, in case the image changes, the small ones it has today.
+- `fla-core` (flash-linear-attention's kernels, pure Python over Triton, 1 MB): a hybrid
+  model's delta rule on CUDA (worker/delta_kernels.py). Not needed: without it the torch
+  rule runs. `causal-conv1d` is a source package (nvcc, minutes) and is not carried.
 
 Never torch: the machine's own CUDA build is the one to use. Every wheel is fetched
 with `--no-deps` for CPython 3.10-3.12 on manylinux x86_64, so the same folder serves
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FLASHINFER = "flashinfer-python==0.6.13"  # 14 MB; 0.7.x is 62 MB, over the carry limit
+FLA = "fla-core==0.6.0"  # the signatures worker/delta_kernels.py was written against
 PYTHON_VERSIONS = ("3.10", "3.11", "3.12")
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_26_x86_64", "manylinux_2_27_x86_64", "manylinux_2_28_x86_64",
@@ -61,6 +65,7 @@ WHEELS: tuple[Wheel, ...] = (
     Wheel("starlette", "starlette", needed=True),
     Wheel("uvicorn", "uvicorn", needed=True),
     Wheel("llguidance", "llguidance", compiled=True, needed=True),  # one abi3 wheel
+    Wheel(FLA, "fla"),  # a hybrid's delta rule; missing on the image, but optional
     # On the image today (KINDS.md); small enough to carry in case it changes.
     Wheel("msgpack", "msgpack", compiled=True),
     Wheel("safetensors", "safetensors", compiled=True),

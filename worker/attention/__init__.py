@@ -15,6 +15,10 @@ if TYPE_CHECKING:
     from worker.kernel_choice import KernelChoice
 
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+# The head dims FlashInfer's prefill and decode kernels are built for: its FA2 prefill does
+# not check, and a head dim that is not a multiple of 64 reads out of bounds (an illegal
+# memory access: flashinfer-ai/flashinfer#4299). The tiny hybrids' is 32.
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
 def create_backend(name: str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -25,14 +29,19 @@ def create_backend(name: str, num_qo_heads: int, num_kv_heads: int, head_dim: in
     forces torch."""
     if name == "auto":
         # FlashInfer's kernels take 16-bit queries and KV only; float32 on CUDA (the
-        # exactness checks against the CPU) runs the torch backend there.
-        name = "flashinfer" if device.type == "cuda" and dtype in FLASHINFER_DTYPES else "torch"
+        # exactness checks against the CPU) runs the torch backend there, as does a head
+        # dim FlashInfer has no kernel for.
+        name = ("flashinfer" if device.type == "cuda" and dtype in FLASHINFER_DTYPES
+                and head_dim in FLASHINFER_HEAD_DIMS else "torch")
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError("the flashinfer attention backend needs a CUDA device")
         if dtype not in FLASHINFER_DTYPES:
             raise ValueError(f"the flashinfer attention backend takes float16 or bfloat16, "
                              f"not {dtype}")
+        if head_dim not in FLASHINFER_HEAD_DIMS:
+            raise ValueError(f"the flashinfer attention backend takes head dims "
+                             f"{FLASHINFER_HEAD_DIMS}, not {head_dim}")
         from worker.attention.flashinfer_backend import FlashInferAttentionBackend
 
         return FlashInferAttentionBackend(
