@@ -364,6 +364,8 @@ class HybridDiskMachine(RuleBasedStateMachine):
             assert host_told.get(slot) == lo, f"host state slot {slot} holds another snapshot"
         cache.check_invariants()  # HostStates.check and StateDisk.check among them
         self.s.check_accounting()
+        for u in cache.state_usage().values():  # what /metrics reports
+            assert min(u.values()) >= 0 and u["used"] + u["cached"] + u["free"] == u["capacity"]
         pool = cache.state.disk.pool
         slots = pool.index.registered_items()  # committed or pending
         keys = zip(*(k.tolist() for k in pool.index.keys_of(slots)))
