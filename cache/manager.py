@@ -567,6 +567,10 @@ class KVCacheManager:
                      "retained": 0, "retained_tokens": 0},
         }
 
+    def state_usage(self) -> dict[str, dict[str, int]]:
+        """A hybrid model's state slots per tier (StatePool.usage); empty for any other."""
+        return self.state.usage() if self.state is not None else {}
+
     def check_accounting(self, live_seq_ids: set[int]) -> None:
         """The cheap check run on every step in production (cache/checks.py). Raises
         CacheAccountingError."""

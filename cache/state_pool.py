@@ -145,6 +145,21 @@ class StatePool:
         """Cached slot -> its hash's lo word: what the state digest must hold."""
         return {slot: key[0] for slot, key in self._key.items()}
 
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Slots per tier, as KVCacheManager.usage counts blocks: used + cached + free ==
+        capacity. device: used = a running sequence's live slot, or a snapshot whose block
+        is not committed yet; host: used = held for a disk read in flight; disk: used = a
+        write in flight, or a bad read's record not yet free; cached = holding a snapshot
+        (on disk: committed, readable)."""
+        tiers = {"device": (self.num_slots, self.num_cached, self.num_free)}
+        if self.host is not None:
+            tiers["host"] = (self.host.num_slots, self.host.num_cached, self.host.num_free)
+        if self.disk is not None:
+            pool = self.disk.pool
+            tiers["disk"] = (pool.num_slots, pool.num_committed, pool.num_free)
+        return {tier: {"capacity": n, "used": n - cached - free, "cached": cached,
+                       "free": free} for tier, (n, cached, free) in tiers.items()}
+
     # --- sequences --------------------------------------------------------------------
 
     def pin(self, slot: int) -> None:

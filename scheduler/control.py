@@ -36,6 +36,7 @@ from wire.control import (
     TraceRequest,
 )
 from wire.control_server import ControlServer, stack_dump
+from wire.digest import STATE_TIERS
 
 MAX_TIER_SLICE = 1 << 20
 # A snapshot holds overlap scheduling off this long: with a plan always in flight the
@@ -61,10 +62,7 @@ class SchedulerControl:
         if isinstance(request, SeqRequest):
             return self.seq_view(request)
         if isinstance(request, TierRequest):
-            hashes = self.scheduler.digest.tier_hashes(request.tier)
-            stop = min(request.stop, len(hashes), request.start + MAX_TIER_SLICE)
-            return TierContents(request.tier, request.start,
-                                hashes[request.start:stop].tolist())
+            return self.tier_contents(request)
         if isinstance(request, TraceRequest):
             return TraceReply(list(self.telemetry.trace)[-max(0, request.num_steps):])
         if isinstance(request, CacheRequest):
@@ -72,6 +70,23 @@ class SchedulerControl:
         if isinstance(request, StacksRequest):
             return stack_dump("scheduler", -1, request.all_threads)
         return ControlError(f"the scheduler does not answer {type(request).__name__}")
+
+    def tier_contents(self, request: TierRequest) -> TierContents:
+        digest = self.scheduler.digest
+        if request.tier in STATE_TIERS:
+            n = self.state_slots().get(request.tier, 0)
+            stop = min(request.stop, n, request.start + MAX_TIER_SLICE)
+            return TierContents(request.tier, request.start,
+                                digest.state_slice(request.tier, request.start, stop))
+        hashes = digest.tier_hashes(request.tier)
+        stop = min(request.stop, len(hashes), request.start + MAX_TIER_SLICE)
+        return TierContents(request.tier, request.start, hashes[request.start:stop].tolist())
+
+    def state_slots(self) -> dict[str, int]:
+        """A hybrid model's state tables -> their slots, as the ranks hold them."""
+        usage = self.scheduler.cache.state_usage()
+        return {table: usage[tier]["capacity"] for table, tier in STATE_TIERS.items()
+                if tier in usage}
 
     # --- the snapshot ---------------------------------------------------------------
 
@@ -106,6 +121,9 @@ class SchedulerControl:
             tier_digests=sched.digest.tier_digests() if detail else {},
             cache={k: int(v) for k, v in dict(vars(sched.cache.stats)).items()},
             last_error=tel.last_error,
+            state_slots=self.state_slots(),
+            state_entries=(sched.digest.state_entries()
+                           if detail and sched.limits.is_hybrid else {}),
         )
 
     def _waiting(self, waiting: list[Sequence], num_running: int, trace: list,
@@ -177,7 +195,7 @@ class SchedulerControl:
             usage=cache.usage(), sessions=top,
             prefix_breaks=list(self.telemetry.prefix_breaks), recent=last[-10:],
             num_disk_hit_tokens=sum(r.num_disk_cached_tokens for r in last),
-            disk=self._disk_counters(), **_miss_totals(last))
+            disk=self._disk_counters(), state_usage=cache.state_usage(), **_miss_totals(last))
 
     def _disk_counters(self) -> dict[str, int]:
         disk = self.scheduler.cache.disk

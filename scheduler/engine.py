@@ -327,6 +327,7 @@ class EngineCore:
             num_spec_draft_tokens=sched.spec_stats.num_draft_tokens,
             num_spec_accepted_tokens=sched.spec_stats.num_accepted_tokens,
             disk=self._disk_stats(),
+            state_usage=sched.cache.state_usage(),
         )
 
     def _disk_stats(self) -> dict[str, int]:

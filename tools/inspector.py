@@ -46,6 +46,7 @@ from wire.control import (
     TraceRequest,
 )
 from wire.control_server import ControlUnavailable, ask
+from wire.digest import STATE_TIERS
 
 
 def _plain(x: Any) -> Any:
@@ -92,16 +93,41 @@ def cmd_ranks(engine: EngineAddresses, args) -> tuple[Any, list, int]:
 def cmd_check(engine: EngineAddresses, args) -> tuple[Any, list, int]:
     result = run_check(engine, args.timeout)
     data = _plain(result)
+    states = _state_tables(result.state_entries)
     if result.agree:
         note = (f"[green]agree[/]: {len(engine.ranks)} ranks and the scheduler at step "
-                f"{result.step} (block tables, live sequences, tier contents, digests)")
-        return data, [note], 0
+                f"{result.step} (block tables, live sequences, tier contents, digests"
+                f"{_state_count(result.state_entries)})")
+        return data, [note, *states], 0
     table = _table(f"differences (step {result.step}, "
                    f"{'aligned' if result.aligned else 'not aligned'})",
                    "process", "kind", "what differs")
     for d in result.differences:
         table.add_row(d.process, d.kind, d.detail)
-    return data, [table], 1
+    return data, [table, *states], 1
+
+
+def _state_count(entries: dict[str, dict[str, int]]) -> str:
+    """The verdict's count of a hybrid model's state snapshots, as the scheduler planned
+    them (the ranks' tables are compared with its own)."""
+    mine = entries.get("scheduler") or next(iter(entries.values()), {})
+    if not mine:
+        return ""
+    return ("; state snapshots: " + ", ".join(f"{mine.get(table, 0):,} {where}" for table, where
+                                             in (("state", "on the device"),
+                                                 ("host_state", "on the host"),
+                                                 ("disk_state", "on disk"))))
+
+
+def _state_tables(entries: dict[str, dict[str, int]]) -> list[Table]:
+    """A hybrid model's state tables, process by process: the slots each was told to hold
+    a snapshot in (wire/digest.py STATE_TIERS); none for any other model."""
+    if not entries:
+        return []
+    table = _table("state slots holding a snapshot", "process", *STATE_TIERS)
+    for name, counts in entries.items():
+        table.add_row(name, *(f"{counts.get(t, 0):,}" for t in STATE_TIERS))
+    return [table]
 
 
 def cmd_seq(engine: EngineAddresses, args) -> tuple[Any, list, int]:
@@ -151,6 +177,11 @@ def cmd_cache(engine: EngineAddresses, args) -> tuple[Any, list, int]:
     usage = _table("blocks per tier", "tier", "used", "cached", "free", "capacity")
     for tier, u in v.usage.items():
         usage.add_row(tier, *(f"{u.get(k, 0):,}" for k in ("used", "cached", "free", "capacity")))
+    states = _table("state slots per tier (hybrid model)", "tier", "used", "cached", "free",
+                    "capacity")
+    for tier, u in v.state_usage.items():
+        states.add_row(tier, *(f"{u.get(k, 0):,}" for k in ("used", "cached", "free",
+                                                             "capacity")))
     disk = _table("disk tier since start (blocks)", "counter", "value")
     for key, value in v.disk.items():
         disk.add_row(key.replace("_", " "), f"{value:,}")
@@ -163,8 +194,8 @@ def cmd_cache(engine: EngineAddresses, args) -> tuple[Any, list, int]:
     for b in v.prefix_breaks[-10:]:
         breaks.add_row(b.session, b.request_id, str(b.num_common_tokens),
                        str(b.num_prompt_tokens), b.reason)
-    tables = [ratios, *_miss_tables(v), totals, usage, *([disk] if v.disk else []), sessions,
-              breaks]
+    tables = [ratios, *_miss_tables(v), totals, usage, *([states] if v.state_usage else []),
+              *([disk] if v.disk else []), sessions, breaks]
     return _plain(v), tables, 0
 
 

@@ -201,3 +201,5 @@ class EngineStats:
     # the disk tier (empty when off): num_read_blocks, num_committed_writes,
     # num_dropped_writes, num_pending_writes, queue_depth, found_at_start, torn_at_start
     disk: dict[str, int] = field(default_factory=dict)
+    # a hybrid model's state slots, tier -> capacity/used/cached/free (empty: not hybrid)
+    state_usage: dict[str, dict[str, int]] = field(default_factory=dict)

@@ -28,7 +28,7 @@ import msgpack
 
 from wire import client, config, control, lifecycle, step
 
-SCHEMA_VERSION = 18  # 2: WorkerConnect carries pid and host_id; 3: guided decoding;
+SCHEMA_VERSION = 19  # 2: WorkerConnect carries pid and host_id; 3: guided decoding;
 # 4: reasoning spans (GenerateRequest.thinking, RequestOutput.num_reasoning_tokens);
 # 5: the wire/ restructure (EngineLimits, StartFailed), EngineConfig.tokenizer;
 # 6: retention hints (GenerateRequest.retention, EngineConfig.max_retained_fraction),
@@ -54,7 +54,9 @@ SCHEMA_VERSION = 18  # 2: WorkerConnect carries pid and host_id; 3: guided decod
 # state_swap_in, EngineLimits.num_host_state_slots); 17: state snapshots in the disk tier
 # (StepPlan.state_disk_write/state_disk_read, StepResult.state_disk_*,
 # EngineLimits.num_disk_state_slots, WorkerReady.state_disk_found); 18: the snapshot interval
-# the ranks chose (EngineLimits.state_snapshot_interval; EngineConfig's 0: auto)
+# the ranks chose (EngineLimits.state_snapshot_interval; EngineConfig's 0: auto); 19: a hybrid
+# model's state slots observed (EngineStats.state_usage, CacheView.state_usage, RankSnapshot
+# and SchedulerSnapshot .state_slots/.state_entries, TierRequest of the state tables)
 
 
 class ProtocolError(ValueError):

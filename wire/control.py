@@ -33,7 +33,8 @@ class SeqRequest:
 
 @dataclass
 class TierRequest:
-    """The block hashes held by `tier` ("device" or "host") at indices [start, stop)."""
+    """The block hashes held by `tier` ("device", "host" or "disk", or a hybrid model's
+    state table: "state", "host_state" or "disk_state") at indices [start, stop)."""
 
     tier: str
     start: int
@@ -85,6 +86,10 @@ class RankSnapshot:
     # > 0 while the main thread is blocked in a collective (waiting for its peers): a
     # stalled step's victims show it, the rank that stalls them does not
     seconds_in_collective: float = 0.0
+    # a hybrid model's state tables (wire/digest.py STATE_TIERS) -> their slots (empty: none),
+    # and (with detail) the slots of each that hold a snapshot
+    state_slots: dict[str, int] = field(default_factory=dict)
+    state_entries: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -161,6 +166,8 @@ class SchedulerSnapshot:
     tier_digests: dict[str, int] = field(default_factory=dict)
     cache: dict[str, int] = field(default_factory=dict)  # CacheStats counters
     last_error: str | None = None
+    state_slots: dict[str, int] = field(default_factory=dict)  # as RankSnapshot's
+    state_entries: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -250,6 +257,8 @@ class CacheView:
     # UNCACHED_REASONS), and how many requests had each as their main reason
     uncached: dict[str, int] = field(default_factory=dict)
     uncached_requests: dict[str, int] = field(default_factory=dict)
+    # a hybrid model's state slots per tier (device, host, disk): used/cached/free/capacity
+    state_usage: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass

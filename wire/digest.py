@@ -114,6 +114,10 @@ def _few_table_sum(seq_id: int, start: int, block_ids: list[int]) -> int:
     return s
 
 
+# A hybrid model's state tables (`tier_digests`' names), by the tier their slots are in
+STATE_TIERS = {"state": "device", "host_state": "host", "disk_state": "disk"}
+
+
 class StateDigest:
     SEQ_BLOCK = 1
     DEVICE_HASH = 2
@@ -293,6 +297,18 @@ class StateDigest:
     def disk_state_hashes(self) -> dict[int, int]:
         """Disk state slot -> the hash (lo) its record was last told to hold (a copy)."""
         return dict(self._disk_state_hash)
+
+    def state_entries(self) -> dict[str, int]:
+        """Per state table (STATE_TIERS), the slots told to hold a snapshot."""
+        return {"state": len(self._state_hash), "host_state": len(self._host_state_hash),
+                "disk_state": len(self._disk_state_hash)}
+
+    def state_slice(self, tier: str, start: int, stop: int) -> list[int]:
+        """The hash (lo) each slot of a state table (STATE_TIERS) in [start, stop) was told
+        to hold, 0 for none: the state tables' `tier_hashes` (they are kept sparse)."""
+        table = {"state": self._state_hash, "host_state": self._host_state_hash,
+                 "disk_state": self._disk_state_hash}[tier].copy()
+        return [table.get(slot, 0) for slot in range(start, stop)]
 
     def restore_disk_states(self, slots: list[int] | np.ndarray,
                             hashes: list[int] | np.ndarray) -> None:

@@ -26,7 +26,7 @@ from wire.control import (
     TierRequest,
 )
 from wire.control_server import ControlServer, stack_dump
-from wire.digest import table_digest
+from wire.digest import STATE_TIERS, table_digest
 from wire.step import StepPlan
 from worker.model_runner import ModelRunner
 
@@ -83,13 +83,28 @@ class RankControl:
         if isinstance(request, SeqRequest):
             return self.seq_view(request.seq_id)
         if isinstance(request, TierRequest):
-            hashes = self.runner.digest.tier_hashes(request.tier)
-            stop = min(request.stop, len(hashes), request.start + MAX_TIER_SLICE)
-            return TierContents(request.tier, request.start,
-                                hashes[request.start:stop].tolist())
+            return self.tier_contents(request)
         if isinstance(request, StacksRequest):
             return stack_dump("rank", self.rank, request.all_threads)
         return ControlError(f"a rank does not answer {type(request).__name__}")
+
+    def tier_contents(self, request: TierRequest) -> TierContents:
+        digest = self.runner.digest
+        if request.tier in STATE_TIERS:
+            n = self.state_slots().get(request.tier, 0)
+            stop = min(request.stop, n, request.start + MAX_TIER_SLICE)
+            return TierContents(request.tier, request.start,
+                                digest.state_slice(request.tier, request.start, stop))
+        hashes = digest.tier_hashes(request.tier)
+        stop = min(request.stop, len(hashes), request.start + MAX_TIER_SLICE)
+        return TierContents(request.tier, request.start, hashes[request.start:stop].tolist())
+
+    def state_slots(self) -> dict[str, int]:
+        """A hybrid model's state tables -> the slots this rank holds of each."""
+        r = self.runner
+        slots = {"state": r.num_state_slots, "host_state": r.num_host_state_slots,
+                 "disk_state": r.num_disk_state_slots}
+        return {table: n for table, n in slots.items() if n}
 
     def snapshot(self, detail: bool = False) -> RankSnapshot:
         now = time.monotonic()
@@ -107,6 +122,9 @@ class RankControl:
             tier_digests=self.runner.digest.tier_digests() if detail else {},
             last_error=self.last_error,
             seconds_in_collective=now - since if since else 0.0,
+            state_slots=self.state_slots(),
+            state_entries=(self.runner.digest.state_entries()
+                           if detail and self.runner.num_state_slots else {}),
         )
 
     def _usage(self, tables: dict[int, list[int]]) -> dict[str, dict[str, int]]:

@@ -101,6 +101,14 @@ class EngineCollector:
             retained.add_metric([tier], usage.get("retained_tokens", 0))
         yield blocks
         yield retained
+        if s.state_usage:  # a hybrid model's linear-attention state snapshots
+            slots = GaugeMetricFamily("deepinfer_state_slots",
+                                      "Linear-attention state slots by tier and state",
+                                      labels=["tier", "state"])
+            for tier, usage in s.state_usage.items():
+                for state in ("used", "cached", "free", "capacity"):
+                    slots.add_metric([tier, state], usage.get(state, 0))
+            yield slots
         early = CounterMetricFamily(
             "deepinfer_kv_retained_evictions",
             "Retained blocks evicted before their TTL (0 while they fit under the cap)",

@@ -49,8 +49,11 @@ from tests.orchestrator.test_security_e2e import listening_addresses
 from tests.scheduler.kv_event_subscriber import Subscriber
 from tools import inspector
 from tools.harness.served import wait_healthy
+from tools.inspection.client import load_engine
 from wire import codec
 from wire.config import CONFIG_FILE, EngineConfig
+from wire.control import SnapshotRequest, TierRequest
+from wire.control_server import ask
 
 KEY = "startup-operator-key-0123"
 TENANTS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-0123456789abcdef00"}
@@ -567,6 +570,34 @@ def hybrid_interval_is_sized_from_the_bytes(e: Launched) -> None:
         assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == cached, shared
 
 
+def state_slots_are_observed(e: Launched) -> None:
+    """A hybrid model's state slots in /metrics, per tier like the KV blocks, and in
+    `deepinfer-inspect check`, which compares every rank's state tables (device, host and
+    disk snapshots) with the scheduler's and counts them in its verdict."""
+    e.complete(prompt=list(range(600, 672)), max_tokens=2)
+    assert e.metric("deepinfer_state_slots", tier="device", state="cached") > 0
+    for tier in ("host", "disk"):
+        assert e.metric("deepinfer_state_slots", tier=tier, state="capacity") > 0
+    status, text = inspector_json(e, "check")
+    assert status == 0, text
+    entries = json.loads(text)["state_entries"]
+    assert set(entries) == {"scheduler", "rank 0"}, entries
+    assert entries["rank 0"] == entries["scheduler"] and entries["scheduler"]["state"] > 0
+    out = StringIO()
+    assert inspector.main(["--run-dir", str(e.run_dir()), "check"],
+                          console=Console(file=out, width=80, color_system=None)) == 0
+    assert "state snapshots:" in out.getvalue() and "host_state" in out.getvalue()
+    status, text = inspector_json(e, "cache")
+    assert status == 0 and json.loads(text)["state_usage"]["device"]["cached"] > 0, text
+    # what `check` reads slot by slot when a table's digest differs: the same on both sides
+    named = load_engine(e.run_dir()).named()
+    slots = ask(named["rank 0"], SnapshotRequest(), 10).state_slots
+    assert slots == ask(named["scheduler"], SnapshotRequest(), 10).state_slots
+    tables = [ask(named[p], TierRequest("state", 0, slots["state"]), 10).hashes
+              for p in ("scheduler", "rank 0")]
+    assert tables[0] == tables[1] and len(tables[0]) == slots["state"] and any(tables[0])
+
+
 def disk_is_written(e: Launched) -> None:
     e.complete(prompt=list(range(800, 864)), max_tokens=1)
     e.wait_for("a block written to disk", lambda: disk_written(e) > 0)
@@ -674,6 +705,8 @@ ROWS = [
     Row("hybrid-auto", ("--model", "models/tiny-qwen3-5", "--port", "{port}", "--dtype",
                         "float32", "--device", "cpu", *SMALL, "--state-snapshot-interval",
                         "auto"), hybrid_interval_is_sized_from_the_bytes),
+    Row("hybrid", ("--host-cache-memory", str(16 * MIB), "--disk-cache-dir", "{tmp}/disk",
+                   "--disk-cache-size", str(16 * MIB)), state_slots_are_observed),
 ]
 LAUNCHES = list(dict.fromkeys(row.launch for row in ROWS))
 

@@ -12,8 +12,10 @@ import os
 import random
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cache.hashing import BlockHashChain, make_extra_key
+from orchestrator.shim.metrics import Metrics
 from tests.conftest import REPO
 from tests.scheduler.engine_harness import inprocess_engine, run_until_done, zmq_engine
 from wire.client import GenerateRequest
@@ -156,6 +158,7 @@ def test_a_session_resumes_from_the_disk_tier_after_a_restart(tmp_path):
     assert any(p.state_disk_write for p in core.executor.plans), "no snapshot reached disk"
     settle_disk_writes(core)
     assert core.scheduler.cache.state.disk.pool.num_committed > 0
+    assert_state_slots_in_metrics(core)
     core.executor.shutdown()
 
     again = disk_engine(disk)  # a restarted engine, the same directory
@@ -187,6 +190,23 @@ def test_a_session_resumes_from_the_disk_tier_after_a_restart(tmp_path):
     assert answer(third, "turn1", turn1)["tokens"] == cold["tokens"]
     assert_clean(third)
     third.executor.shutdown()
+
+
+def assert_state_slots_in_metrics(core) -> None:
+    """/metrics has each tier's state slots, as the scheduler counts them, beside the
+    KV blocks (deepinfer_state_slots{tier,state}, like deepinfer_kv_blocks)."""
+    text = Metrics().render(core.stats()).decode()
+    value = {(s.name, s.labels["tier"], s.labels["state"]): s.value
+             for f in text_string_to_metric_families(text) for s in f.samples
+             if s.name == "deepinfer_state_slots"}
+    pool = core.scheduler.cache.state
+    for tier, slots, cached in (("device", pool.num_slots, pool.num_cached),
+                                ("host", pool.host.num_slots, pool.host.num_cached),
+                                ("disk", pool.disk.num_slots, pool.disk.pool.num_committed)):
+        got = {state: value[("deepinfer_state_slots", tier, state)]
+               for state in ("used", "cached", "free", "capacity")}
+        assert got["capacity"] == slots > 0 and got["cached"] == cached > 0, (tier, got)
+        assert got["used"] + got["cached"] + got["free"] == slots, (tier, got)
 
 
 def chain_keys(core, tokens: list[int], block: int):

@@ -21,16 +21,19 @@ BS = 16
 
 
 def make(num_blocks: int = 64, num_state_slots: int = 16, num_host_blocks: int = 0,
-         num_host_state_slots: int = 0, **cfg) -> Scheduler:
+         num_host_state_slots: int = 0, num_disk_blocks: int = 0,
+         num_disk_state_slots: int = 0, **cfg) -> Scheduler:
     config = EngineConfig(model="/models/m", block_size=BS, **cfg)
     # the interval the ranks would report: the one asked, else 4 (what `auto` gives a
     # snapshot worth at most 4 blocks)
     return Scheduler(config, EngineLimits(vocab_size=1000, max_model_len=1024,
                                           eos_token_ids=(3,), num_device_blocks=num_blocks,
                                           num_host_blocks=num_host_blocks,
+                                          num_disk_blocks=num_disk_blocks,
                                           num_state_slots=num_state_slots,
                                           state_bytes_per_slot=4096,
                                           num_host_state_slots=num_host_state_slots,
+                                          num_disk_state_slots=num_disk_state_slots,
                                           state_snapshot_interval=(
                                               config.state_snapshot_interval or 4)))
 
@@ -39,8 +42,8 @@ class Ranks:
     """What the ranks would hold of the state: each plan's digest replayed, and the live
     slot of every open sequence (as a rank remembers it from NewSequence)."""
 
-    def __init__(self, num_host_blocks: int = 0) -> None:
-        self.mirror = StateDigest(64, num_host_blocks, 0)
+    def __init__(self, num_host_blocks: int = 0, num_disk_blocks: int = 0) -> None:
+        self.mirror = StateDigest(64, num_host_blocks, num_disk_blocks)
         self.slots: dict[int, int] = {}
         self.copies = 0
         self.swaps_in = 0

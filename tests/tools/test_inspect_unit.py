@@ -13,10 +13,13 @@ import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.shim.metrics import Metrics
+from scheduler.control import SchedulerControl
+from scheduler.telemetry import Telemetry
+from tests.scheduler.test_hybrid_state import Ranks, drain, make
 from tools.inspection.check import compare
 from tools.inspection.client import EngineNotFound, find_run_dir, load_engine
 from wire import codec
-from wire.client import EngineStats, HistogramData, RequestOutput
+from wire.client import EngineStats, GenerateRequest, HistogramData, RequestOutput
 from wire.control import (
     ChunkSummary,
     PlanSummary,
@@ -28,8 +31,9 @@ from wire.control import (
     SeqTable,
     SeqView,
     SnapshotRequest,
+    TierRequest,
 )
-from wire.control_server import ControlServer, ControlUnavailable, ask
+from wire.control_server import ControlServer, ControlUnavailable, ask, control_address
 from wire.digest import StateDigest, table_digest
 from wire.log import renderers
 from wire.step import NewSequence, StepPlan
@@ -125,6 +129,37 @@ def test_compare_tiers_live_seqs_steps_and_silence():
                                                     ("unreachable", "rank 1")}
 
 
+def test_check_compares_a_hybrid_models_state_tables_slot_by_slot(tmp_path):
+    """The scheduler's control socket serves its state tables (slots, entries, contents);
+    a rank whose host state table differs is named with the slot, as for a KV tier."""
+    sched, ranks = make(num_blocks=40, num_state_slots=6, num_host_blocks=30,
+                        num_host_state_slots=4, max_num_seqs=1, session_ttl_s=0), Ranks(30)
+    for i in range(4):  # prompts that push each other's snapshots down to the host
+        sched.add_request(GenerateRequest(f"r{i}", list(range(100 * i + 10, 100 * i + 90)), 2))
+        drain(sched, ranks)
+    control = SchedulerControl(sched, Telemetry(), control_address(tmp_path, "scheduler"))
+    try:
+        snap = ask(control.server.address, SnapshotRequest(detail=True), 5)
+        host = ask(control.server.address, TierRequest("host_state", 0, 100), 5).hashes
+    finally:
+        control.close()
+    assert snap.state_slots == {"state": 6, "host_state": 4}
+    assert snap.state_entries == {k: len(v) for k, v in (
+        ("state", ranks.mirror.state_hashes()), ("host_state", ranks.mirror.host_state_hashes()),
+        ("disk_state", {}))}
+    assert snap.state_entries["host_state"] > 0
+    assert host == [ranks.mirror.host_state_hashes().get(s, 0) for s in range(4)]
+    slot = next(s for s, h in enumerate(host) if h)
+    wrong = list(host)
+    wrong[slot] += 1
+    rank = _rank(0, seqs={}, tiers=dict(snap.tier_digests, host_state=1))
+    rank.state_slots = snap.state_slots
+    fetch = _fetchers({}, {"scheduler": {"host_state": host}, "rank 0": {"host_state": wrong}})
+    diffs = compare(snap, {"rank 0": rank}, True, *fetch)
+    assert [(d.tier, d.index, d.value, d.expected) for d in diffs if d.kind == "tier"] == [
+        ("host_state", slot, host[slot] + 1, host[slot])]
+
+
 def test_control_server_answers_and_reports_errors(tmp_path):
     def handler(msg):
         if msg.detail:
@@ -170,6 +205,10 @@ def test_metrics_parse_and_move():
     assert value[("deepinfer_rank_digest_mismatches_total", ())] == 0
     assert value[("deepinfer_prefix_cache_hit_tokens_total", (("tier", "device"),))] == 48
     assert [r.session for r in reports] == ["sess", ""]
+    assert "deepinfer_state_slots" not in families, "state slots of a model that keeps none"
+    stats.state_usage = {"device": {"capacity": 8, "used": 2, "cached": 5, "free": 1}}
+    text = m.render(stats).decode()
+    assert 'deepinfer_state_slots{state="cached",tier="device"} 5.0' in text
 
 
 def test_logs_are_json_in_files_and_readable_at_a_terminal(monkeypatch):

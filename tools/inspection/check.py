@@ -58,6 +58,10 @@ class CheckResult:
     aligned: bool
     attempts: int
     differences: list[Difference] = field(default_factory=list)
+    # a hybrid model's state tables as each process holds them: process -> table
+    # (wire/digest.py STATE_TIERS) -> the slots told to hold a snapshot; compared, with
+    # the tier contents, through the tables' digests
+    state_entries: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 # What compare() needs beyond the snapshots: (process, seq id) -> its view of the sequence;
@@ -105,7 +109,7 @@ def compare(sched: Any, ranks: dict[str, Any], aligned: bool, fetch_seq: SeqFetc
         diffs += _compare_tables(name, r, ref_name, ref_seqs, fetch_seq)
         for tier, expected in ref_tiers.items():
             if r.tier_digests.get(tier) != expected:
-                capacity = r.usage.get(tier, {}).get("capacity", 0)
+                capacity = r.usage.get(tier, {}).get("capacity", r.state_slots.get(tier, 0))
                 diffs += _compare_tier(name, ref_name, tier, capacity, fetch_tier)
     return diffs
 
@@ -153,6 +157,13 @@ def _compare_tier(name: str, ref_name: str, tier: str, capacity: int,
     return diffs or [Difference("tier", name, f"{tier} tier digest differs", tier=tier)]
 
 
+def state_entries(sched: Any, ranks: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Process -> its state tables' entries, for the processes that answered and keep a
+    hybrid model's state (none for any other model)."""
+    return {name: snap.state_entries for name, snap in [("scheduler", sched), *ranks.items()]
+            if not isinstance(snap, Exception) and snap.state_entries}
+
+
 def run_check(engine: EngineAddresses, timeout_s: float = 5.0, max_rounds: int = 40,
               interval_s: float = 0.05) -> CheckResult:
     named = engine.named()
@@ -190,11 +201,12 @@ def run_check(engine: EngineAddresses, timeout_s: float = 5.0, max_rounds: int =
             continue
         step = None if isinstance(s1, Exception) else s1.step
         keys = {d.key() for d in diffs}
+        states = state_entries(s1, ranks)
         if not diffs or unreachable or not aligned or attempt == max_rounds:
-            return CheckResult(not diffs, step, aligned, attempt, diffs)
+            return CheckResult(not diffs, step, aligned, attempt, diffs, states)
         if confirmed is not None and keys & confirmed:
             return CheckResult(False, step, aligned, attempt,
-                               [d for d in diffs if d.key() in confirmed])
+                               [d for d in diffs if d.key() in confirmed], states)
         confirmed = keys
         time.sleep(interval_s)
     return CheckResult(not diffs, None, False, max_rounds, diffs)
