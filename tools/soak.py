@@ -13,10 +13,11 @@ follow, checked). The engine runs with a small queue so overload (529/429) is ex
 too.
 
 At the end, once the engine is idle, it prints requests served, responses by kind,
-blocks still referenced (leaks: must be 0), rank digest mismatches (must be 0),
-whether `deepinfer-inspect check` finds every rank agreeing with the scheduler, and
-the peak resident memory of each process. Exit status 1 if anything leaked, diverged,
-any response was a 5xx or a broken connection, or a guided answer broke its schema.
+blocks (and a hybrid model's state slots) still referenced (leaks: must be 0), rank digest
+mismatches (must be 0), whether `deepinfer-inspect check` finds every rank agreeing with
+the scheduler, and the peak resident memory of each process. Exit status 1 if anything
+leaked, diverged, any response was a 5xx or a broken connection, or a guided answer broke
+its schema.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from tools.benchmarks.agents_http import scrape
 from tools.harness.served import Served
 
 USED_BLOCKS = 'deepinfer_kv_blocks{state=used,tier=device}'
+# a hybrid model's live state slots and snapshots not committed yet (absent for others)
+USED_STATE_SLOTS = 'deepinfer_state_slots{state=used,tier=device}'
 DIGEST_MISMATCHES = "deepinfer_rank_digest_mismatches_total"
 _WORDS = ("read", "file", "edit", "test", "fails", "because", "the", "cache", "block",
           "index", "returns", "None", "when", "empty", "fix", "line", "diff", "patch")
@@ -191,11 +194,13 @@ async def run_soak(url: str, args: argparse.Namespace, progress: tqdm) -> Counte
 
 
 def wait_idle(url: str, timeout_s: float = 60) -> dict[str, float]:
-    """The engine's /metrics once no block is referenced any more (or the last scrape)."""
+    """The engine's /metrics once no block (nor a hybrid model's state slot) is referenced
+    any more (or the last scrape)."""
     end = time.monotonic() + timeout_s
     while True:
         metrics = scrape(url, {}) or {}
-        if metrics.get(USED_BLOCKS, 1) == 0 or time.monotonic() > end:
+        idle = metrics.get(USED_BLOCKS, 1) == 0 and metrics.get(USED_STATE_SLOTS, 0) == 0
+        if idle or time.monotonic() > end:
             return metrics
         time.sleep(0.5)
 
@@ -232,6 +237,9 @@ def report(kinds: Counter, metrics: dict[str, float], agree: bool, peaks: dict[s
         "served": sum(n for k, n in kinds.items() if k.startswith("served")),
         "by_kind": dict(kinds.most_common()),
         "blocks_leaked": int(metrics.get(USED_BLOCKS, -1)),
+        # None: the model keeps no state (not a hybrid)
+        "state_slots_leaked": (int(metrics[USED_STATE_SLOTS]) if USED_STATE_SLOTS in metrics
+                               else None),
         "digest_mismatches": int(metrics.get(DIGEST_MISMATCHES, -1)),
         "ranks_agree": agree, "server_errors": broken,
         "peak_rss_mib": {k: round(v) for k, v in peaks.items()},
@@ -245,7 +253,8 @@ def print_report(r: dict[str, Any], console: Console) -> None:
     for kind, n in r["by_kind"].items():
         table.add_row(kind, str(n))
     console.print(table)
-    console.print(f"served {r['served']}; blocks leaked {r['blocks_leaked']}; digest "
+    console.print(f"served {r['served']}; blocks leaked {r['blocks_leaked']}; state slots "
+                  f"leaked {r['state_slots_leaked']}; digest "
                   f"mismatches {r['digest_mismatches']}; ranks agree: {r['ranks_agree']}; "
                   f"5xx/broken: {r['server_errors']}")
     console.print("peak RSS MiB: " + ", ".join(f"{k} {v}" for k, v in r["peak_rss_mib"].items()))
@@ -301,7 +310,8 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> int:
         console.print(detail)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    ok = (result["blocks_leaked"] == 0 and result["digest_mismatches"] == 0 and agree
+    ok = (result["blocks_leaked"] == 0 and result["state_slots_leaked"] in (0, None)
+          and result["digest_mismatches"] == 0 and agree
           and result["server_errors"] == 0)
     return 0 if ok else 1
 
