@@ -38,7 +38,6 @@ from wire.control import (
 from wire.control_server import ControlServer, stack_dump
 from wire.digest import STATE_TIERS
 
-MAX_TIER_SLICE = 1 << 20
 # A snapshot holds overlap scheduling off this long: with a plan always in flight the
 # scheduler is a step ahead of the ranks, and `deepinfer-inspect check` could never find
 # an aligned round (scheduler/engine.py `EngineCore.step`).
@@ -72,15 +71,9 @@ class SchedulerControl:
         return ControlError(f"the scheduler does not answer {type(request).__name__}")
 
     def tier_contents(self, request: TierRequest) -> TierContents:
-        digest = self.scheduler.digest
-        if request.tier in STATE_TIERS:
-            n = self.state_slots().get(request.tier, 0)
-            stop = min(request.stop, n, request.start + MAX_TIER_SLICE)
-            return TierContents(request.tier, request.start,
-                                digest.state_slice(request.tier, request.start, stop))
-        hashes = digest.tier_hashes(request.tier)
-        stop = min(request.stop, len(hashes), request.start + MAX_TIER_SLICE)
-        return TierContents(request.tier, request.start, hashes[request.start:stop].tolist())
+        n = self.state_slots().get(request.tier, 0)
+        return TierContents(request.tier, request.start, self.scheduler.digest.table_slice(
+            request.tier, request.start, request.stop, n))
 
     def state_slots(self) -> dict[str, int]:
         """A hybrid model's state tables -> their slots, as the ranks hold them."""

@@ -116,6 +116,7 @@ def _few_table_sum(seq_id: int, start: int, block_ids: list[int]) -> int:
 
 # A hybrid model's state tables (`tier_digests`' names), by the tier their slots are in
 STATE_TIERS = {"state": "device", "host_state": "host", "disk_state": "disk"}
+MAX_TIER_SLICE = 1 << 20  # hashes per TierRequest answer (wire/control.py)
 
 
 class StateDigest:
@@ -334,6 +335,16 @@ class StateDigest:
         """seq id -> (number of blocks, table digest) of every live table."""
         lens, sums = dict(self._seq_lens), dict(self._seq_sums)
         return {sid: (n, sums.get(sid, 0)) for sid, n in lens.items()}
+
+    def table_slice(self, table: str, start: int, stop: int, num_state_slots: int = 0,
+                    ) -> list[int]:
+        """A TierRequest's answer: the hash of each slot of a KV tier or a state table
+        (``num_state_slots`` of them) in [start, stop), at most MAX_TIER_SLICE."""
+        if table in STATE_TIERS:
+            return self.state_slice(table, start,
+                                    min(stop, num_state_slots, start + MAX_TIER_SLICE))
+        hashes = self.tier_hashes(table)
+        return hashes[start:min(stop, len(hashes), start + MAX_TIER_SLICE)].tolist()
 
     def tier_hashes(self, tier: str) -> np.ndarray:
         """The hash held by each device block or host slot (0: none); do not modify."""

@@ -26,11 +26,9 @@ from wire.control import (
     TierRequest,
 )
 from wire.control_server import ControlServer, stack_dump
-from wire.digest import STATE_TIERS, table_digest
+from wire.digest import table_digest
 from wire.step import StepPlan
 from worker.model_runner import ModelRunner
-
-MAX_TIER_SLICE = 1 << 20  # hashes per TierRequest answer
 
 
 class RankControl:
@@ -89,15 +87,9 @@ class RankControl:
         return ControlError(f"a rank does not answer {type(request).__name__}")
 
     def tier_contents(self, request: TierRequest) -> TierContents:
-        digest = self.runner.digest
-        if request.tier in STATE_TIERS:
-            n = self.state_slots().get(request.tier, 0)
-            stop = min(request.stop, n, request.start + MAX_TIER_SLICE)
-            return TierContents(request.tier, request.start,
-                                digest.state_slice(request.tier, request.start, stop))
-        hashes = digest.tier_hashes(request.tier)
-        stop = min(request.stop, len(hashes), request.start + MAX_TIER_SLICE)
-        return TierContents(request.tier, request.start, hashes[request.start:stop].tolist())
+        n = self.state_slots().get(request.tier, 0)
+        return TierContents(request.tier, request.start, self.runner.digest.table_slice(
+            request.tier, request.start, request.stop, n))
 
     def state_slots(self) -> dict[str, int]:
         """A hybrid model's state tables -> the slots this rank holds of each."""

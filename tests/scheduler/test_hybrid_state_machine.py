@@ -28,6 +28,14 @@ from wire.step import StepPlan
 STEMS = [list(range(10, 110)), list(range(200, 260)), [5] * 70]
 
 
+
+def check_live_slots(s: Scheduler, rank_slots: dict[int, int]) -> None:
+    """A live slot for exactly the sequences the ranks hold open, the ranks' own."""
+    live = s.cache.state.live
+    opened = {q.seq_id for q in s.running} | {q.seq_id for q in s._to_close}
+    assert set(live) == opened, "a live slot for exactly the sequences the ranks hold"
+    assert live == dict(rank_slots)
+
 class HybridMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(12, 40), num_slots=st.integers(2, 12),
                 interval=st.integers(1, 4), max_seqs=st.integers(1, 4),
@@ -84,10 +92,7 @@ class HybridMachine(RuleBasedStateMachine):
             host.registered() if host is not None else {})
         self.s.cache.check_invariants()  # StatePool.check: every slot in one state
         self.s.check_accounting()
-        live = self.s.cache.state.live
-        opened = {q.seq_id for q in self.s.running} | {q.seq_id for q in self.s._to_close}
-        assert set(live) == opened, "a live slot for exactly the sequences the ranks hold"
-        assert live == {sid: slot for sid, slot in self.ranks.slots.items()}
+        check_live_slots(self.s, self.ranks.slots)
 
     def teardown(self) -> None:
         if not hasattr(self, "s"):
@@ -374,10 +379,7 @@ class HybridDiskMachine(RuleBasedStateMachine):
             assert disk_told.get(slot) == lo, f"disk state slot {slot} holds another record"
             if not pool.pending[slot]:  # committed: every rank wrote it
                 assert all(d.states.get(slot) == (lo, hi) for d in self.disks)
-        live = cache.state.live
-        opened = {q.seq_id for q in self.s.running} | {q.seq_id for q in self.s._to_close}
-        assert set(live) == opened, "a live slot for exactly the sequences the ranks hold"
-        assert live == {sid: slot for sid, slot in self.ranks.slots.items()}
+        check_live_slots(self.s, self.ranks.slots)
 
     def teardown(self) -> None:
         if not hasattr(self, "s"):
