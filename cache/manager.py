@@ -41,6 +41,7 @@ from cache.host_pool import HostPool
 from cache.matching import Match, match_prefix, truncated
 from cache.miss_reasons import MissAttribution, PreviousPrompt
 from cache.retention import RetentionPolicy
+from cache.state_host import DEAD, HELD, RETAINED
 from cache.state_pool import StatePool
 from cache.stats import CacheStats
 from cache.types import WRITE_POLICIES, CacheAccountingError, CacheConfig, CacheOps, PrefixHit
@@ -96,7 +97,7 @@ class KVCacheManager:
                                   self.events, drops)
         self.num_held_blocks = 0  # blocks held for waiting sequences (`hold`)
         # a hybrid model's linear-attention state slots: a hit ends where a snapshot is
-        self.state = (StatePool(config.num_state_slots, self._chain_alive,
+        self.state = (StatePool(config.num_state_slots, self._chain_value,
                                 config.num_host_state_slots if config.host_enabled else 0,
                                 config.num_disk_state_slots if config.disk_enabled else 0,
                                 config.num_ranks)
@@ -596,15 +597,20 @@ class KVCacheManager:
         assert chain.extra_key == extra_key and chain.block_size == self.block_size
         return chain
 
-    def _chain_alive(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Whether each block hash is still held by some KV tier: a state snapshot at a
-        block no tier holds can never be hit (cache/state_pool.py evicts those first)."""
-        alive = self.device.index.find(lo, hi) >= 0
-        if self.host.num_slots:
-            alive |= self.host.find(lo, hi) >= 0
-        if self.disk.num_slots:
-            alive |= self.disk.find(lo, hi) >= 0
-        return alive
+    def _chain_value(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """What a state snapshot at each block hash is worth, by that block's KV (int8,
+        cache/state_host.py): DEAD where no tier holds it (the snapshot can never be hit),
+        RETAINED where a tier retains it, else HELD. cache/state_pool.py evicts the least
+        valuable snapshot, so a retained session keeps its snapshots with its KV."""
+        value = np.full(len(lo), DEAD, dtype=np.int8)
+        for tier in (self.device, self.host, self.disk):
+            if tier.lru.num_items == 0:
+                continue
+            ids = tier.index.find(lo, hi)
+            found = np.flatnonzero(ids >= 0)
+            value[found] = np.maximum(value[found], HELD)
+            value[found[tier.lru.is_retained(ids[found])]] = RETAINED
+        return value
 
     def _hit_of(self, m: Match, read_back: np.ndarray | None = None) -> PrefixHit:
         """Tokens per tier; a host hit on a slot in ``read_back`` (just read from disk

@@ -106,6 +106,14 @@ class RetainingLru:
         self.ttl_s[ids] = 0
         self.until[ids] = 0
 
+    def is_retained(self, ids: np.ndarray) -> np.ndarray:
+        """bool per id: in a retained queue, its TTL not yet passed (`expire` is lazy)."""
+        ids = np.asarray(ids, dtype=np.int32)
+        if self.num_retained == 0:
+            return np.zeros(len(ids), dtype=bool)
+        return (self.present[ids] & ~self.plain.present[ids]
+                & (self.until[ids] > self.policy.clock()))
+
     # --- the LruQueue interface -----------------------------------------------------------
 
     def push(self, ids: np.ndarray) -> None:

@@ -27,30 +27,36 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 Key = tuple[int, int]  # a block hash's (lo, hi) words
-ChainAlive = Callable[[np.ndarray, np.ndarray], np.ndarray]
-# On eviction, this many of the least recently used snapshots are looked at for one whose
-# block is gone from every tier, before the least recently used one is taken anyway.
+# What a snapshot is worth, by the KV of the block it ends at (KVCacheManager._chain_value):
+DEAD = 0  # no KV tier holds the block any more: it can never be hit
+HELD = 1  # some tier holds it, as an ordinary cached (or in-use) block
+RETAINED = 2  # some tier retains it (cache/retention.py): a client or session asked to keep it
+# value per (lo, hi) hash, an integer array (a bool one reads as dead or held)
+ChainValue = Callable[[np.ndarray, np.ndarray], np.ndarray]
+# On eviction, this many of the least recently used snapshots are looked at for the least
+# valuable one, so an eviction costs O(USELESS_SCAN) whatever the number of slots.
 USELESS_SCAN = 32
 
 
 def least_valuable(candidates: Iterable[int], key_of: dict[int, Key],
-                   chain_alive: ChainAlive | None) -> tuple[int, bool]:
+                   chain_value: ChainValue | None) -> tuple[int, bool]:
     """(slot, alive): of the first USELESS_SCAN ``candidates`` (oldest first, at least
-    one), one whose block no KV tier holds any more (it can never be hit), else the first;
-    and whether its block is still held somewhere (worth keeping in a lower tier)."""
+    one), the least valuable (dead, then held, then retained: a retained session's snapshot
+    outlives an ordinary one, as its KV does), the oldest of those; and whether its block
+    is still held somewhere (worth keeping in a lower tier)."""
     scan = [s for s, _ in zip(candidates, range(USELESS_SCAN))]
-    if chain_alive is None:
+    if chain_value is None:
         return scan[0], True
     keys = np.array([key_of[s] for s in scan], dtype=np.uint64)
-    alive = chain_alive(keys[:, 0].copy(), keys[:, 1].copy())
-    dead = np.flatnonzero(~alive)
-    return (scan[int(dead[0])], False) if len(dead) else (scan[0], bool(alive[0]))
+    value = np.asarray(chain_value(keys[:, 0].copy(), keys[:, 1].copy())).astype(np.int8)
+    i = int(np.argmin(value))  # the first of the least: the oldest in that class
+    return scan[i], bool(value[i] > DEAD)
 
 
 class HostStates:
-    def __init__(self, num_slots: int, chain_alive: ChainAlive | None = None) -> None:
+    def __init__(self, num_slots: int, chain_value: ChainValue | None = None) -> None:
         self.num_slots = num_slots
-        self._chain_alive = chain_alive
+        self._chain_value = chain_value
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: 0, 1, 2, ... first
         self._index: dict[Key, int] = {}
         self._key: dict[int, Key] = {}  # cached slot -> its key
@@ -153,7 +159,7 @@ class HostStates:
         candidates = (s for s in self._lru if s not in self._busy)
         if next((s for s in self._lru if s not in self._busy), None) is None:
             return -1
-        slot, _ = least_valuable(candidates, self._key, self._chain_alive)
+        slot, _ = least_valuable(candidates, self._key, self._chain_value)
         self._unindex(slot)
         return slot
 

@@ -15,7 +15,9 @@ hit needs that state as it was at the hit's end. Each rank holds `num_slots` slo
   that block: the same key as the block's KV), restored into a live slot by a prefix hit
   (`open`: a StepPlan.state_copy). Pinned while a waiting sequence holds it as its hit;
   else in an LRU, evicted when a slot is wanted, those whose block no tier holds any more
-  first (without its KV chain a snapshot is useless); one whose block is still held is
+  first (without its KV chain a snapshot is useless), those whose block a tier retains
+  last (a retained session's next turn needs its snapshot as much as its KV: without it
+  the hit ends at the snapshot before); one whose block is still held is
   demoted to the host tier, if it has one (cache/state_host.py: StepPlan.state_swap_out),
   and written through from there to the disk tier, if that has room for snapshots
   (cache/state_disk.py: StepPlan.state_disk_write; `on_disk` finds them again).
@@ -39,22 +41,22 @@ import numpy as np
 
 from cache.hashing import BlockHashChain
 from cache.state_disk import StateDisk
-from cache.state_host import ChainAlive, HostStates, Key, least_valuable, unpin
+from cache.state_host import ChainValue, HostStates, Key, least_valuable, unpin
 
 _MATCH_CHUNK = 256  # the prefix is searched from its end in chunks of this many blocks
 
 
 class StatePool:
-    def __init__(self, num_slots: int, chain_alive: ChainAlive | None = None,
+    def __init__(self, num_slots: int, chain_value: ChainValue | None = None,
                  num_host_slots: int = 0, num_disk_slots: int = 0, num_ranks: int = 1) -> None:
         self.num_slots = num_slots
         # snapshots the device evicted, while their blocks are still cached somewhere
-        self.host = HostStates(num_host_slots, chain_alive) if num_host_slots else None
+        self.host = HostStates(num_host_slots, chain_value) if num_host_slots else None
         # ... and written through from there to the disk tier (cache/state_disk.py)
         self.disk = (StateDisk(num_disk_slots, self.host, num_ranks)
                      if self.host is not None and num_disk_slots else None)
-        # whether each (lo, hi) is still cached in some KV tier (cache/manager.py)
-        self._chain_alive = chain_alive
+        # what each (lo, hi) is worth: dead, held or retained by the KV tiers (cache/manager.py)
+        self._chain_value = chain_value
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: 0, 1, 2, ... first
         self.live: dict[int, int] = {}  # seq id -> its live slot
         self._pending: dict[int, list[tuple[int, int]]] = {}  # seq id -> [(blocks, slot)]
@@ -299,7 +301,7 @@ class StatePool:
             return self._free.pop()
         if not self._lru:
             return -1
-        slot, alive = least_valuable(self._lru, self._key, self._chain_alive)
+        slot, alive = least_valuable(self._lru, self._key, self._chain_value)
         if alive and self.host is not None:
             host_slot = self.host.demote(self._key[slot])
             if host_slot >= 0:  # the ranks copy it out before anything writes the slot

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from cache import CacheConfig, KVCacheManager, make_extra_key
 from cache.retention import RetainingLru, RetentionPolicy
+from cache.state_host import DEAD, HELD, RETAINED
 
 BS = 4
 KEY = make_extra_key("m", None)
@@ -127,6 +128,25 @@ def test_retention_follows_blocks_to_the_host_and_back() -> None:
     # a hit swaps them in: the device blocks keep the host slots' retention
     serve(m, 2, session + prompt(4, 500), 20)
     assert m.device.lru.ttl_s[m.device.index.find(*_keys(m, session))].min() == FIVE_MIN
+
+
+def test_a_state_snapshot_is_worth_what_its_blocks_kv_is_in_any_tier() -> None:
+    """The value a hybrid model's state slots evict by (cache/state_host.py): retained
+    where a tier retains the block (here three on the host, one on the device), held where
+    one caches it plainly, dead where none has it; retained no more once the TTL passed."""
+    clock = Clock()
+    m = mgr(clock, num_device_blocks=8, num_host_blocks=16)
+    session = prompt(16, 0)
+    serve(m, 1, session, 0, retain=FIVE_MIN)
+    for i in range(6):
+        serve(m, 10 + i, prompt(28, 1000 * (i + 1)), 2 + 2 * i)
+    one_off, gone = prompt(28, 6000), prompt(28, 1000)  # the last and the first one-off
+    assert m.usage()["host"]["retained"] == 3 and m.usage()["device"]["retained"] == 1
+    assert m._chain_value(*_keys(m, session)).tolist() == [RETAINED] * 4
+    assert m._chain_value(*_keys(m, one_off)).tolist() == [HELD] * 7
+    assert DEAD in m._chain_value(*_keys(m, gone)).tolist()
+    clock.now += FIVE_MIN + 1
+    assert m._chain_value(*_keys(m, session)).tolist() == [HELD] * 4
 
 
 def _keys(m: KVCacheManager, tokens: list[int]):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from cache.hashing import BlockHashChain
+from cache.state_host import DEAD, HELD, RETAINED
 from cache.state_pool import StatePool
 
 BS = 4
@@ -215,3 +216,39 @@ def test_a_running_sequences_latest_snapshot_evicted_is_not_its_own_any_more():
     assert pool.take_snapshot(1, 2, keep=False) == -1  # no slot; seq 2's is left alone
     assert pool.live[2] == snap
     pool.check()
+
+
+
+def valued(values: dict[int, int]):
+    """A KV tier's answer for the hashes in ``values`` (their low words): dead, held or
+    retained (KVCacheManager._chain_value)."""
+    return lambda lo, hi: np.array([values[x] for x in lo.tolist()], dtype=np.int8)
+
+
+def test_eviction_takes_the_least_valuable_snapshot_dead_then_held_then_retained():
+    """A retained session's snapshot (its block retained by a KV tier) outlives ordinary
+    ones, older or newer, as its KV does; a dead one goes before either."""
+    chains = [chain_of(list(range(k, k + 8))) for k in (0, 100, 200)]
+    pool = StatePool(4, valued({int(c.keys(1, 2)[0][0]): v
+                                for c, v in zip(chains, (RETAINED, HELD, DEAD))}))
+    snaps = [cached_snapshot(pool, q, c, 2) for q, c in enumerate(chains, 1)]  # oldest first
+    pool.open(4)  # the free slot
+    assert [pool.open(q) for q in (5, 6, 7)] == snaps[::-1]
+    pool.check()
+
+
+def test_the_host_keeps_a_retained_snapshot_over_an_older_or_newer_ordinary_one():
+    for retained in (0, 1):  # the older or the newer of the two on the host
+        chains = [chain_of(list(range(k, k + 8))) for k in (0, 100, 200)]
+        values = [RETAINED if i == retained else HELD for i in range(3)]
+        pool = StatePool(2, valued({int(c.keys(1, 2)[0][0]): v
+                                    for c, v in zip(chains, values)}), num_host_slots=2)
+        for q, c in enumerate(chains, 1):  # each evicts the one before down to the host
+            cached_snapshot(pool, q, c, 2)
+        pool.open(4)  # the free slot
+        pool.open(5)  # the last snapshot goes down too: the host lets one of two go
+        pool.take_ops()
+        pool.take_swaps()
+        assert pool.best(chains[retained], 2)[0] == 2, retained
+        assert pool.best(chains[1 - retained], 2)[0] == 0, retained
+        pool.check()

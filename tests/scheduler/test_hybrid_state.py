@@ -292,3 +292,29 @@ def test_the_scheduler_snapshots_at_the_interval_the_ranks_report():
     with pytest.raises(AssertionError, match="snapshot every 3 blocks, not the 4 asked"):
         Scheduler(EngineConfig(model="/models/m", block_size=BS, state_snapshot_interval=4),
                   limits)
+
+
+def test_a_retained_sessions_snapshots_outlive_the_one_offs_that_fill_the_slots():
+    """A session's turn that ended in a tool call is retained (KV and state alike): one-off
+    sessions that need the state slots evict each other's snapshots, not its, though its
+    are the oldest, so its next turn restores its whole history (cache/state_host.py
+    `least_valuable`). Plenty of KV: only the state slots are short."""
+    for ttl in (90.0, 0.0):  # with no --session-ttl the plain LRU takes the oldest: its own
+        s, ranks = make(num_blocks=64, num_state_slots=6, max_num_seqs=1,
+                        state_snapshot_interval=4, session_ttl_s=ttl,
+                        max_retained_fraction=1.0), Ranks()
+        turn = list(range(10, 110))  # 100 tokens, 4 answered: snapshots at blocks 4 and 6
+        s.add_request(GenerateRequest("s1", turn, 4, ignore_eos=True, session_id="s"))
+        drain(s, ranks)
+        s.end_turn("s1", tool_call=True)
+        for i in range(3):  # each one's 2 snapshots need a slot the others hold
+            s.add_request(GenerateRequest(f"o{i}", list(range(200 + 100 * i, 300 + 100 * i)),
+                                          4, ignore_eos=True, session_id=f"o{i}"))
+            drain(s, ranks)
+            s.end_turn(f"o{i}", tool_call=False)
+        s.add_request(GenerateRequest("s2", turn + [7] * 4 + list(range(600, 630)), 4,
+                                      ignore_eos=True, session_id="s"))
+        run(s, ranks)
+        # its 104 tokens: 6 full blocks, the last snapshot's
+        assert s.sequence("s2").num_device_cached == (96 if ttl else 0), ttl
+        drain(s, ranks)
