@@ -101,7 +101,7 @@ def _chains(lo: np.ndarray, parent: np.ndarray, has_parent: np.ndarray,
             order: np.ndarray) -> list[np.ndarray]:
     """Split entries into runs where each one's parent is the entry before it.
 
-    Copies to the host come tail first (cache/manager.py `_copy_to_host`), so the entries
+    Copies to the host come tail first (cache/tier_moves.py `copy_to_host`), so the entries
     are walked in reverse: a freed chain then goes out as one event, head first."""
     rev = order[::-1]
     runs: list[list[int]] = []

@@ -19,18 +19,21 @@ attention of that layer reads it). Everything below relies on that order:
   - a host slot filled by a swap_out this step can be the source of a swap_in this step;
   - a block committed this step is registered at once, so a sequence admitted in the
     same step can hit it: the KV is written by this step's forward before it is read.
+
+Two collaborators it owns do most of the work: cache/admission.py (a sequence's first
+blocks: its prefix hit per tier, holds) and cache/tier_moves.py (the step's ops: blocks
+registered, fresh blocks with eviction, copies to the host and the disk).
 """
 
 from __future__ import annotations
 
 import time
-from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from cache import checks
+from cache.admission import Admission
 from cache.block_pool import DevicePool
 from cache.disk_flow import DiskFlow
 from cache.disk_pool import DiskPool
@@ -38,35 +41,25 @@ from cache.events import KVEventRecorder
 from cache.eviction_memory import EvictionMemory
 from cache.hashing import BlockHashChain
 from cache.host_pool import HostPool
-from cache.matching import Match, match_prefix, truncated
 from cache.miss_reasons import MissAttribution, PreviousPrompt
 from cache.retention import RetentionPolicy
 from cache.state_host import DEAD, HELD, RETAINED
 from cache.state_pool import StatePool
 from cache.stats import CacheStats
-from cache.types import WRITE_POLICIES, CacheAccountingError, CacheConfig, CacheOps, PrefixHit
+from cache.tier_moves import TierMoves
+from cache.types import (
+    WRITE_POLICIES,
+    CacheAccountingError,
+    CacheConfig,
+    CacheOps,
+    PrefixHit,
+    SeqEntry,
+    as_array,
+)
 from wire.client import UncachedTokens
 
 __all__ = ["WRITE_POLICIES", "CacheAccountingError", "CacheConfig", "CacheOps",
            "KVCacheManager", "PrefixHit"]
-
-@dataclass
-class _Seq:
-    extra_key: bytes
-    chain: BlockHashChain | None  # None when prefix caching is off
-    blocks: array  # int32 block table
-    hit: PrefixHit
-    num_registered: int  # leading blocks already through `commit` (hits included)
-    last_commit_step: int = -1
-    retain: tuple[tuple[int, float], ...] = ()  # (prompt tokens, TTL s): marked at free
-    held: bool = False  # its table is the cached prefix of a waiting sequence (`hold`)
-    uncached: UncachedTokens | None = None  # why its first allocate missed the rest
-    restore: int = -1  # held: the state snapshot its hit ends at (pinned), a hybrid model's
-
-
-def _as_array(blocks: array) -> np.ndarray:
-    # A copy, never a view: a view would pin the array and make a later extend() raise.
-    return np.frombuffer(blocks.tobytes(), dtype=np.int32)
 
 
 class KVCacheManager:
@@ -86,22 +79,20 @@ class KVCacheManager:
         self.misses = MissAttribution(self.device, self.host, self.disk, drops,
                                       config.block_size, clock)
         self.stats = CacheStats()
-        self._seqs: dict[int, _Seq] = {}
-        self._ops = CacheOps()
-        # Blocks committed this step under write_through: their KV is written by this
-        # step's forward pass, so their copy to the host goes into the *next* step's ops.
-        self._write_through_next: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._seqs: dict[int, SeqEntry] = {}
         self.events = (KVEventRecorder(config.num_device_blocks, config.block_size)
                        if config.record_events and config.enable_prefix_caching else None)
         self.disk_flow = DiskFlow(self.host, self.disk, config.num_ranks, self.stats,
                                   self.events, drops)
-        self.num_held_blocks = 0  # blocks held for waiting sequences (`hold`)
         # a hybrid model's linear-attention state slots: a hit ends where a snapshot is
         self.state = (StatePool(config.num_state_slots, self._chain_value,
                                 config.num_host_state_slots if config.host_enabled else 0,
                                 config.num_disk_state_slots if config.disk_enabled else 0,
                                 config.num_ranks)
                       if config.num_state_slots else None)
+        self.moves = TierMoves(config, self.device, self.host, self.disk, self.disk_flow,
+                               self.misses, self.stats, self.events, self.state, self._seqs)
+        self.admission = Admission(self.moves)
 
     # --- queries --------------------------------------------------------------------
 
@@ -112,13 +103,7 @@ class KVCacheManager:
         The hit is capped at (len(token_ids) - 1) // block_size blocks: the last prompt
         token is always computed, for its logits. Pass the sequence's ``chain`` to reuse
         its hashes (hashing is the dominant cost for long prompts)."""
-        if not self.config.enable_prefix_caching:
-            return PrefixHit(0, 0)
-        chain = self._chain_for(extra_key, chain)
-        m = match_prefix(self.device, self.host, self.disk, token_ids, chain)
-        if self.state is not None:
-            m = truncated(m, self.state.best(chain, m.num_blocks)[0])
-        return self._hit_of(m)
+        return self.admission.lookup(token_ids, extra_key, chain)
 
     def num_cached_tokens(self, seq_id: int) -> PrefixHit:
         """What the first `allocate` of ``seq_id`` took from each tier."""
@@ -141,7 +126,12 @@ class KVCacheManager:
 
     def num_allocatable_blocks(self) -> int:
         """Blocks `allocate` could hand out now (free + evictable)."""
-        return self.device.num_free + self.device.num_evictable()
+        return self.moves.num_allocatable()
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks held for waiting sequences (`hold`)."""
+        return self.admission.num_held_blocks
 
     # --- per-step mutations -----------------------------------------------------------
 
@@ -172,11 +162,11 @@ class KVCacheManager:
         """
         seq = self._seqs.get(seq_id)
         if seq is None:
-            return self._allocate_first(seq_id, token_ids, num_tokens, extra_key, chain,
-                                        count_hit, budget, previous)
+            return self.admission.allocate_first(seq_id, token_ids, num_tokens, extra_key,
+                                                 chain, count_hit, budget, previous)
         if seq.held:
-            return self._admit_held(seq_id, token_ids, num_tokens, count_hit, budget,
-                                    previous)
+            return self.admission.admit_held(seq_id, token_ids, num_tokens, count_hit,
+                                             budget, previous)
         assert budget is None, "a budget applies to a sequence's first allocation"
         assert seq.extra_key == extra_key, "extra_key changed for a live sequence"
         need = -(-num_tokens // self.block_size) - len(seq.blocks)
@@ -184,7 +174,7 @@ class KVCacheManager:
             return []
         if need > self.num_allocatable_blocks():
             return None
-        blocks = self._take_fresh(need)
+        blocks = self.moves.take_fresh(need)
         seq.blocks.extend(blocks.tolist())
         return blocks.tolist()
 
@@ -197,66 +187,17 @@ class KVCacheManager:
         them: None is returned, and a later call takes them). A coding agent's next turn
         waits behind other sessions' prefills; unheld, its history is what their new
         blocks evict, and it then recomputes what it had cached. The sequence's first
-        `allocate` later takes the held table as its hit (`_admit_held`). None, and
+        `allocate` later takes the held table as its hit (`Admission.admit_held`). None, and
         nothing changed, when the hold would leave fewer than ``reserve`` blocks
         allocatable, or its disk reads are in flight. Counted in the stats at admission,
         with why the rest missed (asked now, before anything evicts: ``previous`` and
         ``first`` as `allocate`'s ``previous`` and ``count_hit``)."""
-        assert seq_id not in self._seqs, f"seq {seq_id} already holds blocks"
-        if not self.config.enable_prefix_caching:
-            return None
-        table = self._allocate_first(seq_id, token_ids, len(token_ids), extra_key, chain,
-                                     count_hit=False, budget=0, previous=previous,
-                                     reserve=reserve, attribute=first, opening=False)
-        if table is None:
-            return None
-        seq = self._seqs[seq_id]
-        seq.held = True
-        self.num_held_blocks += len(seq.blocks)
-        return seq.hit
-
-    def _admit_held(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
-                    count_hit: bool, budget: int | None,
-                    previous: PreviousPrompt | None) -> list[int] | None:
-        """The first `allocate` of a sequence that held its prefix while it waited: the
-        held table is its hit, and fresh blocks follow for ``num_tokens`` (capped at
-        ``budget`` past the hit). If more of the prompt is cached now than when it was
-        held (another request registered it meanwhile), the hold is let go and the
-        prefix taken afresh."""
-        seq = self._seqs[seq_id]
-        n_held = len(seq.blocks)
-        m = match_prefix(self.device, self.host, self.disk, token_ids, seq.chain)
-        if self.state is not None:
-            m = truncated(m, self.state.best(seq.chain, m.num_blocks)[0])
-        if m.num_blocks > n_held:
-            self.release_hold(seq_id)
-            return self._allocate_first(seq_id, token_ids, num_tokens, seq.extra_key,
-                                        seq.chain, count_hit, budget, previous)
-        if budget is not None:
-            num_tokens = min(num_tokens, n_held * self.block_size + budget)
-        need = max(0, -(-num_tokens // self.block_size) - n_held)
-        if need > self.num_allocatable_blocks():
-            return None
-        if self.state is not None:
-            if not self.state.can_open():
-                return None
-            self.state.open(seq_id, seq.restore)
-            seq.restore = -1
-        seq.blocks.extend(self._take_fresh(need, "admission").tolist())
-        seq.held = False
-        self.num_held_blocks -= n_held
-        if count_hit:
-            self._count_hit(len(token_ids), seq.hit, seq.uncached)
-        return seq.blocks.tolist()
+        return self.admission.hold(seq_id, token_ids, extra_key, chain, reserve, previous,
+                                   first)
 
     def release_hold(self, seq_id: int) -> None:
         """Let a waiting sequence's held prefix go back to the cache (evictable again)."""
-        seq = self._seqs.pop(seq_id)
-        assert seq.held, f"seq {seq_id} holds no prefix"
-        if seq.restore >= 0:
-            self.state.unpin(seq.restore)
-        self.num_held_blocks -= len(seq.blocks)
-        self.device.unref(_as_array(seq.blocks)[::-1])
+        self.admission.release_hold(seq_id)
 
     def grow(self, needs: Sequence[tuple[int, int]]) -> list[list[int]] | None:
         """`allocate` for several live sequences at once, all or nothing: ``needs`` are
@@ -273,7 +214,7 @@ class KVCacheManager:
         total = sum(counts)
         if total > self.num_allocatable_blocks():
             return None
-        fresh = self._take_fresh(total).tolist() if total else []
+        fresh = self.moves.take_fresh(total).tolist() if total else []
         out, i = [], 0
         for (seq_id, _), n in zip(needs, counts):
             blocks = fresh[i:i + n]
@@ -297,32 +238,7 @@ class KVCacheManager:
         (scheduler `Scheduler._close`). They stay unevictable until this step's ops
         are drained: ranks apply a step's swap_out before its register (wire/digest.py),
         so an eviction's host copy in the same step would name the block's old hash."""
-        seq = self._seqs[seq_id]
-        seq.last_commit_step = step
-        if seq.chain is None:
-            return
-        n_full = num_computed_tokens // self.block_size
-        assert num_computed_tokens <= len(token_ids), "committing tokens that are not known"
-        assert n_full <= len(seq.blocks), "committing tokens beyond the allocated blocks"
-        start = seq.num_registered
-        if n_full <= start:
-            if self.state is not None:  # snapshots taken at blocks registered already
-                self.state.commit(seq_id, seq.chain, start)
-            return
-        num_hashed = seq.chain.extend(token_ids, n_full)
-        assert num_hashed >= n_full
-        lo, hi = seq.chain.keys(start, n_full)
-        blocks = _as_array(seq.blocks[start:n_full])
-        new = self.device.index.find(lo, hi) < 0
-        if self.events is not None and new.any():
-            parent_lo = seq.chain.keys(start - 1, start)[0] if start else lo[:0]
-            self.events.device_stored(blocks[new], start + np.flatnonzero(new),
-                                      np.concatenate([parent_lo, lo]), start - len(parent_lo),
-                                      token_ids)
-        seq.num_registered = n_full
-        self._register(blocks[new], lo[new], hi[new], closing)
-        if self.state is not None:
-            self.state.commit(seq_id, seq.chain, n_full)
+        self.moves.commit(seq_id, token_ids, num_computed_tokens, step, closing=closing)
 
     def commit_many(self, commits: Sequence[tuple[int, Sequence[int], int]], step: int) -> None:
         """`commit` of several sequences in one step, (seq_id, token_ids,
@@ -330,58 +246,7 @@ class KVCacheManager:
         blocks they fill are looked up in the index and registered together. A decode
         step fills a block in a few of its sequences, and numpy's fixed cost per call
         was most of each one's registration."""
-        if self.events is not None:  # events name each sequence's parent hashes
-            for seq_id, token_ids, num_computed in commits:
-                self.commit(seq_id, token_ids, num_computed, step)
-            return
-        bs = self.block_size
-        keys: list[tuple[np.ndarray, np.ndarray]] = []
-        tables: list[array] = []
-        for seq_id, token_ids, num_computed in commits:
-            seq = self._seqs[seq_id]
-            seq.last_commit_step = step
-            n_full = num_computed // bs
-            start = seq.num_registered
-            if seq.chain is None or n_full <= start:
-                if seq.chain is not None and self.state is not None:
-                    self.state.commit(seq_id, seq.chain, start)
-                continue
-            assert num_computed <= len(token_ids), "committing tokens that are not known"
-            assert n_full <= len(seq.blocks), "committing tokens beyond the allocated blocks"
-            num_hashed = seq.chain.extend(token_ids, n_full)
-            assert num_hashed >= n_full
-            keys.append(seq.chain.keys(start, n_full))
-            tables.append(seq.blocks[start:n_full])
-            seq.num_registered = n_full
-            if self.state is not None:
-                self.state.commit(seq_id, seq.chain, n_full)
-        if not keys:
-            return
-        lo = np.concatenate([k[0] for k in keys])
-        hi = np.concatenate([k[1] for k in keys])
-        blocks = np.frombuffer(b"".join(t.tobytes() for t in tables), dtype=np.int32)
-        new = self.device.index.find(lo, hi) < 0
-        # Two sequences may fill blocks of the same hash in one step (the same prompt
-        # and tokens): as one after the other, the first registers it, the second keeps
-        # its copy unindexed.
-        pairs = list(zip(lo.tolist(), hi.tolist()))
-        if len(set(pairs)) < len(pairs):
-            seen: set[tuple[int, int]] = set()
-            for i, key in enumerate(pairs):
-                if new[i]:
-                    new[i] = key not in seen
-                    seen.add(key)
-        self._register(blocks[new], lo[new], hi[new], closing=False)
-
-    def _register(self, blocks: np.ndarray, lo: np.ndarray, hi: np.ndarray,
-                  closing: bool) -> None:
-        """Index referenced blocks newly filled (`commit`), and queue them for the ranks."""
-        self.device.register(blocks, lo, hi)
-        if closing:  # hittable at once, but not evictable before this step's ops drain
-            self.device.mark_busy(blocks)
-        self._ops.registered.extend(zip(blocks.tolist(), lo.tolist()))
-        if self.config.write_policy == "write_through" and self.config.host_enabled:
-            self._write_through_next.append((blocks, lo, hi))
+        self.moves.commit_many(commits, step)
 
     def trim(self, seq_id: int, num_blocks: int) -> list[int]:
         """Shorten ``seq_id``'s table to ``num_blocks``; returns the blocks dropped, which
@@ -393,7 +258,7 @@ class KVCacheManager:
         assert seq.num_registered <= num_blocks <= len(seq.blocks), (
             f"seq {seq_id}: trim to {num_blocks} blocks, {seq.num_registered} registered "
             f"of {len(seq.blocks)}")
-        dropped = _as_array(seq.blocks[num_blocks:])
+        dropped = as_array(seq.blocks[num_blocks:])
         if not len(dropped):
             return []
         assert (self.device.refcount[dropped] == 1).all(), "trimming a shared block"
@@ -436,7 +301,7 @@ class KVCacheManager:
         del self._seqs[seq_id]
         if self.state is not None:
             self.state.close(seq_id)
-        blocks = _as_array(seq.blocks)
+        blocks = as_array(seq.blocks)
         for num_tokens, ttl_s in seq.retain:
             self.device.lru.mark(blocks[: min(num_tokens // self.block_size,
                                               seq.num_registered)], ttl_s)
@@ -450,35 +315,11 @@ class KVCacheManager:
 
     def take_ops(self) -> CacheOps:
         """Drain this step's ops (call exactly once per step, even when empty)."""
-        ops, self._ops = self._ops, CacheOps()
-        if self.state is not None:
-            ops.state_copy, ops.state_register = self.state.take_ops()
-            ops.state_swap_out, ops.state_swap_in = self.state.take_swaps()
-            if self.state.disk is not None:
-                ops.state_disk_write, ops.state_disk_read = self.state.disk.take_ops()
-        self.device.clear_busy()
-        self.host.unpin_all()
-        self.disk.unpin_all()
-        pending, self._write_through_next = self._write_through_next, []
-        for blocks, lo, hi in pending:
-            # Still indexed, and referenced unless their sequence was closed as they were
-            # registered (`commit(closing=True)`: busy, so not evicted in that step).
-            assert (self.device.index.keys_of(blocks)[0] == lo).all()
-            self._copy_to_host(blocks[::-1], lo[::-1], hi[::-1])  # tail first
-        return ops
+        return self.moves.take_ops()
 
     def peek_ops(self) -> CacheOps:
         """The ops queued so far for this step (a copy; nothing is drained)."""
-        ops = CacheOps(list(self._ops.swap_out), list(self._ops.swap_in),
-                       list(self._ops.registered), list(self._ops.disk_write),
-                       list(self._ops.disk_read))
-        if self.state is not None:
-            ops.state_copy, ops.state_register = self.state.peek_ops()
-            ops.state_swap_out, ops.state_swap_in = self.state.peek_swaps()
-            if self.state.disk is not None:
-                ops.state_disk_write = list(self.state.disk.write_ops)
-                ops.state_disk_read = list(self.state.disk.read_ops)
-        return ops
+        return self.moves.peek_ops()
 
     def reset_prefix_cache(self) -> int:
         """Forget every unreferenced cached block, host slot and committed disk slot.
@@ -581,21 +422,15 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """O(capacity) consistency check, for tests and debug builds (cache/checks.py)."""
-        checks.check_invariants(self._seqs, self.device, self.host, self._ops)
+        checks.check_invariants(self._seqs, self.device, self.host, self.moves.ops)
         self.disk.check()
         self.disk_flow.check()
         if self.state is not None:
             self.state.check()
-        assert all(self.host.reserved[op[2]] for op in self._ops.disk_read)
-        assert all(self.host.pinned[op[1]] for op in self._ops.disk_write)
+        assert all(self.host.reserved[op[2]] for op in self.moves.ops.disk_read)
+        assert all(self.host.pinned[op[1]] for op in self.moves.ops.disk_write)
 
     # --- internals ----------------------------------------------------------------------
-
-    def _chain_for(self, extra_key: bytes, chain: BlockHashChain | None) -> BlockHashChain:
-        if chain is None:
-            return BlockHashChain(self.block_size, extra_key)
-        assert chain.extra_key == extra_key and chain.block_size == self.block_size
-        return chain
 
     def _chain_value(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """What a state snapshot at each block hash is worth, by that block's KV (int8,
@@ -611,170 +446,3 @@ class KVCacheManager:
             value[found] = np.maximum(value[found], HELD)
             value[found[tier.lru.is_retained(ids[found])]] = RETAINED
         return value
-
-    def _hit_of(self, m: Match, read_back: np.ndarray | None = None) -> PrefixHit:
-        """Tokens per tier; a host hit on a slot in ``read_back`` (just read from disk
-        for this sequence) counts as a disk hit."""
-        n_dev = int((m.device >= 0).sum())
-        n_disk = int((m.disk >= 0).sum())
-        if read_back is not None and len(read_back):
-            n_disk += int(np.isin(m.host[m.device < 0], read_back).sum())
-        bs = self.block_size
-        return PrefixHit(n_dev * bs, (m.num_blocks - n_dev - n_disk) * bs, n_disk * bs)
-
-    def _allocate_first(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
-                        extra_key: bytes, chain: BlockHashChain | None,
-                        count_hit: bool, budget: int | None = None,
-                        previous: PreviousPrompt | None = None, reserve: int = 0,
-                        attribute: bool | None = None, opening: bool = True,
-                        ) -> list[int] | None:
-        if self.config.enable_prefix_caching:
-            chain = self._chain_for(extra_key, chain)
-            state_disk = self.state.disk if self.state is not None else None
-            settled = self.disk_flow.settle(seq_id)
-            if state_disk is not None:
-                settled = state_disk.settle(seq_id) and settled
-            if not settled:
-                return None  # its disk reads are still in flight on some rank
-            m = match_prefix(self.device, self.host, self.disk, token_ids, chain)
-            n_matched = m.num_blocks  # before a hybrid model's cut to its last state
-            restore = -1
-            if self.state is not None:
-                n_state, restore = self.state.best(chain, m.num_blocks)
-                if self.state.written_this_plan(chain, n_state, m.num_blocks):
-                    return None  # a longer hit is restorable from the next plan on
-                # a later snapshot on disk: read it into the host (a later call restores
-                # it from there), the KV hit reaching as far
-                n_disk, disk_slot, key = self.state.on_disk(chain, m.num_blocks, n_state)
-                if n_disk and state_disk.stage(seq_id, disk_slot, key):
-                    n_state = n_disk
-                m = truncated(m, n_state)
-            on_disk = np.flatnonzero(m.disk >= 0)
-            if len(on_disk):  # start the reads; a later call takes the hit
-                lo, hi = chain.keys(0, m.num_blocks)
-                self.disk_flow.stage(seq_id, m.disk[on_disk], lo[on_disk], hi[on_disk],
-                                     self._ops.disk_read)
-            if len(on_disk) or (state_disk is not None and state_disk.is_staged(seq_id)):
-                return None
-        else:
-            chain = None
-            m = Match(0, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
-            n_matched, restore = 0, -1
-        n_hit = m.num_blocks
-        if budget is not None:
-            num_tokens = min(num_tokens, n_hit * self.block_size + budget)
-        on_host = m.device < 0
-        dev_hits = m.device[~on_host]
-        host_hits = m.host[on_host]
-        n_total = max(n_hit, -(-num_tokens // self.block_size))
-        n_fresh = n_total - n_hit + len(host_hits)
-        # Hits on cached blocks take them out of the evictable set (busy ones never were).
-        lru = self.device.lru
-        hit_evictable = int((lru.present[dev_hits] & ~self.device.busy[dev_hits]).sum())
-        if n_fresh > self.num_allocatable_blocks() - hit_evictable - reserve:
-            return None  # nothing changed yet
-        if restore >= 0:
-            self.state.pin(restore)  # held until its copy is planned (`StatePool.open`)
-        if opening and self.state is not None and not self.state.can_open():
-            if restore >= 0:
-                self.state.unpin(restore)
-            return None  # no state slot for it to run in: nothing changed
-        # why the rest missed, asked before this allocation evicts anything
-        if attribute is None:
-            attribute = count_hit
-        uncached = None
-        if attribute and chain is not None:
-            uncached = self.misses.attribute(token_ids, chain, n_matched, previous)
-            uncached.no_state = (n_matched - n_hit) * self.block_size
-
-        # Order matters: take the hits (and pin the host sources) before evicting for
-        # fresh blocks, so the eviction cannot reclaim the prefix being hit.
-        self.device.ref(dev_hits)
-        self.host.lru.touch(host_hits)  # a use: a retained slot's TTL runs from now
-        self.host.pin(host_hits[::-1])  # touched tail first: the chain's head stays longest
-        read_back = self.disk_flow.take_read_back(seq_id)
-        fresh = self._take_fresh(n_fresh, "admission")
-        loaded = fresh[:len(host_hits)]
-        table = np.empty(n_total, dtype=np.int32)
-        if len(loaded):
-            hits = table[:n_hit]  # a view
-            hits[~on_host] = dev_hits
-            hits[on_host] = loaded
-        else:  # most admissions: the hit (if any) is on the device alone
-            table[:n_hit] = m.device
-        table[n_hit:] = fresh[len(host_hits):]
-        if len(loaded):
-            lo, hi = chain.keys(0, n_hit)
-            self.device.register(loaded, lo[on_host], hi[on_host])
-            if self.events is not None:
-                self.events.device_stored(loaded, np.flatnonzero(on_host), lo, 0, token_ids)
-                # the disk hits' host slots hold them too now (their tokens: just recorded)
-                from_disk = np.flatnonzero(on_host & np.isin(m.host, read_back))
-                self.events.host_stored(table[from_disk], lo[from_disk])
-            self.device.lru.copy_retention(loaded, self.host.lru, host_hits)
-            self.device.mark_busy(loaded)
-            self._ops.swap_in.extend(zip(host_hits.tolist(), loaded.tolist()))
-            self.stats.num_swap_in_blocks += len(loaded)
-
-        hit = self._hit_of(m, read_back)
-        self._seqs[seq_id] = _Seq(extra_key, chain, array("i", table.tobytes()), hit, n_hit,
-                                  uncached=uncached)
-        if self.state is not None and opening:
-            self.state.open(seq_id, restore)
-        else:
-            self._seqs[seq_id].restore = restore
-        if count_hit:
-            self._count_hit(len(token_ids), hit, uncached)
-        return table.tolist()
-
-    def _count_hit(self, num_queried: int, hit: PrefixHit,
-                   uncached: UncachedTokens | None) -> None:
-        self.stats.num_queried_tokens += num_queried
-        self.stats.num_device_hit_tokens += hit.num_device_tokens
-        self.stats.num_host_hit_tokens += hit.num_host_tokens
-        self.stats.num_disk_hit_tokens += hit.num_disk_tokens
-        if uncached is not None:
-            self.misses.count(self.stats, uncached)
-
-    def _take_fresh(self, k: int, cause: str = "growth") -> np.ndarray:
-        """``k`` blocks with refcount 1, evicting (and writing back) cached ones if needed.
-        ``cause``: what they are for, `admission` or `growth` (cache/eviction_memory.py)."""
-        # An evicted block may become, this very step, a swap_in target or get new KV:
-        # safe only because workers apply its swap_out (queued below) before both.
-        blocks, evicted, lo, hi = self.device.take(k)
-        self.misses.dropped("device", lo, cause)
-        if self.events is not None:
-            self.events.device_removed(lo)
-        self.stats.num_device_evictions += len(evicted)
-        self.stats.num_device_retained_evictions = self.device.lru.early_evictions
-        if (len(evicted) and self.config.write_policy == "write_back"
-                and self.config.host_enabled):
-            self._copy_to_host(evicted, lo, hi)  # with their retention, if any
-        self.device.lru.clear(evicted)
-        return blocks
-
-    def _copy_to_host(self, blocks: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
-        """Queue swap_out of device blocks whose hashes the host does not hold yet.
-
-        ``blocks`` come least valuable first (LRU order: a freed chain's tail before its
-        head). Best effort: when every other host slot is pinned this step, the least
-        valuable ones are dropped -- a chain without its head would be useless."""
-        assert not self.device.busy[blocks].any(), "copying a block whose KV is not loaded"
-        miss = self.host.find(lo, hi) < 0
-        blocks, lo, hi = blocks[miss], lo[miss], hi[miss]
-        slots, evicted, evicted_lo = self.host.take(len(blocks))
-        self.misses.dropped("host", evicted_lo, self.config.write_policy)
-        if self.events is not None:
-            self.events.host_removed(evicted_lo)
-        self.stats.num_host_evictions += len(evicted)
-        self.stats.num_host_retained_evictions = self.host.lru.early_evictions
-        n = len(slots)
-        blocks, lo, hi = blocks[len(blocks) - n:], lo[len(lo) - n:], hi[len(hi) - n:]
-        self.host.lru.copy_retention(slots, self.device.lru, blocks)
-        self.host.register(slots, lo, hi)
-        if self.events is not None:
-            self.events.host_stored(blocks, lo)
-        self._ops.swap_out.extend(zip(blocks.tolist(), slots.tolist()))
-        self.stats.num_swap_out_blocks += n
-        if self.disk.num_slots and n:  # write-through to disk, in the background
-            self.disk_flow.write_through(slots, lo, hi, self._ops.disk_write)

@@ -1,4 +1,4 @@
-"""Which tier holds each block of a prompt's prefix (cache/manager.py)."""
+"""Which tier holds each block of a prompt's prefix (cache/admission.py)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,15 @@
-"""The cache's plain types: its configuration, the ops a step carries to the ranks, and a
-prefix hit per tier (cache/manager.py)."""
+"""The cache's plain types: its configuration, the ops a step carries to the ranks, a
+prefix hit per tier, and what the manager keeps of each sequence (cache/manager.py)."""
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
+
+import numpy as np
+
+from cache.hashing import BlockHashChain
+from wire.client import UncachedTokens
 
 WRITE_POLICIES = ("write_back", "write_through")
 
@@ -104,3 +110,23 @@ class PrefixHit:
     @property
     def num_tokens(self) -> int:
         return self.num_device_tokens + self.num_host_tokens + self.num_disk_tokens
+
+
+@dataclass
+class SeqEntry:
+    """What the cache knows of a sequence that holds blocks."""
+    extra_key: bytes
+    chain: BlockHashChain | None  # None when prefix caching is off
+    blocks: array  # int32 block table
+    hit: PrefixHit
+    num_registered: int  # leading blocks already through `commit` (hits included)
+    last_commit_step: int = -1
+    retain: tuple[tuple[int, float], ...] = ()  # (prompt tokens, TTL s): marked at free
+    held: bool = False  # its table is the cached prefix of a waiting sequence (`hold`)
+    uncached: UncachedTokens | None = None  # why its first allocate missed the rest
+    restore: int = -1  # held: the state snapshot its hit ends at (pinned), a hybrid model's
+
+
+def as_array(blocks: array) -> np.ndarray:
+    # A copy, never a view: a view would pin the array and make a later extend() raise.
+    return np.frombuffer(blocks.tobytes(), dtype=np.int32)
