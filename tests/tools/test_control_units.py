@@ -27,7 +27,8 @@ def test_rank_control_reports_its_real_tables(tmp_path):
     tables.open(1, [0, 1])
     tables.open(2, [5])
     runner = SimpleNamespace(block_tables=tables, digest=digest, device="cpu",
-                             tp=SimpleNamespace(collective_since=0.0))
+                             tp=SimpleNamespace(collective_since=0.0), num_state_slots=0,
+                             num_host_state_slots=0, num_disk_state_slots=0)
     control = RankControl(runner, 2, 4, f"ipc://{tmp_path}/rank2.sock")
     try:
         control.applied(plan)
