@@ -36,7 +36,19 @@ def check_live_slots(s: Scheduler, rank_slots: dict[int, int]) -> None:
     assert set(live) == opened, "a live slot for exactly the sequences the ranks hold"
     assert live == dict(rank_slots)
 
-class HybridMachine(RuleBasedStateMachine):
+class _Stepping:
+    """What both machines do with the plan whose results are outstanding."""
+
+    s: Scheduler
+    in_flight: StepPlan | None
+
+    def finish(self, token: int) -> None:
+        plan, self.in_flight = self.in_flight, None
+        if plan is not None:
+            self.s.update(plan, [(c.seq_id, token) for c in plan.batch() if c.sample])
+
+
+class HybridMachine(_Stepping, RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(12, 40), num_slots=st.integers(2, 12),
                 interval=st.integers(1, 4), max_seqs=st.integers(1, 4),
                 host_blocks=st.sampled_from([0, 0, 8, 30]), host_slots=st.integers(1, 6))
@@ -75,11 +87,6 @@ class HybridMachine(RuleBasedStateMachine):
         self.ranks.apply(plan)
         self.finish(token)
         self.in_flight = plan
-
-    def finish(self, token: int) -> None:
-        plan, self.in_flight = self.in_flight, None
-        if plan is not None:
-            self.s.update(plan, [(c.seq_id, token) for c in plan.batch() if c.sample])
 
     @invariant()
     def consistent(self) -> None:
@@ -140,7 +147,7 @@ def agreed(records: list[dict[int, Key]]) -> list[tuple[int, int, int]]:
                   if all(r.get(slot) == key for r in rest))
 
 
-class HybridDiskMachine(RuleBasedStateMachine):
+class HybridDiskMachine(_Stepping, RuleBasedStateMachine):
     """The hybrid state machine over a disk tier on two ranks (world size 2)."""
 
     @initialize(num_blocks=st.integers(12, 40), num_slots=st.integers(2, 6),
@@ -227,11 +234,6 @@ class HybridDiskMachine(RuleBasedStateMachine):
         self.queue_disk_ops(plan)
         self.finish(token)
         self.in_flight = plan
-
-    def finish(self, token: int) -> None:
-        plan, self.in_flight = self.in_flight, None
-        if plan is not None:
-            self.s.update(plan, [(c.seq_id, token) for c in plan.batch() if c.sample])
 
     def unreported_writes(self) -> bool:
         """An idle engine still steps while a disk write is unreported, so that the ranks
