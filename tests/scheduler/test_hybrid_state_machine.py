@@ -36,6 +36,7 @@ def check_live_slots(s: Scheduler, rank_slots: dict[int, int]) -> None:
     assert set(live) == opened, "a live slot for exactly the sequences the ranks hold"
     assert live == dict(rank_slots)
 
+
 class _Stepping:
     """What both machines do with the plan whose results are outstanding."""
 
