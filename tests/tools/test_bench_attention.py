@@ -22,7 +22,7 @@ def test_prints_kernel_and_sdpa_for_every_case(capsys: pytest.CaptureFixture[str
     assert len(rows) == len(cases)
     for (label, *_), row in zip(cases, rows):
         assert label in row and row.rstrip(" │").endswith("x")  # the speed-up
-    assert "Decode attention" in out and "kernel GB/s" in out
+    assert "Decode attention" in out and "kernel GB/s" in out and "copy GB/s" in out
 
 
 def test_kv_bytes_counts_k_and_v_of_every_context() -> None:

@@ -317,6 +317,28 @@ def test_decode_kernel_matches_dense(lens, heads, kv_heads, d, dtype, kernels):
         assert relative_error(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_streaming_the_next_split_keeps_every_bit(dtype, kernels):
+    """Many splits a thread (4 x 1,500 keys and a verify of 5 rows): each thread claims
+    its next split ahead and fetches its rows while it computes one. Which thread takes
+    which split, and in what order, changes no bit, and the result is dense attention's."""
+    lens = [(1, 1500), (1, 1490), (5, 1510), (1, 1300)]
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out, ref = run_backend("torch", lens, 9, 3, 64, dtype, "cpu")
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    if dtype == torch.float32:
+        torch.testing.assert_close(outs[0], ref, atol=1e-5, rtol=1e-5)
+    else:
+        assert relative_error(outs[0], ref) < 1e-2
+
+
 # Decodes whose page lists share a prefix (the agents' system prompt through the prefix
 # cache): (query rows, keys, (the sequence it shares with, pages shared) or None). The
 # kernel reads a split of 256 keys once for every sequence naming the same pages there.

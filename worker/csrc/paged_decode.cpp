@@ -10,6 +10,9 @@
 // about half the bytes. Splits sit where each sequence alone would split them, so a
 // sequence's output does not depend on who shares its pages.
 //
+// A thread claims its next work item before it runs one, and streams that item's K and V
+// rows towards L2 while this one computes (AheadStream), so memory and arithmetic overlap.
+//
 // With AVX-512 and head dim 64 or 128 a split runs as vector passes (DecodeAvx512): the
 // scores of 16 keys at a time per query row, bf16 dot products in VDPBF16PS where the
 // CPU has it; the weighted V rows summed into register tiles of the query rows that
@@ -55,6 +58,36 @@ namespace {
 // Context tokens per work item: small enough that one sequence gives both cores
 // work, large enough that the merge is noise.
 constexpr int64_t kSplit = 256;
+
+// The next work item's K and V rows, fetched towards L2 a few lines at a time while this
+// item computes (pump: every 16 keys of the scores and of each value tile), so that
+// reading memory and the arithmetic overlap. Fetching a whole split at the start of its
+// own item, as the first item of a thread still does, made them add up: with K and V in
+// cache an item's arithmetic ran at ~36 ns a key, from memory at ~120 (tiny model, 8
+// query heads, bf16, Zen 4); streamed, ~80, and a decode step's KV read went from 16-17 to
+// 24-26 GB/s on two cores (the scattered 8 KB pages' own read ceiling there, ~24).
+// Towards L2, not L1: PREFETCHT0 there halved the rate (the next split evicts this one's
+// rows from L1).
+struct AheadStream {
+  const char* const* rows = nullptr;
+  int64_t lines = 0, row_bytes = 0, at = 0;  // at: lines asked for so far
+  int64_t row = 0, offset = 0;               // where the next line is
+  void start(const void* const* r, int64_t count, int64_t bytes) {
+    rows = reinterpret_cast<const char* const*>(r);
+    row_bytes = (bytes + 63) / 64 * 64;
+    lines = count * (row_bytes / 64);
+    at = row = offset = 0;
+  }
+  inline void pump(int64_t n) {
+    const int64_t end = std::min(at + n, lines);
+    for (; at < end; ++at) {
+      __builtin_prefetch(rows[row] + offset, 0, kToL2);
+      offset += 64;
+      if (offset == row_bytes) offset = 0, ++row;
+    }
+  }
+  void finish() { pump(lines); }
+};
 
 #ifdef __AVX512F__
 // The AVX-512 work item (head dims 64 and 128, float32 / bfloat16 / float16 KV): the
@@ -132,10 +165,12 @@ struct DecodeAvx512 {
   // step's KV read from memory from 12 to 15 GB/s a core).
   static void scores(const q_t* qbuf, const int64_t* kv_of, int64_t nrows,
                      const scalar_t* const* krow, const scalar_t* const* vrow, int64_t n,
-                     int64_t row_bytes, float scale, float* scores) {
+                     int64_t row_bytes, float scale, float* scores, AheadStream& ahead,
+                     int64_t pump) {
     const __m512 sc = _mm512_set1_ps(scale);
     __m512 part[16];
     for (int64_t i0 = 0; i0 < n; i0 += 16) {
+      ahead.pump(pump);
       for (int64_t i = i0 + 16; i < std::min(n, i0 + 32); ++i) prefetch_lines(krow[i], row_bytes);
       for (int64_t i = i0; i < std::min(n, i0 + 16); ++i) prefetch_lines(vrow[i], row_bytes);
       for (int64_t r = 0; r < nrows; ++r) {
@@ -156,7 +191,7 @@ struct DecodeAvx512 {
   // vrow[n] must be readable (its weight is 0).
   template <int RT>
   static void values(const void* const* w, const scalar_t* const* vrow, int64_t n, int64_t kv,
-                     float* const* out) {
+                     float* const* out, AheadStream& ahead, int64_t pump) {
     __m512 acc[RT][VD];
     for (int r = 0; r < RT; ++r)
       for (int64_t v = 0; v < VD; ++v) acc[r][v] = _mm512_setzero_ps();
@@ -164,6 +199,7 @@ struct DecodeAvx512 {
 #ifdef __AVX512BF16__
       const PairInterleave pairs;
       for (int64_t j = 0; 2 * j < n; ++j) {
+        if (j % 8 == 0) ahead.pump(pump);
         const scalar_t* a = vrow[2 * j] + kv;
         const scalar_t* b = vrow[2 * j + 1] + kv;
         __m512bh pv[VD];
@@ -182,6 +218,7 @@ struct DecodeAvx512 {
 #endif
     } else {
       for (int64_t i = 0; i < n; ++i) {
+        if (i % 16 == 0) ahead.pump(pump);
         const scalar_t* row = vrow[i] + kv;
         __m512 x[VD];
         for (int64_t v = 0; v < VD; ++v) x[v] = widen16(row + 16 * v);
@@ -210,11 +247,11 @@ struct DecodeAvx512 {
   // values<RT> for the last `rows` (< kTile) rows of a head.
   template <int RT>
   static void values_tail(int64_t rows, const void* const* w, const scalar_t* const* vrow, int64_t n,
-                          int64_t kv, float* const* out) {
+                          int64_t kv, float* const* out, AheadStream& ahead, int64_t pump) {
     if constexpr (RT > 1) {
-      if (rows < RT) return values_tail<RT - 1>(rows, w, vrow, n, kv, out);
+      if (rows < RT) return values_tail<RT - 1>(rows, w, vrow, n, kv, out, ahead, pump);
     }
-    values<RT>(w, vrow, n, kv, out);
+    values<RT>(w, vrow, n, kv, out, ahead, pump);
   }
 };
 #endif
@@ -435,6 +472,8 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
     row.fit(slot_stride);
     std::vector<float> o(D);
     std::vector<const scalar_t*> krow(kSplit), vrow(kSplit + 1);
+    std::vector<const void*> ahead_rows(2 * kSplit);  // the next item's K rows, then its V rows
+    AheadStream ahead;
     std::vector<const void*> wrow(max_rows);
     std::vector<float*> orow(max_rows);
     // a row of the item: its part index (b, split, qh), its KV head's offset in a token
@@ -446,7 +485,23 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
       k_rows.resize(kSplit * slot_stride);
       v_rows.resize(kSplit * slot_stride);
     }
-    auto run = [&](const Item& item) {
+    // the next item's rows into ahead_rows (K, then V), the stream started over them
+    const int64_t row_bytes_all = slot_stride * static_cast<int64_t>(sizeof(scalar_t));
+    auto start_ahead = [&](const Item* next) {
+      if (next == nullptr || k8) {
+        ahead.start(ahead_rows.data(), 0, row_bytes_all);
+        return;
+      }
+      const int64_t lead = members[next->first];
+      const int64_t t0 = next->split * kSplit, t1 = std::min(kv_lens[lead], t0 + kSplit);
+      const int32_t* pages = kv_indices + page_start[lead];
+      for_each_row(k_cache, pages, t0, t1, page_size, slot_stride,
+                   [&](int64_t i, const scalar_t* r) { ahead_rows[i] = r; });
+      for_each_row(v_cache, pages, t0, t1, page_size, slot_stride,
+                   [&](int64_t i, const scalar_t* r) { ahead_rows[(t1 - t0) + i] = r; });
+      ahead.start(ahead_rows.data(), 2 * (t1 - t0), row_bytes_all);
+    };
+    auto run = [&](const Item& item, bool streamed, const Item* next) {
       const int64_t s = item.split, lead = members[item.first];
       const int64_t t0 = s * kSplit, t1 = std::min(kv_lens[lead], t0 + kSplit);
       const int64_t n = t1 - t0;
@@ -496,9 +551,10 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
         // few misses in flight: asked for all at once, the rows arrive in parallel (a
         // SmolLM2 step's decode attention, 30 layers, 4 x 2,600: 13.8 -> 9.5 ms on its
         // own pages, 8.4 -> 5.8 on a shared 2,000; the KV read at 21 -> 30 GB/s). FP8
-        // rows were fetched so above, and their widened rows are in cache already.
+        // rows were fetched so above, and their widened rows are in cache already. An
+        // item whose rows the item before it streamed in (AheadStream) skips this.
         const int64_t row_bytes = slot_stride * static_cast<int64_t>(sizeof(scalar_t));
-        for (int64_t i = 0; i < n && !k8; ++i) {
+        for (int64_t i = 0; i < n && !k8 && !streamed; ++i) {
           prefetch_lines<kToL2>(krow[i], row_bytes);
           prefetch_lines<kToL2>(vrow[i], row_bytes);
         }
@@ -510,8 +566,11 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
           else
             std::memcpy(qbuf + r * D, as_float(q_of[r], row.data(), D), D * sizeof(float));
         }
+        start_ahead(next);
+        // half the next item's lines during the scores, half during the values
+        const int64_t blocks = (n + 15) / 16;
         Avx::scores(qbuf, kv_of.data(), nrows, krow.data(), vrow.data(), n, row_bytes, scale,
-                    scores.data());
+                    scores.data(), ahead, (ahead.lines / 2 + blocks - 1) / blocks);
 #endif
       } else {
         for (int64_t r = 0; r < nrows; ++r)
@@ -554,6 +613,9 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
       if constexpr (kAvx) {
 #ifdef __AVX512F__
         // each KV head's query rows in tiles that share each V row
+        const int64_t tiles = Hkv * ((nrows / Hkv + Avx::kTile - 1) / Avx::kTile);
+        const int64_t chunks = tiles * ((n + 15) / 16);
+        const int64_t pump = (ahead.lines - ahead.at + chunks - 1) / std::max<int64_t>(chunks, 1);
         for (int64_t hk = 0; hk < Hkv; ++hk) {
           int64_t m = 0;
           for (int64_t r = 0; r < nrows; ++r)
@@ -563,10 +625,11 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
             }
           int64_t r = 0;
           for (; r + Avx::kTile <= m; r += Avx::kTile)
-            Avx::template values<Avx::kTile>(wrow.data() + r, vrow.data(), n, hk * D, orow.data() + r);
+            Avx::template values<Avx::kTile>(wrow.data() + r, vrow.data(), n, hk * D, orow.data() + r,
+                                             ahead, pump);
           if (r < m)
             Avx::template values_tail<Avx::kTile - 1>(m - r, wrow.data() + r, vrow.data(), n,
-                                                      hk * D, orow.data() + r);
+                                                      hk * D, orow.data() + r, ahead, pump);
         }
 #endif
       } else {
@@ -582,10 +645,19 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
         }
       }
     };
-    for (int64_t i = next_item.fetch_add(1, std::memory_order_relaxed); i < num_items;
-         i = next_item.fetch_add(1, std::memory_order_relaxed)) {
+    // A thread claims its next item before it runs this one, and streams that item's
+    // rows in while this one computes; with few items a claim ahead could leave the
+    // other threads idle, so then each takes one at a time.
+    const bool claim_ahead = kAvx && !k8 && num_items >= 4 * workers;
+    auto claim = [&] { return next_item.fetch_add(1, std::memory_order_relaxed); };
+    bool streamed = false;
+    for (int64_t i = claim(); i < num_items;) {
+      const int64_t j = claim_ahead ? claim() : num_items;
       const Item& item = items[i];
-      run(item);
+      run(item, streamed, j < num_items ? &items[j] : nullptr);
+      ahead.finish();
+      streamed = j < num_items;
+      i = claim_ahead ? j : claim();
       // acq_rel: the last one here sees every other split's partial results
       for (int64_t k = 0; k < item.count; ++k) {
         const int64_t b = members[item.first + k];
