@@ -16,8 +16,9 @@
 // With AVX-512 and head dim 64 or 128 a split runs as vector passes (DecodeAvx512): the
 // scores of 16 keys at a time per query row, bf16 dot products in VDPBF16PS where the
 // CPU has it; the weighted V rows summed into register tiles of the query rows that
-// share a KV head (bf16: weights and V rows as bf16 pairs, VDPBF16PS again). Elsewhere a
-// scalar loop the compiler vectorizes per dot product.
+// share a KV head (bf16: weights and V rows as bf16 pairs, VDPBF16PS again). With AVX2
+// and FMA but no AVX-512 the same two passes run on 8 lanes in float32 (DecodeAvx2).
+// Elsewhere a scalar loop the compiler vectorizes per dot product.
 //
 // Layouts (the torch backend's): q [T, H, D] (any row and head stride, D contiguous),
 // k_cache / v_cache [num_pages, page_size, Hkv, D] contiguous, out [T, H, D]
@@ -49,7 +50,7 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -256,6 +257,88 @@ struct DecodeAvx512 {
 };
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// The AVX2 work item (head dims 64 and 128; float32, bfloat16 and float16 KV, widened to
+// float32 in registers): DecodeAvx512's two passes on 8 lanes, for CPUs without AVX-512
+// (there bf16 runs as float32: no bf16 units). The scalar loop it replaces reduced every
+// (key, head) dot product on its own, widened 16-bit rows through memory and summed the
+// weighted V rows in memory: ~2x the instructions a key.
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 widen8(const c10::BFloat16* p) {  // bf16 is float32's top half
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 widen8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Lane i of the result: the sum of v[i]'s 8 lanes (pairs of halves, three rounds).
+inline __m256 lane_sums8(const __m256* v) {
+  const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+  // b0: keys 0-3 in the low half's lanes, their other halves in the high; b1: keys 4-7
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+template <typename scalar_t, int64_t kD>
+struct DecodeAvx2 {
+  static constexpr int64_t VD = kD / 8;  // vectors in a head's row
+  // value tiles: kRows query rows by kChunk vectors of a row (16 registers in all)
+  static constexpr int kRows = 2, kChunk = 4;
+
+  // scores[r * kSplit + i] = scale * q_r . k_i, q as float32 rows in qbuf; keys padded to
+  // a multiple of 8 by repeats (see DecodeAvx512::scores).
+  static void scores(const float* qbuf, const int64_t* kv_of, int64_t nrows,
+                     const scalar_t* const* krow, const scalar_t* const* vrow, int64_t n,
+                     int64_t row_bytes, float scale, float* scores, AheadStream& ahead,
+                     int64_t pump) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    __m256 part[8];
+    for (int64_t i0 = 0; i0 < n; i0 += 8) {
+      if (i0 % 16 == 0) ahead.pump(pump);
+      for (int64_t i = i0 + 8; i < std::min(n, i0 + 16); ++i) prefetch_lines(krow[i], row_bytes);
+      for (int64_t i = i0; i < std::min(n, i0 + 8); ++i) prefetch_lines(vrow[i], row_bytes);
+      for (int64_t r = 0; r < nrows; ++r) {
+        const float* q = qbuf + r * kD;
+        for (int u = 0; u < 8; ++u) {
+          const scalar_t* k = krow[i0 + u] + kv_of[r];
+          __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), widen8(k));
+          for (int64_t v = 1; v < VD; ++v)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v), widen8(k + 8 * v), acc);
+          part[u] = acc;
+        }
+        _mm256_storeu_ps(scores + r * kSplit + i0, _mm256_mul_ps(lane_sums8(part), sc));
+      }
+    }
+  }
+
+  // out[r] = sum_i w[r][i] v_i for RT (<= kRows) query rows reading the KV head at offset
+  // kv, over the keys i < n: a chunk of kChunk vectors of the row at a time.
+  template <int RT>
+  static void values(const float* const* w, const scalar_t* const* vrow, int64_t n, int64_t kv,
+                     float* const* out, AheadStream& ahead, int64_t pump) {
+    for (int64_t c0 = 0; c0 < VD; c0 += kChunk) {
+      __m256 acc[RT][kChunk];
+      for (int r = 0; r < RT; ++r)
+        for (int v = 0; v < kChunk; ++v) acc[r][v] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < n; ++i) {
+        if (i % 16 == 0) ahead.pump(pump);
+        const scalar_t* row = vrow[i] + kv + 8 * c0;
+        __m256 x[kChunk];
+        for (int v = 0; v < kChunk; ++v) x[v] = widen8(row + 8 * v);
+        for (int r = 0; r < RT; ++r) {
+          const __m256 p = _mm256_broadcast_ss(w[r] + i);
+          for (int v = 0; v < kChunk; ++v) acc[r][v] = _mm256_fmadd_ps(p, x[v], acc[r][v]);
+        }
+      }
+      for (int r = 0; r < RT; ++r)
+        for (int v = 0; v < kChunk; ++v) _mm256_storeu_ps(out[r] + 8 * (c0 + v), acc[r][v]);
+    }
+  }
+};
+#endif
+
 // A float buffer whose data starts on a 64-byte line. The softmax's sum is a vectorized
 // reduction: were the compiler to peel iterations up to an aligned address, its order
 // (and last bit) would depend on where a thread's buffer happened to land, and a
@@ -427,7 +510,13 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
 #else
   constexpr bool kAvx = false;
 #endif
-  if constexpr (!kAvx) std::fill(part_acc, part_acc + parts * D, 0.f);  // the scalar one adds
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  constexpr bool kAvx2 = kD == 64 || kD == 128;
+  using Avx2 = DecodeAvx2<scalar_t, kAvx2 ? kD : 64>;  // unused for other head dims
+#else
+  constexpr bool kAvx2 = false;
+#endif
+  if constexpr (!kAvx && !kAvx2) std::fill(part_acc, part_acc + parts * D, 0.f);  // the scalar one adds
   // Merge the splits of sequence b (each query row and head): run by whichever thread
   // finishes the sequence's last split, so a call is one parallel region, not two (on a
   // short context the second region's wake-up cost more than the attention).
@@ -475,6 +564,7 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
     std::vector<const void*> ahead_rows(2 * kSplit);  // the next item's K rows, then its V rows
     AheadStream ahead;
     std::vector<const void*> wrow(max_rows);
+    std::vector<const float*> wrow_f(max_rows);  // the AVX2 value pass's weight rows
     std::vector<float*> orow(max_rows);
     // a row of the item: its part index (b, split, qh), its KV head's offset in a token
     // row, the keys of the split it sees, where its query is
@@ -572,10 +662,33 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
         Avx::scores(qbuf, kv_of.data(), nrows, krow.data(), vrow.data(), n, row_bytes, scale,
                     scores.data(), ahead, (ahead.lines / 2 + blocks - 1) / blocks);
 #endif
+      } else if constexpr (kAvx2) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+        for (int64_t i = n; i % 8 != 0; ++i) krow[i] = krow[n - 1];  // as the AVX-512 path
+        for (int64_t i = 0; i < n && !k8 && !streamed; ++i) {
+          prefetch_lines<kToL2>(krow[i], row_bytes_all);
+          prefetch_lines<kToL2>(vrow[i], row_bytes_all);
+        }
+        for (int64_t r = 0; r < nrows; ++r)
+          std::memcpy(qf.data() + r * D, as_float(q_of[r], row.data(), D), D * sizeof(float));
+        start_ahead(next);
+        const int64_t blocks = (n + 15) / 16;
+        Avx2::scores(qf.data(), kv_of.data(), nrows, krow.data(), vrow.data(), n, row_bytes_all,
+                     scale, scores.data(), ahead, (ahead.lines / 2 + blocks - 1) / blocks);
+#endif
       } else {
+        // as the vector path: the split's rows towards L2 unless streamed in, the next
+        // item's streamed in, half during the scores and half during the values
+        for (int64_t i = 0; i < n && !k8 && !streamed; ++i) {
+          prefetch_lines<kToL2>(krow[i], row_bytes_all);
+          prefetch_lines<kToL2>(vrow[i], row_bytes_all);
+        }
         for (int64_t r = 0; r < nrows; ++r)
           for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(q_of[r][d]) * scale;
+        start_ahead(next);
+        const int64_t pump = (ahead.lines / 2 + n - 1) / n * 16;
         for (int64_t i = 0; i < n; ++i) {
+          if (i % 16 == 0) ahead.pump(pump);
           const float* kt = as_float(krow[i], row.data(), slot_stride);
           for (int64_t r = 0; r < nrows; ++r) {  // query head h reads KV head h / G
             const float* qv = qf.data() + r * D;
@@ -632,8 +745,33 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
                                                       hk * D, orow.data() + r, ahead, pump);
         }
 #endif
+      } else if constexpr (kAvx2) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+        // each KV head's query rows in tiles of Avx2::kRows that share each V row
+        std::vector<const float*>& w = wrow_f;
+        const int64_t tiles = Hkv * ((nrows / Hkv + Avx2::kRows - 1) / Avx2::kRows);
+        const int64_t chunks = tiles * (Avx2::VD / Avx2::kChunk) * ((n + 15) / 16);
+        const int64_t pump = (ahead.lines - ahead.at + chunks - 1) / std::max<int64_t>(chunks, 1);
+        for (int64_t hk = 0; hk < Hkv; ++hk) {
+          int64_t m = 0;
+          for (int64_t r = 0; r < nrows; ++r)
+            if (kv_of[r] == hk * D) {
+              w[m] = scores.data() + r * kSplit;
+              orow[m++] = part_acc + part_at[r] * D;
+            }
+          int64_t r = 0;
+          for (; r + Avx2::kRows <= m; r += Avx2::kRows)
+            Avx2::template values<Avx2::kRows>(w.data() + r, vrow.data(), n, hk * D,
+                                               orow.data() + r, ahead, pump);
+          for (; r < m; ++r)
+            Avx2::template values<1>(w.data() + r, vrow.data(), n, hk * D, orow.data() + r, ahead,
+                                     pump);
+        }
+#endif
       } else {
+        const int64_t pump = (ahead.lines - ahead.at + n - 1) / n * 16;
         for (int64_t i = 0; i < n; ++i) {
+          if (i % 16 == 0) ahead.pump(pump);
           const float* vt = as_float(vrow[i], row.data(), slot_stride);
           for (int64_t r = 0; r < nrows; ++r) {
             const float p = scores[r * kSplit + i];
@@ -648,7 +786,7 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
     // A thread claims its next item before it runs this one, and streams that item's
     // rows in while this one computes; with few items a claim ahead could leave the
     // other threads idle, so then each takes one at a time.
-    const bool claim_ahead = kAvx && !k8 && num_items >= 4 * workers;
+    const bool claim_ahead = !k8 && num_items >= 4 * workers;
     auto claim = [&] { return next_item.fetch_add(1, std::memory_order_relaxed); };
     bool streamed = false;
     for (int64_t i = claim(); i < num_items;) {
