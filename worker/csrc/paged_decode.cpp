@@ -316,7 +316,7 @@ struct DecodeAvx2 {
   // out[r] = sum_i w[r][i] v_i for RT (<= kRows) query rows reading the KV head at offset
   // kv, over the keys i < n: a chunk of kChunk vectors of the row at a time.
   template <int RT>
-  static void values(const float* const* w, const scalar_t* const* vrow, int64_t n, int64_t kv,
+  static void values(const void* const* w, const scalar_t* const* vrow, int64_t n, int64_t kv,
                      float* const* out, AheadStream& ahead, int64_t pump) {
     for (int64_t c0 = 0; c0 < VD; c0 += kChunk) {
       __m256 acc[RT][kChunk];
@@ -328,7 +328,7 @@ struct DecodeAvx2 {
         __m256 x[kChunk];
         for (int v = 0; v < kChunk; ++v) x[v] = widen8(row + 8 * v);
         for (int r = 0; r < RT; ++r) {
-          const __m256 p = _mm256_broadcast_ss(w[r] + i);
+          const __m256 p = _mm256_broadcast_ss(static_cast<const float*>(w[r]) + i);
           for (int v = 0; v < kChunk; ++v) acc[r][v] = _mm256_fmadd_ps(p, x[v], acc[r][v]);
         }
       }
@@ -564,7 +564,6 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
     std::vector<const void*> ahead_rows(2 * kSplit);  // the next item's K rows, then its V rows
     AheadStream ahead;
     std::vector<const void*> wrow(max_rows);
-    std::vector<const float*> wrow_f(max_rows);  // the AVX2 value pass's weight rows
     std::vector<float*> orow(max_rows);
     // a row of the item: its part index (b, split, qh), its KV head's offset in a token
     // row, the keys of the split it sees, where its query is
@@ -723,11 +722,13 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
         if (n % 2 == 1) vrow[n] = vrow[n - 1];  // the pair's second key: weight 0
 #endif
       }
-      if constexpr (kAvx) {
-#ifdef __AVX512F__
-        // each KV head's query rows in tiles that share each V row
-        const int64_t tiles = Hkv * ((nrows / Hkv + Avx::kTile - 1) / Avx::kTile);
-        const int64_t chunks = tiles * ((n + 15) / 16);
+      // Each KV head's query rows in tiles of up to `tile` rows that share each V row:
+      // fn(first, rows, kv, pump) for rows wrow / orow[first, first + rows) reading the KV
+      // head at offset kv, with the stream's share for every 16 keys of each of the
+      // tile's `passes` over its keys.
+      auto value_tiles = [&](int64_t tile, int64_t passes, auto&& fn) {
+        const int64_t tiles = Hkv * ((nrows / Hkv + tile - 1) / tile);
+        const int64_t chunks = tiles * passes * ((n + 15) / 16);
         const int64_t pump = (ahead.lines - ahead.at + chunks - 1) / std::max<int64_t>(chunks, 1);
         for (int64_t hk = 0; hk < Hkv; ++hk) {
           int64_t m = 0;
@@ -736,37 +737,33 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
               wrow[m] = scores.data() + r * kSplit;
               orow[m++] = part_acc + part_at[r] * D;
             }
-          int64_t r = 0;
-          for (; r + Avx::kTile <= m; r += Avx::kTile)
-            Avx::template values<Avx::kTile>(wrow.data() + r, vrow.data(), n, hk * D, orow.data() + r,
-                                             ahead, pump);
-          if (r < m)
-            Avx::template values_tail<Avx::kTile - 1>(m - r, wrow.data() + r, vrow.data(), n,
-                                                      hk * D, orow.data() + r, ahead, pump);
+          for (int64_t r = 0; r < m; r += tile) fn(r, std::min(tile, m - r), hk * D, pump);
         }
+      };
+      if constexpr (kAvx) {
+#ifdef __AVX512F__
+        value_tiles(Avx::kTile, 1, [&](int64_t r, int64_t rows, int64_t kv, int64_t pump) {
+          if (rows == Avx::kTile)
+            Avx::template values<Avx::kTile>(wrow.data() + r, vrow.data(), n, kv, orow.data() + r,
+                                             ahead, pump);
+          else
+            Avx::template values_tail<Avx::kTile - 1>(rows, wrow.data() + r, vrow.data(), n, kv,
+                                                      orow.data() + r, ahead, pump);
+        });
 #endif
       } else if constexpr (kAvx2) {
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-        // each KV head's query rows in tiles of Avx2::kRows that share each V row
-        std::vector<const float*>& w = wrow_f;
-        const int64_t tiles = Hkv * ((nrows / Hkv + Avx2::kRows - 1) / Avx2::kRows);
-        const int64_t chunks = tiles * (Avx2::VD / Avx2::kChunk) * ((n + 15) / 16);
-        const int64_t pump = (ahead.lines - ahead.at + chunks - 1) / std::max<int64_t>(chunks, 1);
-        for (int64_t hk = 0; hk < Hkv; ++hk) {
-          int64_t m = 0;
-          for (int64_t r = 0; r < nrows; ++r)
-            if (kv_of[r] == hk * D) {
-              w[m] = scores.data() + r * kSplit;
-              orow[m++] = part_acc + part_at[r] * D;
-            }
-          int64_t r = 0;
-          for (; r + Avx2::kRows <= m; r += Avx2::kRows)
-            Avx2::template values<Avx2::kRows>(w.data() + r, vrow.data(), n, hk * D,
-                                               orow.data() + r, ahead, pump);
-          for (; r < m; ++r)
-            Avx2::template values<1>(w.data() + r, vrow.data(), n, hk * D, orow.data() + r, ahead,
-                                     pump);
-        }
+        value_tiles(Avx2::kRows, Avx2::VD / Avx2::kChunk,
+                    [&](int64_t r, int64_t rows, int64_t kv, int64_t pump) {
+                      for (int64_t k = 0; k < rows; k += Avx2::kRows) {
+                        if (rows - k >= Avx2::kRows)
+                          Avx2::template values<Avx2::kRows>(wrow.data() + r + k, vrow.data(), n,
+                                                             kv, orow.data() + r + k, ahead, pump);
+                        else
+                          Avx2::template values<1>(wrow.data() + r + k, vrow.data(), n, kv,
+                                                   orow.data() + r + k, ahead, pump);
+                      }
+                    });
 #endif
       } else {
         const int64_t pump = (ahead.lines - ahead.at + n - 1) / n * 16;
