@@ -267,3 +267,13 @@ def host_state_slots_for(num_host_blocks: int, interval: int) -> int:
     """A hybrid model's host snapshot slots beside `num_host_blocks`, as
     `host_tier_blocks` sizes them (from the blocks every rank agreed on)."""
     return num_host_blocks // interval
+
+
+def device_blocks_for(budget: int, block_bytes: int, state_bytes: int, interval: int,
+                      config: EngineConfig) -> int:
+    """The KV blocks of a device tier of `budget` bytes: all of it, or, for a hybrid model
+    (`state_bytes` a slot), what its state slots leave (`split_state_budget`)."""
+    if not state_bytes:
+        return budget // block_bytes
+    return split_state_budget(budget, block_bytes, state_bytes, config.max_num_seqs,
+                              interval, config.enable_prefix_caching).num_device_blocks

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from wire.config import EngineConfig
 from worker.attention import AttentionBackend
 from worker.delta_kernels import delta_ops
 from worker.distributed import TensorParallelGroup
@@ -44,7 +45,7 @@ from worker.linear_attention import (
 )
 from worker.linear_state import LinearStateCache, StateBatch
 from worker.model import LlamaModel
-from worker.model_config import ModelConfig
+from worker.model_config import ModelConfig, UnsupportedModelError
 from worker.moe import MoEWeights, SharedExpert, fused_names, load_moe_weights, moe_forward
 from worker.weights import CheckpointReader, TextModelReader
 
@@ -218,3 +219,11 @@ class HybridModel(LlamaModel):
             return self.tp.all_reduce(out)
         hidden = self.elementwise.silu_mul(self.linear(x, w.gate_up))
         return self.tp.all_reduce(self.linear(hidden, w.down))
+
+
+def check_hybrid(config: EngineConfig, architecture: str) -> None:
+    """Refuse what a hybrid model cannot serve yet, at the rank's start."""
+    if config.speculative is not None:
+        raise UnsupportedModelError(
+            f"--speculative-config is not supported with {architecture}, a hybrid model: a "
+            f"rejected draft would need its linear-attention state rolled back")

@@ -23,6 +23,7 @@ from worker.attention import AttentionBackend, AttentionMetadata
 from worker.block_table import BlockTables
 from worker.budget import (
     check_holds_one_sequence,
+    device_blocks_for,
     device_budget_for,
     device_tier_bytes,
     host_state_slots_for,
@@ -32,19 +33,18 @@ from worker.budget import (
     resolve_kv_dtype,
     resolve_max_model_len,
     resolve_snapshot_interval,
-    split_state_budget,
     state_slots_for,
 )
 from worker.disk_tier import RankDiskTier
 from worker.distributed import TensorParallelGroup
 from worker.forward import BatchInputs, ModelForward, PreparedStep, to_device
 from worker.gguf import load_config
-from worker.hybrid_model import HybridModel
+from worker.hybrid_model import HybridModel, check_hybrid
 from worker.kv_cache import KVCache
 from worker.linear_state import LinearStateCache, StateBatch
 from worker.model import LlamaModel
-from worker.model_config import UnsupportedModelError
 from worker.null_model import NullModel
+from worker.tier_moves import apply_tier_moves
 
 
 @dataclass
@@ -323,41 +323,9 @@ class ModelRunner:
         return out
 
     def _apply_cache_ops(self, plan: StepPlan) -> None:
-        for block, slot in plan.swap_out + [(b, s) for s, b in plan.swap_in]:
+        for block, _ in plan.swap_out + [(b, s) for s, b in plan.swap_in]:
             self._check_block(block)
-            assert 0 <= slot < self.num_host_blocks, f"host slot {slot} out of range"
-        if plan.disk_write or plan.disk_read:
-            # the plan's order: swap_out, the disk ops (a write copies what swap_out left in
-            # the host slot; a read fills the host slot a swap_in takes), then swap_in
-            assert self.disk is not None, "a disk op without a disk tier"
-            self.disk.join([s for _, s in plan.swap_out])
-            self.kv.swap(plan.swap_out, [])
-            self.kv.sync_copies()
-            self.disk.apply(plan)
-            self.disk.join([s for s, _ in plan.swap_in])
-            self.kv.swap([], plan.swap_in)
-        else:
-            if self.disk is not None:  # a read in flight into a slot a copy touches
-                self.disk.join([s for _, s in plan.swap_out] + [s for s, _ in plan.swap_in])
-            self.kv.swap(plan.swap_out, plan.swap_in)
-        if (plan.state_copy or plan.state_swap_out or plan.state_swap_in
-                or plan.state_disk_write or plan.state_disk_read):
-            # after the KV swaps, before the closes (wire/step.py)
-            assert self.state is not None, "a state op for a model that keeps no state"
-            if plan.state_disk_write or plan.state_disk_read:
-                # swap_out, the disk ops (a write copies what swap_out left in the host
-                # slot; a read fills a host slot a later plan swaps in), then the rest
-                self.disk.join([h for _, h in plan.state_swap_out], states=True)
-                self.state.apply(plan.state_swap_out, [], [])
-                self.state.sync()
-                self.disk.apply_states(plan)
-                self.disk.join([h for h, _ in plan.state_swap_in], states=True)
-                self.state.apply([], plan.state_copy, plan.state_swap_in)
-            else:
-                if self.disk is not None:  # a read in flight into a slot a copy touches
-                    self.disk.join([h for _, h in plan.state_swap_out]
-                                   + [h for h, _ in plan.state_swap_in], states=True)
-                self.state.apply(plan.state_swap_out, plan.state_copy, plan.state_swap_in)
+        apply_tier_moves(plan, self.kv, self.disk, self.state, self.num_host_blocks)
         running = set(plan.decodes.seq_ids).union(c.seq_id for c in plan.chunks) \
             if plan.close else set()
         for seq_id in plan.close:
@@ -470,20 +438,3 @@ class ModelRunner:
             assert p <= n_table, (
                 f"seq {c.seq_id}: {n_ctx} tokens need {p} blocks, table has {n_table}")
 
-
-def device_blocks_for(budget: int, block_bytes: int, state_bytes: int, interval: int,
-                      config: EngineConfig) -> int:
-    """The KV blocks of a device tier of `budget` bytes: all of it, or, for a hybrid model
-    (`state_bytes` a slot), what its state slots leave (budget.split_state_budget)."""
-    if not state_bytes:
-        return budget // block_bytes
-    return split_state_budget(budget, block_bytes, state_bytes, config.max_num_seqs,
-                              interval, config.enable_prefix_caching).num_device_blocks
-
-
-def check_hybrid(config: EngineConfig, architecture: str) -> None:
-    """Refuse what a hybrid model cannot serve yet, at the rank's start."""
-    if config.speculative is not None:
-        raise UnsupportedModelError(
-            f"--speculative-config is not supported with {architecture}, a hybrid model: a "
-            f"rejected draft would need its linear-attention state rolled back")
