@@ -516,7 +516,8 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
 #else
   constexpr bool kAvx2 = false;
 #endif
-  if constexpr (!kAvx && !kAvx2) std::fill(part_acc, part_acc + parts * D, 0.f);  // the scalar one adds
+  // the scalar loop adds into part_acc; the vector passes store whole rows
+  if constexpr (!kAvx && !kAvx2) std::fill(part_acc, part_acc + parts * D, 0.f);
   // Merge the splits of sequence b (each query row and head): run by whichever thread
   // finishes the sequence's last split, so a call is one parallel region, not two (on a
   // short context the second region's wake-up cost more than the attention).
@@ -574,11 +575,11 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
       k_rows.resize(kSplit * slot_stride);
       v_rows.resize(kSplit * slot_stride);
     }
+    const int64_t row_bytes = slot_stride * static_cast<int64_t>(sizeof(scalar_t));  // a token's K
     // the next item's rows into ahead_rows (K, then V), the stream started over them
-    const int64_t row_bytes_all = slot_stride * static_cast<int64_t>(sizeof(scalar_t));
     auto start_ahead = [&](const Item* next) {
       if (next == nullptr || k8) {
-        ahead.start(ahead_rows.data(), 0, row_bytes_all);
+        ahead.start(ahead_rows.data(), 0, row_bytes);
         return;
       }
       const int64_t lead = members[next->first];
@@ -588,7 +589,7 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
                    [&](int64_t i, const scalar_t* r) { ahead_rows[i] = r; });
       for_each_row(v_cache, pages, t0, t1, page_size, slot_stride,
                    [&](int64_t i, const scalar_t* r) { ahead_rows[(t1 - t0) + i] = r; });
-      ahead.start(ahead_rows.data(), 2 * (t1 - t0), row_bytes_all);
+      ahead.start(ahead_rows.data(), 2 * (t1 - t0), row_bytes);
     };
     auto run = [&](const Item& item, bool streamed, const Item* next) {
       const int64_t s = item.split, lead = members[item.first];
@@ -629,24 +630,28 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
         for_each_row(v_cache, pages, t0, t1, page_size, slot_stride,
                      [&](int64_t i, const scalar_t* r) { vrow[i] = r; });
       }
+      // The whole split's K and V rows towards L2 at once (~200 KB for SmolLM2). Its
+      // pages are scattered 6 KB runs, which the hardware prefetcher restarts at every
+      // 4 KB page, and the next 16 rows fetched into L1 as the scores go keep few misses
+      // in flight: asked for all at once, the rows arrive in parallel (a SmolLM2 step's
+      // decode attention, 30 layers, 4 x 2,600: 13.8 -> 9.5 ms on its own pages, 8.4 ->
+      // 5.8 on a shared 2,000; the KV read at 21 -> 30 GB/s). FP8 rows were fetched so
+      // above, and their widened rows are in cache already. An item whose rows the item
+      // before it streamed in (AheadStream) skips this.
+      for (int64_t i = 0; i < n && !k8 && !streamed; ++i) {
+        prefetch_lines<kToL2>(krow[i], row_bytes);
+        prefetch_lines<kToL2>(vrow[i], row_bytes);
+      }
+      // the next item's rows stream in: half its lines during the scores (this many every
+      // 16 keys), half during the values
+      start_ahead(next);
+      const int64_t blocks = (n + 15) / 16;
+      const int64_t score_pump = (ahead.lines / 2 + blocks - 1) / blocks;
       if constexpr (kAvx) {
 #ifdef __AVX512F__
         // the last row repeated up to a multiple of 16 keys (their scores land past n,
         // where no row looks)
         for (int64_t i = n; i % 16 != 0; ++i) krow[i] = krow[n - 1];
-        // The whole split's K and V rows towards L2 at once (~200 KB for SmolLM2). Its
-        // pages are scattered 6 KB runs, which the hardware prefetcher restarts at every
-        // 4 KB page, and the next 16 rows fetched into L1 as the scores go (below) keep
-        // few misses in flight: asked for all at once, the rows arrive in parallel (a
-        // SmolLM2 step's decode attention, 30 layers, 4 x 2,600: 13.8 -> 9.5 ms on its
-        // own pages, 8.4 -> 5.8 on a shared 2,000; the KV read at 21 -> 30 GB/s). FP8
-        // rows were fetched so above, and their widened rows are in cache already. An
-        // item whose rows the item before it streamed in (AheadStream) skips this.
-        const int64_t row_bytes = slot_stride * static_cast<int64_t>(sizeof(scalar_t));
-        for (int64_t i = 0; i < n && !k8 && !streamed; ++i) {
-          prefetch_lines<kToL2>(krow[i], row_bytes);
-          prefetch_lines<kToL2>(vrow[i], row_bytes);
-        }
         using q_t = typename Avx::q_t;
         q_t* qbuf = reinterpret_cast<q_t*>(qf.data());  // bf16 pairs use half of it
         for (int64_t r = 0; r < nrows; ++r) {
@@ -655,39 +660,22 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
           else
             std::memcpy(qbuf + r * D, as_float(q_of[r], row.data(), D), D * sizeof(float));
         }
-        start_ahead(next);
-        // half the next item's lines during the scores, half during the values
-        const int64_t blocks = (n + 15) / 16;
         Avx::scores(qbuf, kv_of.data(), nrows, krow.data(), vrow.data(), n, row_bytes, scale,
-                    scores.data(), ahead, (ahead.lines / 2 + blocks - 1) / blocks);
+                    scores.data(), ahead, score_pump);
 #endif
       } else if constexpr (kAvx2) {
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
         for (int64_t i = n; i % 8 != 0; ++i) krow[i] = krow[n - 1];  // as the AVX-512 path
-        for (int64_t i = 0; i < n && !k8 && !streamed; ++i) {
-          prefetch_lines<kToL2>(krow[i], row_bytes_all);
-          prefetch_lines<kToL2>(vrow[i], row_bytes_all);
-        }
         for (int64_t r = 0; r < nrows; ++r)
           std::memcpy(qf.data() + r * D, as_float(q_of[r], row.data(), D), D * sizeof(float));
-        start_ahead(next);
-        const int64_t blocks = (n + 15) / 16;
-        Avx2::scores(qf.data(), kv_of.data(), nrows, krow.data(), vrow.data(), n, row_bytes_all,
-                     scale, scores.data(), ahead, (ahead.lines / 2 + blocks - 1) / blocks);
+        Avx2::scores(qf.data(), kv_of.data(), nrows, krow.data(), vrow.data(), n, row_bytes,
+                     scale, scores.data(), ahead, score_pump);
 #endif
       } else {
-        // as the vector path: the split's rows towards L2 unless streamed in, the next
-        // item's streamed in, half during the scores and half during the values
-        for (int64_t i = 0; i < n && !k8 && !streamed; ++i) {
-          prefetch_lines<kToL2>(krow[i], row_bytes_all);
-          prefetch_lines<kToL2>(vrow[i], row_bytes_all);
-        }
         for (int64_t r = 0; r < nrows; ++r)
           for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(q_of[r][d]) * scale;
-        start_ahead(next);
-        const int64_t pump = (ahead.lines / 2 + n - 1) / n * 16;
         for (int64_t i = 0; i < n; ++i) {
-          if (i % 16 == 0) ahead.pump(pump);
+          if (i % 16 == 0) ahead.pump(score_pump);
           const float* kt = as_float(krow[i], row.data(), slot_stride);
           for (int64_t r = 0; r < nrows; ++r) {  // query head h reads KV head h / G
             const float* qv = qf.data() + r * D;
@@ -755,14 +743,13 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
         value_tiles(Avx2::kRows, Avx2::VD / Avx2::kChunk,
                     [&](int64_t r, int64_t rows, int64_t kv, int64_t pump) {
-                      for (int64_t k = 0; k < rows; k += Avx2::kRows) {
-                        if (rows - k >= Avx2::kRows)
-                          Avx2::template values<Avx2::kRows>(wrow.data() + r + k, vrow.data(), n,
-                                                             kv, orow.data() + r + k, ahead, pump);
-                        else
-                          Avx2::template values<1>(wrow.data() + r + k, vrow.data(), n, kv,
-                                                   orow.data() + r + k, ahead, pump);
-                      }
+                      static_assert(Avx2::kRows == 2, "a tile's tail is one row");
+                      if (rows == Avx2::kRows)
+                        Avx2::template values<Avx2::kRows>(wrow.data() + r, vrow.data(), n, kv,
+                                                           orow.data() + r, ahead, pump);
+                      else
+                        Avx2::template values<1>(wrow.data() + r, vrow.data(), n, kv,
+                                                 orow.data() + r, ahead, pump);
                     });
 #endif
       } else {
