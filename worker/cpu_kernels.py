@@ -56,7 +56,12 @@ ENV_SWITCH = "DEEPINFER_CPU_KERNELS"
 # this CPU can run, e.g. `x86-64-v3` (AVX2 and FMA, no AVX-512): the tests build and check
 # the paths of CPU kinds other than the one they run on (tests/worker/test_kernels_portable.py).
 ENV_MARCH = "DEEPINFER_CPU_KERNELS_MARCH"
-CFLAGS = ["-O3", f"-march={os.environ.get(ENV_MARCH, 'native')}", "-fopenmp"]
+# -fno-trapping-math (torch builds itself with it): without it GCC vectorizes no loop
+# that calls vec_math.h's exp_nonpositive for AVX2 (its clamp and rounding might trap),
+# so a decode's softmax and the SiLU ran one float at a time on AVX2-only CPUs. The
+# results are the same: only FP exception flags, which nothing reads, may differ.
+CFLAGS = ["-O3", f"-march={os.environ.get(ENV_MARCH, 'native')}", "-fopenmp",
+          "-fno-trapping-math"]
 # The head dims paged_prefill is built for (others prefill in torch).
 PREFILL_KERNEL_HEAD_DIMS = (32, 64, 128)
 
