@@ -12,8 +12,8 @@
 // products are register-tiled like a GEMM (a query row's broadcast against vectors of
 // keys, then a weight against vectors of V); the softmax runs on a row of a key block
 // at a time. bfloat16 goes through VDPBF16PS where the CPU has it (~2x torch's rate);
-// float32 runs at about torch's rate (AVX2: 83-89% of its float32 matmul rate), float16
-// and (without VDPBF16PS) bfloat16 are widened to float32.
+// float32 at or above torch's rate (on a Zen 4, 80-90% of its float32 matmul rate with
+// AVX-512 or AVX2 alone), float16 and (without VDPBF16PS) bfloat16 widened to float32.
 //
 // Layouts are paged_decode's: q [T, H, D] (D contiguous), k_cache / v_cache [num_pages,
 // page_size, Hkv, D] contiguous, out [T, H, D] contiguous. Sequence b has its n_q[b]
@@ -55,10 +55,13 @@ namespace {
 // AVX2 has 16 registers and its loads are what runs out first (two a cycle on a Zen 4,
 // against two FMAs): 6 query rows x 2 vectors of keys, then 3 rows x 4 vectors of V,
 // load a vector per 1.5-2 FMAs, where 2 x 4 and 1 x 8 loaded one per FMA (x86-64-v3
-// build on a Zen 4, float32 1,000 queries behind 12,000: 95 -> 145-155 GFLOP/s).
+// build on a Zen 4, float32 1,000 queries behind 12,000: 95 -> 145-155 GFLOP/s). AVX-512:
+// 6 rows x 4 vectors both ways; with 4 x 4 GCC folded every key load into its FMA, 20 loads
+// to 16 FMAs (Zen 4 float32: 91-151 -> 149-181 GFLOP/s; bf16, whose tiles these also size,
+// unchanged at 287-337).
 #ifdef __AVX512F__
 constexpr int kLanes = 16;
-constexpr int kAccumulators = 16;  // of 32 vector registers
+constexpr int kAccumulators = 24;  // of 32 vector registers
 constexpr int64_t kKeyVectors = 4;
 constexpr int64_t kValueVectors = 8;  // a whole row of head dim 128
 #elif defined(__AVX2__) && defined(__FMA__)
