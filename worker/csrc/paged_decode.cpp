@@ -281,14 +281,67 @@ inline __m256 lane_sums8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
 }
 
+// bf16 KV: 16 keys' worth of a row from one 256-bit load as two float32 vectors, each
+// pair's low half shifted up (the row's even elements) and its high half masked (the odd
+// ones): two instructions for 16 elements where widening 8 at a time took four, and
+// those compete with the FMAs for the same ports. q is stored in that order (the evens of
+// each 16, then the odds) and the value tiles put their lanes back in order as they store.
+inline __m256 bf16_evens(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+}
+inline __m256 bf16_odds(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(-65536)));
+}
+inline __m256i load_pairs(const c10::BFloat16* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+// out[0, 16): the elements whose evens and odds are e and o
+inline void store_interleaved(float* out, __m256 e, __m256 o) {
+  const __m256 lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o);
+  _mm256_storeu_ps(out, _mm256_permute2f128_ps(lo, hi, 0x20));
+  _mm256_storeu_ps(out + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
 template <typename scalar_t, int64_t kD>
 struct DecodeAvx2 {
   static constexpr int64_t VD = kD / 8;  // vectors in a head's row
   // value tiles: kRows query rows by kChunk vectors of a row (16 registers in all)
   static constexpr int kRows = 2, kChunk = 4;
+  // bf16 rows are read as evens and odds (bf16_evens): q's float32 rows in that order
+  static constexpr bool kSplitPairs = std::is_same_v<scalar_t, c10::BFloat16>;
 
-  // scores[r * kSplit + i] = scale * q_r . k_i, q as float32 rows in qbuf; keys padded to
-  // a multiple of 8 by repeats (see DecodeAvx512::scores).
+  // q's float32 row as the scores read it
+  static void store_q(float* dst, const float* q) {
+    if constexpr (kSplitPairs) {
+      for (int64_t g = 0; g < kD; g += 16)
+        for (int l = 0; l < 8; ++l) dst[g + l] = q[g + 2 * l], dst[g + 8 + l] = q[g + 2 * l + 1];
+    } else {
+      std::memcpy(dst, q, kD * sizeof(float));
+    }
+  }
+
+  // q_r . k over the row's 8-lane partial sums
+  static inline __m256 dot(const float* q, const scalar_t* k) {
+    if constexpr (kSplitPairs) {
+      const __m256i x = load_pairs(k);
+      __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), bf16_evens(x));
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8), bf16_odds(x), acc);
+      for (int64_t g = 16; g < kD; g += 16) {
+        const __m256i y = load_pairs(k + g);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g), bf16_evens(y), acc);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g + 8), bf16_odds(y), acc);
+      }
+      return acc;
+    } else {
+      __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), widen8(k));
+      for (int64_t v = 1; v < VD; ++v)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v), widen8(k + 8 * v), acc);
+      return acc;
+    }
+  }
+
+  // scores[r * kSplit + i] = scale * q_r . k_i, q as float32 rows in qbuf (store_q); keys
+  // padded to a multiple of 8 by repeats (see DecodeAvx512::scores).
   static void scores(const float* qbuf, const int64_t* kv_of, int64_t nrows,
                      const scalar_t* const* krow, const scalar_t* const* vrow, int64_t n,
                      int64_t row_bytes, float scale, float* scores, AheadStream& ahead,
@@ -301,13 +354,7 @@ struct DecodeAvx2 {
       for (int64_t i = i0; i < std::min(n, i0 + 8); ++i) prefetch_lines(vrow[i], row_bytes);
       for (int64_t r = 0; r < nrows; ++r) {
         const float* q = qbuf + r * kD;
-        for (int u = 0; u < 8; ++u) {
-          const scalar_t* k = krow[i0 + u] + kv_of[r];
-          __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), widen8(k));
-          for (int64_t v = 1; v < VD; ++v)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v), widen8(k + 8 * v), acc);
-          part[u] = acc;
-        }
+        for (int u = 0; u < 8; ++u) part[u] = dot(q, krow[i0 + u] + kv_of[r]);
         _mm256_storeu_ps(scores + r * kSplit + i0, _mm256_mul_ps(lane_sums8(part), sc));
       }
     }
@@ -326,14 +373,28 @@ struct DecodeAvx2 {
         if (i % 16 == 0) ahead.pump(pump);
         const scalar_t* row = vrow[i] + kv + 8 * c0;
         __m256 x[kChunk];
-        for (int v = 0; v < kChunk; ++v) x[v] = widen8(row + 8 * v);
+        if constexpr (kSplitPairs) {  // x: evens and odds of 16 elements, then of the next 16
+          for (int v = 0; v < kChunk; v += 2) {
+            const __m256i pairs = load_pairs(row + 8 * v);
+            x[v] = bf16_evens(pairs);
+            x[v + 1] = bf16_odds(pairs);
+          }
+        } else {
+          for (int v = 0; v < kChunk; ++v) x[v] = widen8(row + 8 * v);
+        }
         for (int r = 0; r < RT; ++r) {
           const __m256 p = _mm256_broadcast_ss(static_cast<const float*>(w[r]) + i);
           for (int v = 0; v < kChunk; ++v) acc[r][v] = _mm256_fmadd_ps(p, x[v], acc[r][v]);
         }
       }
-      for (int r = 0; r < RT; ++r)
-        for (int v = 0; v < kChunk; ++v) _mm256_storeu_ps(out[r] + 8 * (c0 + v), acc[r][v]);
+      for (int r = 0; r < RT; ++r) {
+        if constexpr (kSplitPairs) {
+          for (int v = 0; v < kChunk; v += 2)
+            store_interleaved(out[r] + 8 * (c0 + v), acc[r][v], acc[r][v + 1]);
+        } else {
+          for (int v = 0; v < kChunk; ++v) _mm256_storeu_ps(out[r] + 8 * (c0 + v), acc[r][v]);
+        }
+      }
     }
   }
 };
@@ -667,7 +728,7 @@ void decode(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
         for (int64_t i = n; i % 8 != 0; ++i) krow[i] = krow[n - 1];  // as the AVX-512 path
         for (int64_t r = 0; r < nrows; ++r)
-          std::memcpy(qf.data() + r * D, as_float(q_of[r], row.data(), D), D * sizeof(float));
+          Avx2::store_q(qf.data() + r * D, as_float(q_of[r], row.data(), D));
         Avx2::scores(qf.data(), kv_of.data(), nrows, krow.data(), vrow.data(), n, row_bytes,
                      scale, scores.data(), ahead, score_pump);
 #endif

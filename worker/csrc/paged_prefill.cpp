@@ -12,8 +12,8 @@
 // products are register-tiled like a GEMM (a query row's broadcast against vectors of
 // keys, then a weight against vectors of V); the softmax runs on a row of a key block
 // at a time. bfloat16 goes through VDPBF16PS where the CPU has it (~2x torch's rate);
-// float32 at or above torch's rate (on a Zen 4, 80-90% of its float32 matmul rate with
-// AVX-512 or AVX2 alone), float16 and (without VDPBF16PS) bfloat16 widened to float32.
+// float32 at or above torch's rate (on a Zen 4, 77-92% of its float32 matmul rate with
+// AVX-512, 79-84% with AVX2 alone), float16 and (without VDPBF16PS) bfloat16 widened to float32.
 //
 // Layouts are paged_decode's: q [T, H, D] (D contiguous), k_cache / v_cache [num_pages,
 // page_size, Hkv, D] contiguous, out [T, H, D] contiguous. Sequence b has its n_q[b]
