@@ -31,21 +31,24 @@ inline float exp_nonpositive(float x) {
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+
+// exp_nonpositive's polynomial for 2^f (highest power first) for the vector versions
+inline constexpr float kExpPow2[] = {1.5465312520617985e-4f, 1.3395279800723324e-3f,
+                                     9.6180399450030800e-3f, 5.5503406807439634e-2f,
+                                     2.4022651101321707e-1f, 6.9314720006268040e-1f, 1.f};
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 // exp_nonpositive on 8 lanes (AVX2): the same polynomial; with no VSCALEFPS the power of
 // two is built in the exponent bits (n >= -126 after the clamp, a normal float).
 inline __m256 exp_nonpositive(__m256 x) {
-  static constexpr float kPow2[] = {1.5465312520617985e-4f, 1.3395279800723324e-3f,
-                                    9.6180399450030800e-3f, 5.5503406807439634e-2f,
-                                    2.4022651101321707e-1f, 6.9314720006268040e-1f, 1.f};
   const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)),
                                  _mm256_set1_ps(1.4426950408889634f));
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(kPow2[0]);
-  for (size_t i = 1; i < std::size(kPow2); ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kPow2[i]));
+  __m256 p = _mm256_set1_ps(kExpPow2[0]);
+  for (size_t i = 1; i < std::size(kExpPow2); ++i)
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpPow2[i]));
   const __m256i bits =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
@@ -69,13 +72,10 @@ inline __m512 pow2_fraction(__m512 t, const float (&coeffs)[N], __m512& n) {
 
 // exp_nonpositive on 16 lanes: the same polynomial, the power of two by VSCALEFPS.
 inline __m512 exp_nonpositive(__m512 x) {
-  static constexpr float kPow2[] = {1.5465312520617985e-4f, 1.3395279800723324e-3f,
-                                    9.6180399450030800e-3f, 5.5503406807439634e-2f,
-                                    2.4022651101321707e-1f, 6.9314720006268040e-1f, 1.f};
   const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)),
                                  _mm512_set1_ps(1.4426950408889634f));
   __m512 n;
-  const __m512 p = pow2_fraction(t, kPow2, n);
+  const __m512 p = pow2_fraction(t, kExpPow2, n);
   return _mm512_scalef_ps(p, n);
 }
 
