@@ -42,7 +42,14 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from orchestrator.shim.resume import NO_RESUME, Progress, ResumePolicy, with_seed
+from orchestrator.shim.resume import (
+    NO_RESUME,
+    EngineEpochs,
+    Progress,
+    ResumePolicy,
+    log_resumed,
+    with_seed,
+)
 from wire.client import (
     AbortRequest,
     EngineStats,
@@ -101,9 +108,7 @@ class EngineClient:
         # ... and for a resumed request that ended, its last one: its TurnEnd, sent after
         # the end, must name the sequence the scheduler closed (a bounded memory)
         self._ended_wire_ids: OrderedDict[str, str] = OrderedDict()
-        self._epoch = 0  # schedulers that answered so far: a continuation waits for a newer
-        self._changed = asyncio.Event()  # set (and replaced) when one does, or resuming stops
-        self._no_resume: str | None = None  # why no engine will come back (stop_resuming)
+        self._epochs = EngineEpochs()  # a continuation waits for a newer scheduler
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shutdown_reason: str | None = None  # why the engine was lost, last time
         self._stats: asyncio.Future[EngineStats] | None = None
@@ -171,7 +176,7 @@ class EngineClient:
             self._ctx.term()
             self._ctx = None
         self._connected = False
-        self._stop_resuming("the engine client was closed")
+        self._epochs.stop("the engine client was closed")
         self._fail_all("the engine client was closed")
 
     def stop_resuming(self, reason: str) -> None:
@@ -181,16 +186,7 @@ class EngineClient:
         signal handler."""
         if self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nothing waits
-                self._loop.call_soon_threadsafe(self._stop_resuming, reason)
-
-    def _stop_resuming(self, reason: str) -> None:
-        self._no_resume = self._no_resume or reason
-        self._notify()
-
-    def _notify(self) -> None:
-        """Wake the requests waiting for a restarted engine (`_engine_back`)."""
-        self._changed.set()
-        self._changed = asyncio.Event()
+                self._loop.call_soon_threadsafe(self._epochs.stop, reason)
 
     @property
     def info(self) -> EngineInfo:
@@ -227,7 +223,7 @@ class EngineClient:
         if timer is not None:
             self._timers[rid] = timer
         try:
-            epoch = self._epoch
+            epoch = self._epochs.epoch
             await self._send(request)
             while True:
                 out = await queue.get()
@@ -239,7 +235,7 @@ class EngineClient:
                 now = time.monotonic()
                 out = progress.seen(out, now)
                 if progress.attempt:
-                    self._log_resumed(progress, out, now)
+                    log_resumed(progress, out, now, self._metrics)
                 if out.finished:
                     self._streams.pop(progress.wire_id, None)
                 if timer is not None:
@@ -302,7 +298,8 @@ class EngineClient:
         output queue and epoch, or None (the request then ends with `failure`)."""
         self._streams.pop(progress.wire_id, None)  # the dead engine's outputs are moot
         progress.lost(failure, time.monotonic())
-        why_not = await self._engine_back(progress, epoch)
+        why_not = await self._epochs.wait_newer(progress, epoch, self.resume.timeout_s,
+                                                lambda: self._connected)
         if why_not is not None:
             log.warning("request_not_resumed", request_id=progress.request.request_id,
                         reason=why_not, output_tokens=len(progress.output),
@@ -315,46 +312,12 @@ class EngineClient:
         continuation = progress.continuation(time.monotonic())
         self._wire_ids[progress.request.request_id] = continuation.request_id
         queue = self._streams[continuation.request_id] = asyncio.Queue()
-        epoch = self._epoch
+        epoch = self._epochs.epoch
         # FIFO on the one socket: a send of the old id that the dead engine never read
         # reaches the new one first, and is stopped before the continuation comes
         await self._send(AbortRequest(previous, "abort"))
         await self._send(continuation)
         return queue, epoch
-
-    async def _engine_back(self, progress: Progress, epoch: int) -> str | None:
-        """Wait until a scheduler newer than `epoch` answers: None once one has, else why
-        the request is not continued ("stopping", "deadline", "timeout")."""
-        give_up = time.monotonic() + self.resume.timeout_s
-        while True:
-            now = time.monotonic()
-            left = progress.deadline_left(now)
-            if self._no_resume is not None:
-                return "stopping"
-            if left is not None and left <= 0:
-                return "deadline"
-            if self._connected and self._epoch > epoch:
-                return None
-            if now >= give_up:
-                return "timeout"
-            wait = give_up - now if left is None else min(give_up - now, left)
-            changed = self._changed
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(changed.wait(), wait)
-
-    def _log_resumed(self, progress: Progress, out: RequestOutput, now: float) -> None:
-        """A continued request's line, and its pause, once its stream goes on."""
-        pause = progress.end_pause(out, now)
-        if pause is None:
-            return
-        log.info("request_resumed", request_id=progress.request.request_id,
-                 attempt=progress.attempt, resumed_tokens=progress.num_resumed,
-                 pause_s=round(pause, 3),
-                 engine_wait_s=round(progress.back_at - progress.lost_at, 3),
-                 lost_because=progress.failure.error if progress.failure else None)
-        if self._metrics is not None:
-            self._metrics.requests_resumed.inc()
-            self._metrics.resume_pause.observe(pause)
 
     # --- internals --------------------------------------------------------------
 
@@ -416,8 +379,7 @@ class EngineClient:
         reconnected = self._info is not None
         self._info = info
         self._connected = True
-        self._epoch += 1
-        self._notify()
+        self._epochs.answered()
         if self._first_info is not None and not self._first_info.done():
             self._first_info.set_result(info)
         if reconnected:

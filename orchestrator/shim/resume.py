@@ -28,10 +28,22 @@ that no engine will come back (the launcher stops it once its restarts are spent
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import structlog
 
 from wire.client import MIN_TEMPERATURE, GenerateRequest, RequestOutput
+
+if TYPE_CHECKING:
+    from orchestrator.shim.metrics import Metrics
+
+log = structlog.get_logger()
 
 DEFAULT_RESUME_TIMEOUT_S = 300.0  # deepinfer-run --resume-timeout
 # What a continuation's wire id adds to the request's: `<id>.r<k>` for the k-th.
@@ -138,3 +150,65 @@ class Progress:
             return None
         pause, self.paused_at = now - self.paused_at, None
         return pause
+
+
+class EngineEpochs:
+    """The schedulers that answered the client so far (the epoch: their count), for the
+    requests waiting out a restart: a continuation waits for a scheduler newer than the
+    one that ran it. Every change wakes the waiters (`_notify`)."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self._changed = asyncio.Event()  # set (and replaced) when one answers, or on stop
+        self.stopped: str | None = None  # why no engine will come back (`stop`)
+
+    def answered(self) -> None:
+        """A scheduler answered ClientHello: a newer epoch."""
+        self.epoch += 1
+        self._notify()
+
+    def stop(self, reason: str) -> None:
+        """No engine will come back: the waiting requests end now, later losses at once."""
+        self.stopped = self.stopped or reason
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_newer(self, progress: Progress, epoch: int, timeout_s: float,
+                         connected: Callable[[], bool]) -> str | None:
+        """Wait until a scheduler newer than `epoch` answers: None once one has, else why
+        the request is not continued ("stopping", "deadline", "timeout")."""
+        give_up = time.monotonic() + timeout_s
+        while True:
+            now = time.monotonic()
+            left = progress.deadline_left(now)
+            if self.stopped is not None:
+                return "stopping"
+            if left is not None and left <= 0:
+                return "deadline"
+            if connected() and self.epoch > epoch:
+                return None
+            if now >= give_up:
+                return "timeout"
+            wait = give_up - now if left is None else min(give_up - now, left)
+            changed = self._changed
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(changed.wait(), wait)
+
+
+def log_resumed(progress: Progress, out: RequestOutput, now: float,
+                metrics: Metrics | None) -> None:
+    """A continued request's line, and its pause, once its stream goes on."""
+    pause = progress.end_pause(out, now)
+    if pause is None:
+        return
+    log.info("request_resumed", request_id=progress.request.request_id,
+             attempt=progress.attempt, resumed_tokens=progress.num_resumed,
+             pause_s=round(pause, 3),
+             engine_wait_s=round(progress.back_at - progress.lost_at, 3),
+             lost_because=progress.failure.error if progress.failure else None)
+    if metrics is not None:
+        metrics.requests_resumed.inc()
+        metrics.resume_pause.observe(pause)
