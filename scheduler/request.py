@@ -54,7 +54,7 @@ class Sequence:
     uncached: UncachedTokens | None = None  # why the rest of its prompt was computed
     uncached_told: bool = False  # an output carried `uncached` (its first after admission)
     first_token_time: float | None = None
-    admitted_time: float | None = None  # its first admission (`Scheduler._start`)
+    admitted_time: float | None = None  # its first admission (`AdmissionControl._start`)
     num_preemptions: int = 0
     error: str | None = None  # why it ended, when it ended with an error
     error_type: str | None = None

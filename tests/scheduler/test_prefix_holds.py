@@ -1,4 +1,4 @@
-"""Waiting requests hold their cached prefixes (scheduler `_hold_waiting`, cache `hold`).
+"""Waiting requests hold their cached prefixes (`AdmissionControl.hold_waiting`, cache `hold`).
 
 A coding agent's next turn that waits behind other sessions' prefills must find its
 history still cached when its turn comes: the blocks the running sequences need come

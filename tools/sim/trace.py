@@ -87,7 +87,7 @@ def run(params: TraceParams, sim: SimSettings, policy: str) -> list[Done]:
     core = EngineCore(Scheduler(config, agree_limits(ex.start()), clock=lambda: ex.clock), ex)
     sched = core.scheduler
     if policy in ("no-holds", "lru"):
-        sched._hold_waiting = lambda: None  # type: ignore[method-assign]
+        sched.admission.hold_waiting = lambda head_blocked: None  # type: ignore[method-assign]
     seen = SeenPrefix(BLOCK)
     order = itertools.count()
     # (time, order, session, answer): the session's next request is asked for then
