@@ -22,9 +22,9 @@ monitor sees the connection drop: a scheduler killed outright says no goodbye), 
 live request fails with error_type "unavailable" (503 + retry-after), `connected` is
 False, and ClientHello is sent again every HELLO_INTERVAL_S: the DEALER reconnects by
 itself when a new scheduler binds the same address, and its EngineInfo makes the client
-connected again. With a ResumePolicy (deepinfer-run --restart: the launcher restarts the
-engine), a live request is not failed but waits for that new scheduler and is continued
-there, its stream going on where it stopped (resume.py).
+connected again (connection_watch.py). With a ResumePolicy (deepinfer-run --restart: the
+launcher restarts the engine), a live request is not failed but waits for that new
+scheduler and is continued there, its stream going on where it stopped (resume.py).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
+from orchestrator.shim.connection_watch import ConnectionWatch
 from orchestrator.shim.resume import (
     NO_RESUME,
     EngineEpochs,
@@ -66,8 +66,6 @@ if TYPE_CHECKING:
     from orchestrator.shim.metrics import Metrics, RequestTimer
 
 log = structlog.get_logger()
-HELLO_INTERVAL_S = 1.0  # while the engine is lost: how often ClientHello is resent
-DISCONNECT_GRACE_S = 0.2  # a disconnect waits this long for the reader to drain
 ENDED_WIRE_IDS_KEPT = 1024  # resumed requests whose TurnEnd may still come
 
 
@@ -94,9 +92,8 @@ class EngineClient:
         self.resume = resume
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
-        self._monitor: zmq.asyncio.Socket | None = None  # connection events of _sock
+        self._watch: ConnectionWatch | None = None  # connection events of _sock, re-hellos
         self._tasks: list[asyncio.Task[None]] = []  # the reader and the connection watcher
-        self._rehello: asyncio.Task[None] | None = None
         self._first_info: asyncio.Future[EngineInfo] | None = None
         self._info: EngineInfo | None = None  # the latest scheduler's
         self._connected = False
@@ -137,13 +134,13 @@ class EngineClient:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)  # close() must not hang on a dead scheduler
-        self._monitor = self._sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._watch = ConnectionWatch(self._sock, self._send_nowait, lambda: self._connected,
+                                      self._lost)
         secure_connect(self._sock, self.address)  # CURVE over tcp://
         self._first_info = asyncio.get_running_loop().create_future()
         self._tasks = [
             asyncio.create_task(self._read_loop(), name="engine-client-reader"),
-            asyncio.create_task(self._watch_connection(), name="engine-client-monitor"),
+            asyncio.create_task(self._watch.watch(), name="engine-client-monitor"),
         ]
         await self._sock.send(encode(ClientHello(pid=os.getpid())))
         try:
@@ -160,16 +157,15 @@ class EngineClient:
         return info
 
     async def close(self) -> None:
-        tasks = [*self._tasks, *([self._rehello] if self._rehello else [])]
+        tasks = [*self._tasks, *(self._watch.tasks if self._watch else [])]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._tasks, self._rehello = [], None
+        self._tasks = []
         if self._sock is not None:
-            if self._monitor is not None:
-                self._sock.disable_monitor()
-                self._monitor.close(linger=0)
-                self._monitor = None
+            if self._watch is not None:
+                self._watch.close()
+                self._watch = None
             self._sock.close(linger=0)
             self._sock = None
         if self._ctx is not None:
@@ -398,35 +394,8 @@ class EngineClient:
         self._fail_all(reason)
         if self._stats is not None and not self._stats.done():  # /metrics need not wait
             self._stats.set_exception(EngineUnavailableError(reason))
-        if self._rehello is None or self._rehello.done():
-            self._rehello = asyncio.create_task(self._hello_until_answered(),
-                                                name="engine-client-rehello")
-
-    async def _hello_until_answered(self) -> None:
-        while not self._connected:
-            self._send_hello()
-            await asyncio.sleep(HELLO_INTERVAL_S)
-
-    def _send_hello(self) -> None:
-        """Never waits: queued for the (re)connection, or dropped if the queue is full
-        (the next one goes out a second later)."""
-        self._send_nowait(ClientHello(pid=os.getpid()), zmq.DONTWAIT)
-
-    async def _watch_connection(self) -> None:
-        """The socket's own view of its connection: a scheduler killed with SIGKILL
-        sends no Shutdown, but its peer sees the connection drop."""
-        assert self._monitor is not None
-        while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
-            if event == zmq.EVENT_DISCONNECTED:
-                # What a failing scheduler sent before it went (each request's error naming
-                # the failed rank, then its Shutdown) is already queued on the other
-                # socket: let the reader route it first, so those words are not lost.
-                await asyncio.sleep(DISCONNECT_GRACE_S)
-                self._lost("the connection to the scheduler was lost")
-            elif event == zmq.EVENT_CONNECTED and self._rehello is not None \
-                    and not self._connected:
-                self._send_hello()  # a new scheduler: no need to wait for the next tick
+        assert self._watch is not None, "lost before start()"
+        self._watch.call_until_answered()
 
     def _fail_all(self, reason: str) -> None:
         """End every live request with an "unavailable" error (503 + retry-after: the
