@@ -325,8 +325,12 @@ def _supervise(group: list[Child], shim: list[Child], stop_reason: dict, log,
             log.info("engine_stopping", reason=stop_reason["signal"])
             return 0
         exited = [c for c in shim + group if c.proc.poll() is not None]
-        # the ranks first: a dead rank makes the scheduler exit too, and is the cause
-        exited.sort(key=lambda c: (not c.name.startswith("rank"), c.name))
+        # The cause first. A child killed by a signal (kill -9, the OOM killer, a crash)
+        # before one that exited with a status: the survivors of a broken collective exit
+        # on their own, and two deaths often land in one poll. Then the ranks: a dead rank
+        # makes the scheduler exit too.
+        exited.sort(key=lambda c: (c.proc.returncode >= 0, not c.name.startswith("rank"),
+                                   c.name))
         if exited:
             cause = "; ".join(f"{c.name} (pid {c.proc.pid}) {describe_exit(c.proc.returncode)}"
                               for c in exited)

@@ -110,6 +110,22 @@ def test_the_shim_exiting_stops_everything_even_with_restarts_left() -> None:
         stop_in_order(group + shim)
 
 
+def test_a_child_killed_by_a_signal_is_named_before_the_ones_that_exited_after_it() -> None:
+    """kill -9 of rank 1: rank 0 leaves its broken collective with a status of its own, and
+    both are often reaped in one poll. The killed rank is the cause, whatever its name."""
+    group = [sleeper("scheduler"), sleeper("rank 0", "0"), sleeper("rank 1")]
+    group[2].proc.kill()
+    for child in group[1:]:
+        child.proc.wait()
+    try:
+        with capture_logs() as logs:
+            code = _supervise(group, [], {"signal": None}, structlog.get_logger(), 0,
+                              lambda *_: pytest.fail("restarted without restarts"))
+        exits = [e for e in logs if e["event"] == "child_exited"]
+        assert [e["process"] for e in exits] == ["rank 1", "rank 0"]
+        assert "SIGKILL" in exits[0]["status"] and code == 128 + 9
+    finally:
+        stop_in_order(group)
 
 
 def test_a_picked_port_and_the_ones_after_it_are_free_and_outside_the_ephemeral_range(
