@@ -122,15 +122,31 @@ def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
     if low - 1024 >= 1000:  # room below the ephemeral range
         for _ in range(200):
             port = rng.randrange(max(1024, low - 12000), low - span)
-            if all(_bindable(host, p) for p in range(port, port + span)):
-                return port
+            if _unclaimed(host, port, span):
+                return _hand_out(port, span)
     for _ in range(200):  # no room: let the kernel pick, and check the ports after it
         with socket.socket() as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
-        if port + span <= 65536 and all(_bindable(host, p) for p in range(port + 1, port + span)):
-            return port
+        if port + span <= 65536 and _unclaimed(host, port, span):
+            return _hand_out(port, span)
     raise RuntimeError(f"no {span} consecutive free ports on {host}")
+
+
+# Ports this process handed out. A port is free until its server binds it, which may be
+# seconds later in a child (a replica's shim after its model loads): a second pick in the
+# meantime must not hand out the same port again.
+_HANDED_OUT: set[int] = set()
+
+
+def _unclaimed(host: str, port: int, span: int) -> bool:
+    ports = range(port, port + span)
+    return not _HANDED_OUT.intersection(ports) and all(_bindable(host, p) for p in ports)
+
+
+def _hand_out(port: int, span: int) -> int:
+    _HANDED_OUT.update(range(port, port + span))
+    return port
 
 
 def _ephemeral_range() -> tuple[int, int]:

@@ -65,8 +65,11 @@ class Replicas:
                     args += ["--kv-events-endpoint", str(events),
                              "--kv-events-replay-endpoint", str(replay)]
                     self.kv_event_endpoints.append(f"tcp://127.0.0.1:{events}")
+                # the launcher's own port is picked here too: picked in each child, it
+                # could land on a port this process picked and a replica has not bound yet
                 self._start(f"replica-{i}", [
                     sys.executable, "-m", "orchestrator.launcher", "--nproc-per-node", "1",
+                    "--master-port", str(free_port(span=3)),
                     "--run-dir", str(self.log_dir / f"run-{i}"),
                     "serve", "--model", str(model), *args, *(extra_args or [])])
                 self.replica_urls.append(f"http://127.0.0.1:{rport}")

@@ -137,14 +137,22 @@ def test_a_picked_port_and_the_ones_after_it_are_free_and_outside_the_ephemeral_
         port = free_port(span=3)
         assert port + 2 < low and all(_bindable("127.0.0.1", p) for p in (port, port + 1, port + 2))
 
-    class Draws:  # the candidates free_port draws, in order
-        def __init__(self) -> None:
-            self.ports = iter([port, port + 5])
+    def draws(*ports: int) -> None:  # the candidates free_port draws, in order
+        class Draws:
+            def __init__(self) -> None:
+                self.ports = iter(ports)
 
-        def randrange(self, _start: int, _stop: int) -> int:
-            return next(self.ports)
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", port + 1))  # the first candidate's second port is in use
+            def randrange(self, _start: int, _stop: int) -> int:
+                return next(self.ports)
         monkeypatch.setattr(launcher.random, "SystemRandom", Draws)
-        assert free_port(span=3) == port + 5
+
+    base = port + 100
+    monkeypatch.setattr(launcher, "_HANDED_OUT", set())
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base + 1))  # the first candidate's second port is in use
+        draws(base, base + 5)
+        assert free_port(span=3) == base + 5
+    # Handed out, unbound yet (a child binds it later): not handed out again, not even
+    # as the tail of a wider pick
+    draws(base + 5, base + 3, base + 20)
+    assert free_port(span=3) == base + 20
