@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 
 import httpx
 import pytest
 from rich.console import Console
 
-from tools.benchmarks import peers
+from orchestrator.config import repo_env
+from tools.benchmarks import isa_cap, peers
 from tools.benchmarks import vs_vllm as bvv
 
 
@@ -143,6 +147,39 @@ def test_end_to_end_against_a_stand_in_peer(default_model, tmp_path, capsys):
     assert result["machine"]["cpu"] and result["load"]["salt"]
     printed = capsys.readouterr().out
     assert "machine:" in printed and "prompt tok/s" in printed
+
+
+def test_the_avx2_cap_hides_the_cpus_wider_units_from_the_peers_kernel_choice(tmp_path):
+    """vLLM-CPU picks _C, _C_AVX512 or _C_AVX2 by these torch.cpu checks (CPUID, not the
+    library caps): under the cap's PYTHONPATH every one of them says no."""
+    path = isa_cap.peer_python_path("avx2", tmp_path)
+    checks = ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_vnni_supported",
+              "_is_amx_tile_supported")
+    code = f"import torch.cpu as c; print([getattr(c, n)() for n in {checks!r}])"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": path}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["[False,", "False,", "False,", "False]"]
+    assert isa_cap.peer_python_path(None, tmp_path) is None
+
+
+@pytest.mark.slow
+def test_a_run_held_to_avx2_runs_under_the_caps_and_says_so(default_model, tmp_path):
+    """As a user types it: the harness re-runs itself under the caps (torch reads them as
+    it loads), the engines inherit them, and the figures are marked."""
+    out = tmp_path / "r.json"
+    env = {k: v for k, v in os.environ.items() if k not in isa_cap.CAPS["avx2"]}
+    r = subprocess.run(
+        [sys.executable, "-m", "tools.benchmarks.vs_vllm", "--cap-isa", "avx2",
+         "--model", str(default_model), "--peer", "deepinfer", "--agents", "1",
+         "--system-tokens", "32", "--steps", "1", "--tool-result-tokens", "8",
+         "--max-tokens", "2", "--no-machine-rates", "--json", str(out)],
+        capture_output=True, text=True, env=repo_env() | env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["machine"]["isa_cap"] == "avx2" and result["args"]["cap_isa"] == "avx2"
+    assert "code held to avx2 (--cap-isa)" in r.stdout
+    assert all(row["requests"] == 1 for row in result["runs"].values())
 
 
 def test_peer_paths_are_made_absolute_but_not_resolved(tmp_path, monkeypatch):

@@ -84,6 +84,8 @@ def describe(measure: bool = True) -> dict:
     info = {"cpu": cpu_model(), "cores": os.cpu_count(), "flags": cpu_flags(),
             "torch": torch.__version__, "python": platform.python_version(),
             "torch_threads": torch.get_num_threads(), "load_avg_1m": os.getloadavg()[0]}
+    if os.environ.get("ATEN_CPU_CAPABILITY"):  # the libraries held below the CPU's own
+        info["isa_cap"] = os.environ["ATEN_CPU_CAPABILITY"]
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["cuda"] = torch.version.cuda
@@ -104,6 +106,8 @@ def summary_line(info: dict) -> str:
     line = (f"machine: {info['cpu']}, {info['cores']} cores, flags "
             f"{' '.join(info['flags']) or 'none of note'}; torch {info['torch']}, "
             f"{info['torch_threads']} threads")
+    if info.get("isa_cap"):
+        line += f"; code held to {info['isa_cap']} (--cap-isa)"
     if "matmul_gflop_s" in info:
         mm = info["matmul_gflop_s"]
         line += (f"; measured: matmul {mm['float32']:,.0f} GFLOP/s float32, "

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from orchestrator.launcher import free_port
 from tools.benchmarks.completions import SERVED_NAME
+from tools.benchmarks.isa_cap import CAPS, peer_python_path
 from tools.harness.served import Served, wait_healthy
 from wire.threads import without_our_openmp_defaults
 
@@ -83,6 +84,9 @@ def add_peer_arguments(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--deepinfer-args", default="", help="more `deepinfer-run serve` flags")
     p.add_argument("--vllm-args", default="", help="more vLLM server flags")
     p.add_argument("--timeout-s", type=float, default=900, help="per request")
+    p.add_argument("--cap-isa", choices=sorted(CAPS), default=None,
+                   help="hold both engines to this instruction set (float32: an AVX2-only "
+                        "CPU's code paths on this CPU; tools/benchmarks/isa_cap.py)")
     p.add_argument("--no-machine-rates", action="store_true",
                    help="skip measuring the matmul and copy rates (seconds)")
     p.add_argument("--json", type=Path, default=None,
@@ -131,6 +135,9 @@ class PeerServer:
         env = {k: v for k, v in without_our_openmp_defaults(dict(os.environ)).items()
                if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PIP_CONFIG_FILE")}
         env.update(PEER_ENV)
+        python_path = peer_python_path(args.cap_isa, Path(args.peer_dir))
+        if python_path:
+            env["PYTHONPATH"] = python_path
         sized: list[str] = []
         if kv_cache_bytes is not None:  # the legacy variable would override the flag
             env.pop("VLLM_CPU_KVCACHE_SPACE")

@@ -71,6 +71,7 @@ from tqdm import tqdm
 
 from orchestrator.config import REPO
 from tools.benchmarks.completions import model_vocab
+from tools.benchmarks.isa_cap import hold
 from tools.benchmarks.machine import describe, print_summary
 from tools.benchmarks.peers import (
     PEER_MAX_MODEL_LEN,
@@ -273,6 +274,7 @@ def median_round(done: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None, console: Console | None = None) -> int:
     args = parse_args(argv)
+    hold(args.cap_isa, "tools.benchmarks.trace", argv)  # re-runs this under the caps, if not yet
     console = console or Console(width=160)
     model = args.model.resolve()
     vocab = model_vocab(model)

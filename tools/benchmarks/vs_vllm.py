@@ -59,6 +59,7 @@ from tqdm import tqdm
 from orchestrator.config import DEFAULT_MODEL
 from tools.benchmarks.agents import percentile
 from tools.benchmarks.completions import Vocab, cached_of, model_vocab, stream_completion
+from tools.benchmarks.isa_cap import hold
 from tools.benchmarks.machine import describe, print_summary
 from tools.benchmarks.peers import (
     PEER_MAX_MODEL_LEN,
@@ -364,6 +365,7 @@ def engine_row(rounds: EngineRounds) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None, console: Console | None = None) -> int:
     args = parse_args(argv)
+    hold(args.cap_isa, "tools.benchmarks.vs_vllm", argv)  # re-runs this under the caps, if not yet
     console = console or Console(width=140)
     model = args.model.resolve()
     vocab = model_vocab(model)
