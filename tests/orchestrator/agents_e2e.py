@@ -4,7 +4,8 @@
 
 For each agent (Claude Code, Codex CLI, opencode):
 
-1. installs its npm package into .venv/agents/NAME/ (once);
+1. installs its npm package into .venv/agents/NAME/ (again when npm names a newer
+   version), with a Node.js from npm where the newest version asks for a newer one;
 2. holds ONE session of `--turns` turns (three by default) against the engine, each turn
    a separate CLI run that continues the session (`claude -p --continue`, `codex exec
    resume --last`, `opencode run --continue`), with a scratch HOME holding the agent's
@@ -27,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -65,6 +68,7 @@ class Agent:
     configure: Callable[[Path, str], dict[str, str]]  # (home, engine url) -> env additions
     command: Callable[[int, str], list[str]]  # (turn from 1, prompt) -> argv after the bin
     version: str = ""
+    path: str = field(default_factory=lambda: os.environ.get("PATH", ""))  # node first
     turns: list[Turn] = field(default_factory=list)
 
 
@@ -160,15 +164,75 @@ AGENTS = {
 
 # --- running them --------------------------------------------------------------------------
 
+def npm_view(spec: str, field: str) -> str:
+    """`npm view SPEC FIELD` for the newest version SPEC names ('' where npm cannot tell)."""
+    try:
+        done = subprocess.run(["npm", "view", spec, field, "--json"], capture_output=True,
+                              text=True, timeout=120)
+        value = json.loads(done.stdout or '""') if done.returncode == 0 else ""
+    except (subprocess.TimeoutExpired, json.JSONDecodeError):
+        return ""
+    if isinstance(value, list):  # a range: one value a version, oldest first
+        value = value[-1] if value else ""
+    return value if isinstance(value, str) else ""
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in re.findall(r"\d+", text)[:3])
+
+
+def node_major_needed(engines: str, have: tuple[int, ...]) -> int | None:
+    """The Node major to fetch where no alternative of an npm `engines.node` range admits
+    the node we have, e.g. ">=22.0.0" with node 20 -> 22; None where it does (or names
+    no lower bound). Upper bounds are not read: the newest release of the major is taken."""
+    bounds = [version_tuple(alt) for alt in engines.split("||") if version_tuple(alt)]
+    if not bounds or any(have >= bound for bound in bounds):
+        return None
+    return min(bound[0] for bound in bounds)
+
+
+def node_path(agent: Agent) -> str:
+    """The PATH to install and run the agent with. Where the newest version of its package
+    asks for a newer Node than this machine's (Claude Code since 2.1.198: >= 22), npm would
+    quietly install the last version this node runs (2.1.197), which is not what users
+    get: a Node of the major asked for comes from npm's `node-linux-<arch>` package, once,
+    into .venv/agents/node-MAJOR/, and goes first on the PATH."""
+    path = os.environ.get("PATH", "")
+    have = subprocess.run(["node", "--version"], capture_output=True, text=True).stdout
+    major = node_major_needed(npm_view(agent.package, "engines.node"), version_tuple(have))
+    if major is None:
+        return path
+    arch = {"x86_64": "x64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
+    prefix = AGENTS_DIR / f"node-{major}"
+    bin_dir = prefix / "node_modules" / f"node-linux-{arch}" / "bin"
+    if not (bin_dir / "node").exists():
+        prefix.mkdir(parents=True, exist_ok=True)
+        print(f"{agent.package} asks for Node {major} (this machine's: {have.strip()}): "
+              f"installing node-linux-{arch}@{major} into {prefix}", flush=True)
+        subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(prefix),
+                        f"node-linux-{arch}@{major}"], check=True)
+    return f"{bin_dir}{os.pathsep}{path}"
+
+
+def installed_version(prefix: Path, package: str) -> str:
+    name = package.rsplit("@", 1)[0] if "@" in package[1:] else package  # less the version
+    manifest = prefix / "node_modules" / name / "package.json"
+    return json.loads(manifest.read_text()).get("version", "") if manifest.is_file() else ""
+
+
 def install(agent: Agent) -> list[str]:
-    """The command that runs the agent's CLI (installing its package if needed)."""
+    """The command that runs the agent's CLI, its package installed (again, where npm names
+    a newer version of its spec than the one installed: the run tests what users get)."""
     prefix = AGENTS_DIR / agent.name
     cli = prefix / "node_modules" / ".bin" / agent.bin
-    if not cli.exists():
+    newest = npm_view(agent.package, "version")
+    have = installed_version(prefix, agent.package)
+    if not cli.exists() or (newest and newest != have):
         prefix.mkdir(parents=True, exist_ok=True)
-        print(f"installing {agent.package} into {prefix}", flush=True)
+        print(f"installing {agent.package} ({newest or 'newest'}; installed: {have or 'none'}) "
+              f"into {prefix}", flush=True)
         subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(prefix),
-                        agent.package], check=True)
+                        agent.package], check=True, env={**os.environ, "PATH": agent.path})
     return [str(cli)]
 
 
@@ -199,7 +263,7 @@ def run_session(agent: Agent, cli: list[str], url: str, scratch: Path, log_path:
     work.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ANTHROPIC_", "OPENAI_", "CODEX_", "OPENCODE_"))}
-    env.update(HOME=str(home), NO_COLOR="1", **agent.configure(home, url))
+    env.update(HOME=str(home), NO_COLOR="1", PATH=agent.path, **agent.configure(home, url))
     # Nothing but the engine: whatever else an agent reaches for goes through a proxy on a
     # closed port and fails at once, as it would offline (with the settings above, none of
     # the three reaches for anything: Codex would export metrics, opencode install a package).
@@ -292,13 +356,18 @@ def main(argv: list[str] | None = None) -> int:
     runnable = []
     for agent in agents:
         try:
+            agent.path = node_path(agent)
             cli = install(agent)
         except subprocess.CalledProcessError as e:
             failures.append(f"{agent.name}: npm install {agent.package} failed ({e})")
             continue
         version = subprocess.run([*cli, "--version"], capture_output=True, text=True,
-                                 timeout=120, env={**os.environ, "HOME": tempfile.gettempdir()})
+                                 timeout=120, env={**os.environ, "HOME": tempfile.gettempdir(),
+                                                   "PATH": agent.path})
         agent.version = (version.stdout.strip() or version.stderr.strip()).splitlines()[-1]
+        node = subprocess.run(["node", "--version"], capture_output=True, text=True,
+                              env={**os.environ, "PATH": agent.path}).stdout.strip()
+        agent.version += f" on Node {node}"
         print(f"{agent.name}: {agent.version}", flush=True)
         runnable.append((agent, cli))
     model = make_model()
