@@ -154,6 +154,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--prefill-pack-tokens", type=int, default=None, metavar="N",
+                   help="a step starts another waiting request's prefill only while the "
+                        "prefill tokens it already holds are fewer than N, so that prompts "
+                        "arriving together get their first tokens one after another, not "
+                        "all at the end of one long step (0: pack up to "
+                        f"--max-num-batched-tokens; default: {d.prefill_pack_tokens} on a "
+                        "CPU, 0 on GPUs)")
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
                    help="requests waiting beyond this are refused: 529 overloaded_error "
                         "(Anthropic) / 429 (OpenAI), with retry-after")
@@ -257,6 +264,14 @@ def on_cuda(device: str) -> bool:
     return Path("/proc/driver/nvidia/version").exists() and visible not in ("", "-1")
 
 
+def default_prefill_pack(args: argparse.Namespace) -> int:
+    """--prefill-pack-tokens as given, else the CPU's default, or 0 on GPUs: a GPU runs a
+    few hundred tokens far below its rate, so there a step packs up to its budget."""
+    if args.prefill_pack_tokens is not None:
+        return args.prefill_pack_tokens
+    return 0 if on_cuda(args.device) else EngineConfig(model="").prefill_pack_tokens
+
+
 def disk_tier_flags(args: argparse.Namespace, num_local_ranks: int,
                     measure: Callable[[Path, int], NodeRoom] = measure_room,
                     ) -> tuple[str, int, int]:
@@ -308,6 +323,7 @@ def build_config(args: argparse.Namespace, world_size: int, num_local_ranks: int
         disk_cache_size=disk_size,
         served_model_name=(args.served_model_name or [model_name(str(model))])[0],
         speculative=speculative_from(args.speculative_config),
+        prefill_pack_tokens=default_prefill_pack(args),
     ))
     serve = ServeOptions(
         host=args.host, port=args.port, api_key=api_key_from(args),

@@ -53,16 +53,28 @@ class AdmissionControl:
 
     def admit_waiting(self, plan: StepPlan, budget: int,
                       outputs: list[RequestOutput]) -> bool:
-        """Admit waiting sequences while `budget`, sequence slots and blocks last: first
+        """Admit waiting sequences while `budget`, sequence slots and blocks last, and
+        while the step's prefill tokens are fewer than `prefill_pack_tokens`: first
         those whose disk reads are in, then the queue in order. The outputs decided on
-        the way go to `outputs`. True: the queue's head found no room (`hold_waiting`)."""
-        room = lambda: budget > 0 and len(self.running) < self.config.max_num_seqs  # noqa: E731
+        the way go to `outputs`. True: the queue's head found no room (`hold_waiting`).
+
+        Why the pack limit: prompts that arrive together (agents in step, a burst of
+        sub-agents) and are packed into one step all get their first token when that
+        step ends; run one after another, the first waits for its own tokens only, the
+        last as long as before, and the work is the same, as long as each step's prefill
+        is large enough to run at the machine's full rate (a few hundred tokens on a
+        CPU; a GPU wants the whole budget, so there it is off)."""
+        pack = self.config.prefill_pack_tokens or budget
+        packed = sum(len(c.token_ids) - c.num_draft for c in plan.chunks)
+        room = lambda: (budget > 0 and packed < pack  # noqa: E731
+                        and len(self.running) < self.config.max_num_seqs)
         for seq in list(self._reading):
             if not room():
                 break
             if self.admit(seq, budget):
                 self._reading.remove(seq)
-                budget -= self._start(plan, seq, budget, outputs)
+                started = self._start(plan, seq, budget, outputs)
+                budget, packed = budget - started, packed + started
             elif not self.cache.reading(seq.seq_id):  # read, but no room: queue head again
                 self._reading.remove(seq)
                 self.queue.push_front(seq)
@@ -84,7 +96,8 @@ class AdmissionControl:
                 self._reading.append(seq)
                 continue
             self.queue.pop()
-            budget -= self._start(plan, seq, budget, outputs)
+            started = self._start(plan, seq, budget, outputs)
+            budget, packed = budget - started, packed + started
         return False
 
     def _start(self, plan: StepPlan, seq: Sequence, budget: int,

@@ -142,6 +142,10 @@ class EngineConfig:
     max_model_len: int = 0  # 0: take the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # A step admits another waiting request's prefill only while the prefill tokens it
+    # already runs are fewer than this (scheduler/admission.py admit_waiting); 0: up to
+    # max_num_batched_tokens. The launcher sets 0 on GPUs (--prefill-pack-tokens).
+    prefill_pack_tokens: int = 512
     max_queued_requests: int = 256
     max_queued_tokens: int = 0  # prompt tokens waiting, all requests together; 0: no limit
     step_timeout_s: float = 300.0  # a rank that answers no step within this is hung
@@ -225,6 +229,8 @@ class EngineConfig:
             raise ConfigError("step_timeout_s must be > 0")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.prefill_pack_tokens < 0:
+            raise ConfigError("prefill_pack_tokens must be >= 0 (0: up to the step's budget)")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ConfigError("a KV-event replay endpoint needs --kv-events-endpoint")
         if self.state_snapshot_interval < 0:

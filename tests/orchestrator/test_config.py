@@ -119,7 +119,8 @@ def test_every_engine_flag_survives_the_run_directory(default_model: Path,
         "--kv-events-replay-endpoint", "5558", "--disk-cache-dir", str(tmp_path / "disk"),
         "--disk-cache-size", "3000000", "--disk-max-queued-writes", "16",
         "--disk-write-bytes-per-s", "1e6", "--no-prefix-caching", "--max-model-len", "256",
-        "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--max-queued-requests", "9",
+        "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--prefill-pack-tokens", "64",
+        "--max-queued-requests", "9",
         "--max-queued-tokens", "100", "--full-cache-check-every", "5", "--step-timeout", "12.5",
         "--attention-backend", "torch", "--torch-threads", "3", "--seed", "7",
         "--null-model-forward-ms", "2.5", "--step-channel", "zmq", "--no-async-scheduling",
@@ -169,6 +170,7 @@ def test_every_engine_setting_comes_from_its_flag_or_is_derived(default_model: P
         "max_model_len": (["--max-model-len", "128"], 128),
         "max_num_seqs": (["--max-num-seqs", "3"], 3),
         "max_num_batched_tokens": (["--max-num-batched-tokens", "99"], 99),
+        "prefill_pack_tokens": (["--prefill-pack-tokens", "64"], 64),
         "max_queued_requests": (["--max-queued-requests", "5"], 5),
         "max_queued_tokens": (["--max-queued-tokens", "1000"], 1000),
         "step_timeout_s": (["--step-timeout", "12.5"], 12.5),
@@ -195,6 +197,20 @@ def test_every_engine_setting_comes_from_its_flag_or_is_derived(default_model: P
         str(default_model.resolve()), 3, default_model.name.removesuffix(".gguf"))
     assert config.disk_cache_dir == str((tmp_path / "d").resolve())
     assert config.kv_write_policy == "write_through" and config.speculative is None
+
+
+def test_the_prefill_pack_limit_is_on_for_cpus_and_off_for_gpus(default_model: Path) -> None:
+    """--prefill-pack-tokens: 512 on a CPU (a few hundred tokens run at its full rate, so
+    prompts arriving together start one after another), 0 on GPUs (a step packs up to its
+    budget), or as given; a negative count is refused."""
+    model = ("--model", str(default_model))
+    assert engine_config(*model, "--device", "cpu").prefill_pack_tokens == 512
+    assert engine_config(*model, "--device", "cuda").prefill_pack_tokens == 0
+    assert engine_config(*model, "--device", "cuda", "--prefill-pack-tokens", "256"
+                         ).prefill_pack_tokens == 256
+    assert engine_config(*model, "--prefill-pack-tokens", "0").prefill_pack_tokens == 0
+    with pytest.raises(ConfigError, match="prefill_pack_tokens must be >= 0"):
+        engine_config(*model, "--prefill-pack-tokens", "-1")
 
 
 def test_the_kv_cache_dtype_is_the_models_unless_fp8_is_asked_for_on_cpu(

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from io import StringIO
 from pathlib import Path
@@ -450,6 +451,24 @@ def prefill_is_chunked(e: Launched) -> None:
     assert sum(prefill) == 100 and max(prefill) <= 32 and len(prefill) == math.ceil(100 / 32)
 
 
+def prefills_start_one_after_another(e: Launched) -> None:
+    """--prefill-pack-tokens 8: three 10-token prompts waiting together start in three
+    steps, one each (the default, 512, would pack all three into one)."""
+    assert e.config().prefill_pack_tokens == 8
+    with ThreadPoolExecutor(4) as pool:  # a running request keeps the 200 ms steps going
+        running = pool.submit(e.complete, prompt=[9], max_tokens=30, ignore_eos=True)
+        time.sleep(1.0)
+        prompts = [list(range(900 + 20 * i, 910 + 20 * i)) for i in range(3)]
+        for done in [pool.submit(e.complete, prompt=p, max_tokens=1) for p in prompts]:
+            done.result()
+        running.result()
+    status, text = inspector_json(e, "trace", "--steps", "60")
+    assert status == 0, text
+    starts = [plan["step"] for plan in json.loads(text)["plans"] for c in plan["chunks"]
+              if c["start_pos"] == 0 and c["num_tokens"] == 10]
+    assert len(starts) == 3 and len(set(starts)) == 3, starts
+
+
 def inspector_json(e: Launched, *args: str) -> tuple[int, str]:
     """`deepinfer-inspect --run-dir RUN --json ARGS...`: (exit status, output)."""
     out = StringIO()
@@ -682,6 +701,9 @@ ROWS = [
     Row("null-model", ("--no-prefix-caching",), nothing_is_cached),
     Row("null-model", ("--request-timeout", "2"), deadline_is_408),
     Row("null-model", ("--max-num-batched-tokens", "32"), prefill_is_chunked),
+    # A launch of its own: the one above runs one sequence at a time (--max-num-seqs 1)
+    Row("prefill-pack", ("--model", TINY, "--port", "{port}", "--null-model-forward-ms", "200",
+                         "--prefill-pack-tokens", "8"), prefills_start_one_after_another),
     Row("null-model", ("--max-num-seqs", "1", "--max-queued-requests", "2",
                        "--max-queued-tokens", "64"), queue_is_bounded),
 

@@ -67,6 +67,44 @@ def test_token_budget_and_sequence_cap():
     assert len(s.queue) == 1
 
 
+def prompts(n: int, length: int) -> list[GenerateRequest]:
+    """n prompts with no prefix in common (nothing for the cache to share)."""
+    return [GenerateRequest(f"r{i}", list(range(100 * i + 10, 100 * i + 10 + length)), 4,
+                            ignore_eos=True) for i in range(n)]
+
+
+def test_prompts_arriving_together_start_one_after_another_past_the_pack_limit():
+    s = make(max_num_batched_tokens=256, prefill_pack_tokens=64)
+    for r in prompts(4, 40):
+        s.add_request(r)
+    first, _ = run_step(s)  # 40 < 64: a second prompt joins; 80 >= 64: no third
+    assert [len(c.token_ids) for c in first.chunks] == [40, 40]
+    second, _ = run_step(s)  # the first two decode beside the next two prompts
+    assert len(second.decodes) == 2 and [len(c.token_ids) for c in second.chunks] == [40, 40]
+    assert not s.queue
+
+
+def test_a_running_prefill_counts_against_the_pack_limit():
+    s = make(max_num_batched_tokens=64, prefill_pack_tokens=32)
+    long, short = prompts(2, 100)[0], prompts(2, 10)[1]
+    s.add_request(long)
+    s.add_request(short)
+    seen = []
+    while s.queue:  # the long prompt's chunks fill each step: the short one waits
+        plan, _ = run_step(s)
+        seen.append([len(c.token_ids) for c in plan.chunks])
+    # its last 36 tokens are past the limit too: the short prompt starts the step after
+    assert seen == [[64], [36], [10]]
+
+
+def test_pack_limit_zero_packs_up_to_the_budget():
+    s = make(max_num_batched_tokens=256, prefill_pack_tokens=0)
+    for r in prompts(4, 40):
+        s.add_request(r)
+    plan, _ = run_step(s)
+    assert [len(c.token_ids) for c in plan.chunks] == [40] * 4
+
+
 def test_close_is_planned_one_step_after_the_final_token():
     s = make()
     s.add_request(req("a", max_tokens=2, ignore_eos=True))

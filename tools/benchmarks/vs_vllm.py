@@ -44,6 +44,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -271,6 +272,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "the faster middle one of an even count) is the row")
     p.add_argument("--peer", choices=("vllm", "deepinfer"), default="vllm",
                    help="deepinfer: a second DeepInfer stands in for the peer (tests)")
+    p.add_argument("--stand-in-args", default="",
+                   help="with --peer deepinfer: the stand-in's own `deepinfer-run serve` "
+                        "flags after --deepinfer-args (an A/B of two configurations)")
     p.add_argument("--peer-first", action="store_true",
                    help="run the peer first (to see whether the order matters)")
     p.add_argument("--one-after-another", dest="interleave", action="store_false",
@@ -385,7 +389,8 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> int:
               for i in range(args.repeats)]
     engines = [("deepinfer", "DeepInfer", deepinfer)]
     engines.append(("peer", *ENGINES[args.peer]) if args.peer == "vllm"
-                   else ("peer", "DeepInfer (stand-in peer)", deepinfer))
+                   else ("peer", "DeepInfer (stand-in peer)",
+                         partial(deepinfer, extra_args=shlex.split(args.stand_in_args))))
     order = engines[::-1] if args.peer_first else engines
     total = len(engines) * load.agents * load.steps * args.repeats
     with tqdm(total=total, desc="requests") as progress:
