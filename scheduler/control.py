@@ -135,6 +135,8 @@ class SchedulerControl:
                 reason = "max_num_seqs"
             elif last.num_prefill_tokens + last.num_decode_tokens >= cfg.max_num_batched_tokens:
                 reason = "token_budget"
+            elif cfg.prefill_pack_tokens and last.num_prefill_tokens >= cfg.prefill_pack_tokens:
+                reason = "prefill_pack"  # the step ran prompts enough: it starts next step
             else:
                 reason = "no_blocks"
             out.append(QueuedRequest(seq.request_id, seq.seq_id, i, now - seq.arrival,

@@ -114,7 +114,8 @@ class QueuedRequest:
     age_s: float
     num_prompt_tokens: int
     num_preemptions: int
-    reason: str  # why it is waiting: no_blocks | token_budget | max_num_seqs | behind
+    # why it is waiting: no_blocks | token_budget | prefill_pack | max_num_seqs | arrived
+    reason: str
 
 
 @dataclass

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from scheduler.control import SchedulerControl
 from scheduler.scheduler import RequestRejected, Scheduler
+from scheduler.telemetry import Telemetry, summarize
 from wire.client import GenerateRequest, RequestOutput
 from wire.config import EngineConfig
+from wire.control_server import control_address
 from wire.lifecycle import EngineLimits
 
 
@@ -95,6 +98,19 @@ def test_a_running_prefill_counts_against_the_pack_limit():
         seen.append([len(c.token_ids) for c in plan.chunks])
     # its last 36 tokens are past the limit too: the short prompt starts the step after
     assert seen == [[64], [36], [10]]
+
+
+def test_the_queue_view_says_a_prompt_waits_behind_the_pack_limit(tmp_path):
+    s, telemetry = make(max_num_batched_tokens=256, prefill_pack_tokens=64), Telemetry()
+    for r in prompts(3, 40):
+        s.add_request(r)
+    telemetry.trace.append(summarize(s.schedule()))  # two prompts start: 80 >= 64
+    control = SchedulerControl(s, telemetry, control_address(tmp_path, "scheduler"))
+    try:
+        waiting = control.snapshot().waiting
+    finally:
+        control.close()
+    assert [(w.request_id, w.reason) for w in waiting] == [("r2", "prefill_pack")]
 
 
 def test_pack_limit_zero_packs_up_to_the_budget():
