@@ -64,7 +64,9 @@ class AdmissionControl:
         last as long as before, and the work is the same, as long as each step's prefill
         is large enough to run at the machine's full rate (a few hundred tokens on a
         CPU; a GPU wants the whole budget, so there it is off)."""
-        pack = self.config.prefill_pack_tokens or budget
+        # 0: up to the whole budget, which `budget > 0` already bounds (the step's prefill
+        # tokens are below max_num_batched_tokens while any budget is left)
+        pack = self.config.prefill_pack_tokens or self.config.max_num_batched_tokens
         packed = sum(len(c.token_ids) - c.num_draft for c in plan.chunks)
         room = lambda: (budget > 0 and packed < pack  # noqa: E731
                         and len(self.running) < self.config.max_num_seqs)

@@ -119,6 +119,14 @@ def test_pack_limit_zero_packs_up_to_the_budget():
         s.add_request(r)
     plan, _ = run_step(s)
     assert [len(c.token_ids) for c in plan.chunks] == [40] * 4
+    # a running prefill's chunk leaves the rest of the budget to a waiting prompt
+    s = make(max_num_batched_tokens=64, prefill_pack_tokens=0)
+    long, short = prompts(2, 100)[0], prompts(2, 10)[1]
+    s.add_request(long)
+    run_step(s)  # its first 64 tokens
+    s.add_request(short)
+    plan, _ = run_step(s)
+    assert [len(c.token_ids) for c in plan.chunks] == [36, 10]
 
 
 def test_close_is_planned_one_step_after_the_final_token():
