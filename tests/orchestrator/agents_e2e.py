@@ -164,17 +164,32 @@ AGENTS = {
 
 # --- running them --------------------------------------------------------------------------
 
-def npm_view(spec: str, field: str) -> str:
-    """`npm view SPEC FIELD` for the newest version SPEC names ('' where npm cannot tell)."""
+def npm_view(spec: str, field: str) -> str | list[str]:
+    """`npm view SPEC FIELD`: one value, or a list where SPEC is a range naming several
+    versions (in npm's order, not by version); '' where npm cannot tell."""
     try:
         done = subprocess.run(["npm", "view", spec, field, "--json"], capture_output=True,
                               text=True, timeout=120)
         value = json.loads(done.stdout or '""') if done.returncode == 0 else ""
     except (subprocess.TimeoutExpired, json.JSONDecodeError):
         return ""
-    if isinstance(value, list):  # a range: one value a version, oldest first
-        value = value[-1] if value else ""
-    return value if isinstance(value, str) else ""
+    return value if isinstance(value, str | list) else ""
+
+
+def package_name(spec: str) -> str:
+    """The package an npm spec names, less its version: @openai/codex@0.171 -> @openai/codex."""
+    return spec.rsplit("@", 1)[0] if "@" in spec[1:] else spec
+
+
+def newest_release(spec: str) -> tuple[str, str]:
+    """The newest version an npm spec names and the Node range that version asks for
+    (`engines.node`); ('', '') where npm cannot tell."""
+    versions = npm_view(spec, "version")
+    newest = max(versions, key=version_tuple) if isinstance(versions, list) else versions
+    if not newest:
+        return "", ""
+    engines = npm_view(f"{package_name(spec)}@{newest}", "engines.node")
+    return newest, engines if isinstance(engines, str) else ""
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
@@ -191,7 +206,7 @@ def node_major_needed(engines: str, have: tuple[int, ...]) -> int | None:
     return min(bound[0] for bound in bounds)
 
 
-def node_path(agent: Agent) -> str:
+def node_path(agent: Agent, engines: str) -> str:
     """The PATH to install and run the agent with. Where the newest version of its package
     asks for a newer Node than this machine's (Claude Code since 2.1.198: >= 22), npm would
     quietly install the last version this node runs (2.1.197), which is not what users
@@ -199,7 +214,7 @@ def node_path(agent: Agent) -> str:
     into .venv/agents/node-MAJOR/, and goes first on the PATH."""
     path = os.environ.get("PATH", "")
     have = subprocess.run(["node", "--version"], capture_output=True, text=True).stdout
-    major = node_major_needed(npm_view(agent.package, "engines.node"), version_tuple(have))
+    major = node_major_needed(engines, version_tuple(have))
     if major is None:
         return path
     arch = {"x86_64": "x64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
@@ -215,17 +230,15 @@ def node_path(agent: Agent) -> str:
 
 
 def installed_version(prefix: Path, package: str) -> str:
-    name = package.rsplit("@", 1)[0] if "@" in package[1:] else package  # less the version
-    manifest = prefix / "node_modules" / name / "package.json"
+    manifest = prefix / "node_modules" / package_name(package) / "package.json"
     return json.loads(manifest.read_text()).get("version", "") if manifest.is_file() else ""
 
 
-def install(agent: Agent) -> list[str]:
+def install(agent: Agent, newest: str) -> list[str]:
     """The command that runs the agent's CLI, its package installed (again, where npm names
     a newer version of its spec than the one installed: the run tests what users get)."""
     prefix = AGENTS_DIR / agent.name
     cli = prefix / "node_modules" / ".bin" / agent.bin
-    newest = npm_view(agent.package, "version")
     have = installed_version(prefix, agent.package)
     if not cli.exists() or (newest and newest != have):
         prefix.mkdir(parents=True, exist_ok=True)
@@ -356,8 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     runnable = []
     for agent in agents:
         try:
-            agent.path = node_path(agent)
-            cli = install(agent)
+            newest, engines = newest_release(agent.package)
+            agent.path = node_path(agent, engines)
+            cli = install(agent, newest)
         except subprocess.CalledProcessError as e:
             failures.append(f"{agent.name}: npm install {agent.package} failed ({e})")
             continue
